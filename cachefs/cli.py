@@ -1,0 +1,249 @@
+"""The ``cachefs`` command line: mount, unmount, status.
+
+Every failure a user can cause ends as one line on stderr
+(``cachefs: error: ...``) and a non-zero exit; tracebacks are only for bugs.
+Exit codes: 0 ok, 1 runtime failure, 2 usage/configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachefs import __version__
+from cachefs.config import OPTIONS, MountConfig, load_config_file, resolve
+from cachefs.errors import CachefsError, ConfigError
+
+log = logging.getLogger("cachefs")
+
+READY_FD_ENV = "CACHEFS_READY_FD"
+START_TIMEOUT = 180.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2 (argparse prints usage too)
+        self.print_usage(sys.stderr)
+        print(f"cachefs: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cachefs", description="Read-through caching FUSE file system for "
+                     "S3 datasets.")
+    parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    mount = sub.add_parser("mount", help="mount s3://BUCKET[/PREFIX] at MOUNTPOINT",
+                           description="Mount a bucket prefix read-only with a local block cache.")
+    mount.add_argument("source", nargs="?", help="s3://BUCKET[/PREFIX]")
+    mount.add_argument("mountpoint", nargs="?", help="an empty directory")
+    mount.add_argument("--config", metavar="FILE", help="TOML file with options (flags and "
+                       "CACHEFS_* environment variables take precedence)")
+    mount.add_argument("-f", "--foreground", action="store_true",
+                       help="stay in the foreground (logs to stderr)")
+    for opt in OPTIONS:
+        default_note = "" if opt.default is None else f" (default: {opt.default})"
+        if opt.flag:
+            mount.add_argument(opt.cli, dest=opt.name, action="store_const", const=True,
+                               default=None, help=opt.help + default_note)
+        else:
+            mount.add_argument(opt.cli, dest=opt.name, metavar=opt.metavar, default=None,
+                               help=opt.help + default_note)
+
+    unmount = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
+    unmount.add_argument("mountpoint", nargs="?")
+    unmount.add_argument("--config", metavar="FILE", help="take the mount point from this file")
+    unmount.add_argument("-z", "--lazy", action="store_true",
+                         help="detach now even if busy (also clears a dead mount)")
+    unmount.add_argument("-q", "--quiet", action="store_true",
+                         help="exit 0 if nothing is mounted there")
+    unmount.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds to wait for the daemon to finish (default 60)")
+
+    status = sub.add_parser("status", help="show cachefs mounts on this node")
+    status.add_argument("mountpoint", nargs="?")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _mount_config(args: argparse.Namespace) -> MountConfig:
+    file_values = load_config_file(args.config) if args.config else None
+    cli: dict[str, Any] = {opt.name: getattr(args, opt.name) for opt in OPTIONS}
+    cli["source"] = args.source
+    cli["mountpoint"] = args.mountpoint
+    return resolve(cli, file_values=file_values)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Request-level chatter of the AWS SDK is never useful at info and may echo headers.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    cfg = _mount_config(args)
+    ready_fd = os.environ.pop(READY_FD_ENV, None)
+    if not args.foreground:
+        return _spawn_daemon(cfg)
+    _setup_logging(cfg.log_level)
+
+    def report(message: str) -> None:
+        if ready_fd is not None:
+            try:
+                os.write(int(ready_fd), (message + "\n").encode())
+                os.close(int(ready_fd))
+            except OSError:
+                pass
+
+    from cachefs.daemon import Daemon  # imports pyfuse3: only needed to mount
+
+    try:
+        Daemon(cfg).run(on_ready=lambda: report("ready"))
+    except CachefsError as exc:
+        report(f"error: {exc}")
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    return 0
+
+
+def _spawn_daemon(cfg: MountConfig) -> int:
+    """Start ``cachefs mount --foreground`` detached; return once it is live or failed."""
+    from cachefs.daemon import check_mountpoint, prepare_cache_dir
+
+    check_mountpoint(cfg.mountpoint)  # fail fast, in this process, on the common errors
+    prepare_cache_dir(cfg.cache_dir, cfg.cache_size)
+    log_path = Path(cfg.log_file) if cfg.log_file else cfg.cache_dir / "cachefs.log"
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, **{READY_FD_ENV: str(write_end)})
+    argv = [sys.executable, "-m", "cachefs", *sys.argv[1:], "--foreground"]
+    try:
+        log_file = open(log_path, "ab")
+    except OSError as exc:
+        raise ConfigError(f"cannot open log file {log_path}: {exc.strerror}") from None
+    with log_file:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=log_file, env=env, pass_fds=(write_end,),
+                                 start_new_session=True, close_fds=True)
+    os.close(write_end)
+    message = _read_line(read_end, START_TIMEOUT)
+    os.close(read_end)
+    if message == "ready":
+        return 0
+    if message.startswith("error: "):
+        child.wait(timeout=30)
+        print(f"cachefs: {message}", file=sys.stderr)
+        return child.returncode or 1
+    if not message:
+        code = child.poll()
+        if code is None:
+            print(f"cachefs: error: the daemon did not become ready within {START_TIMEOUT:.0f}s; "
+                  f"see {log_path}", file=sys.stderr)
+            return 1
+        print(f"cachefs: error: the daemon exited during start-up (exit {code}); see "
+              f"{log_path}", file=sys.stderr)
+        return 1
+    print(f"cachefs: error: unexpected start-up message {message!r}", file=sys.stderr)
+    return 1
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode(errors="replace").strip()
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    from cachefs import runtime
+
+    if args.mountpoint:
+        mp = Path(args.mountpoint).absolute()
+    elif args.config:
+        values = load_config_file(args.config)
+        if "mountpoint" not in values:
+            raise ConfigError(f"config file {args.config!r} names no mountpoint")
+        mp = Path(str(values["mountpoint"])).absolute()
+    else:
+        raise ConfigError("give the mount point (or --config FILE)")
+    mounted = runtime.cachefs_mounts()
+    if str(mp) not in mounted:
+        if args.quiet:
+            return 0
+        raise ConfigError(f"{mp} is not a cachefs mount")
+    info = runtime.lookup(mp)
+    cmd = ["fusermount3", "-u", *(["-z"] if args.lazy else []), str(mp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
+        print(f"cachefs: error: cannot unmount {mp}: {reason}", file=sys.stderr)
+        return 1
+    if info is not None:
+        _wait_for_exit(int(info["pid"]), args.timeout)
+    return 0
+
+
+def _wait_for_exit(pid: int, timeout: float) -> None:
+    from cachefs.runtime import pid_alive
+
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        try:  # reap it if it is our child (it is not, normally)
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cachefs.status import status_main
+
+    return status_main(args.mountpoint, as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args)
+        if args.command in ("unmount", "umount"):
+            return cmd_unmount(args)
+        if args.command == "status":
+            return cmd_status(args)
+    except CachefsError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _json_default(o: Any) -> Any:
+    return str(o)
+
+
+__all__ = ["main", "build_parser", "json"]

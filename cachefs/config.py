@@ -1,0 +1,325 @@
+"""Mount configuration: one table of options, three sources, one validated result.
+
+Every option is declared once in :data:`OPTIONS`. The CLI builds its argparse
+flags from the table, ``--config FILE`` (TOML) and ``CACHEFS_<NAME>``
+environment variables fill in what the command line left out. Precedence:
+flags > environment > file > default.
+
+Values are parsed and validated here (sizes, durations, modes, the S3 URL) so
+that every bad input becomes one :class:`~cachefs.errors.ConfigError` line
+before anything is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cachefs.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": TiB, "p": 1024 * TiB}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse ``500M``, ``20G``, ``1T``, ``4MiB``, ``1048576`` (binary units) into bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"size {value} is negative")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"invalid size {value!r}: expected a number with an optional "
+                          "unit K, M, G, T (e.g. 500M, 20G, 1T)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * _SIZE_UNITS[unit])
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Parse ``300``, ``300s``, ``5m``, ``1h``, ``inf`` into seconds (``inf`` never expires)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"duration {value} is negative")
+        return float(value)
+    text = str(value).strip().lower()
+    if text in ("inf", "infinite", "forever", "never"):
+        return float("inf")
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ConfigError(f"invalid duration {value!r}: expected e.g. 30s, 5m, 1h or inf")
+    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "s").lower()]
+
+
+def parse_mode(value: str | int) -> int:
+    """Parse an octal permission mode such as ``0444`` or ``555``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        try:
+            mode = int(str(value), 8)
+        except ValueError:
+            raise ConfigError(f"invalid mode {value!r}: expected octal digits like 0444") from None
+    if not 0 <= mode <= 0o7777:
+        raise ConfigError(f"invalid mode {value!r}: out of range")
+    return mode
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"invalid boolean {value!r}: expected true or false")
+
+
+def parse_int(value: str | int) -> int:
+    try:
+        result = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"invalid number {value!r}") from None
+    if result < 0:
+        raise ConfigError(f"invalid number {value!r}: must not be negative")
+    return result
+
+
+# Key names S3 accepts are any UTF-8 up to 1024 bytes; bucket names are DNS-like.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Url:
+    """``s3://bucket/prefix``; ``prefix`` is empty or ends with ``/``."""
+
+    bucket: str
+    prefix: str
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def parse_s3_url(value: str) -> S3Url:
+    """Parse ``s3://BUCKET[/PREFIX]``; the prefix is normalised to end with ``/``."""
+    if not isinstance(value, str) or not value.startswith("s3://"):
+        raise ConfigError(f"invalid source {value!r}: expected s3://BUCKET[/PREFIX]")
+    rest = value[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise ConfigError(f"invalid bucket name {bucket!r} in {value!r}")
+    prefix = prefix.strip("/")
+    if "\0" in prefix:
+        raise ConfigError(f"invalid prefix in {value!r}: contains NUL")
+    return S3Url(bucket, prefix + "/" if prefix else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One mount option: its name, parser, default and help (the single place it is documented)."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    flag: bool = False  # a switch on the command line (--allow-other)
+    metavar: str | None = None
+
+    @property
+    def cli(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "CACHEFS_" + self.name.upper()
+
+
+def _path(value: Any) -> Path:
+    return Path(str(value)).expanduser()
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ConfigError(f"invalid value {value!r}: expected one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None or value == "" else str(value)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None or value == "" else parse_int(value)
+
+
+#: Every mount option, with its default. README's option table is generated from this.
+OPTIONS: tuple[Option, ...] = (
+    Option("cache_dir", _path, None, "Directory for the block cache and metadata (required).",
+           metavar="DIR"),
+    Option("cache_size", parse_size, "10G", "Disk cache cap (500M, 20G, 1T).", metavar="SIZE"),
+    Option("cache_policy", _choice("keep", "lru"), "keep",
+           "Eviction policy: 'keep' admits blocks until the cache is full and then keeps them "
+           "(optimal for epochs over a dataset larger than the cache); 'lru' evicts the least "
+           "recently used block.", metavar="POLICY"),
+    Option("block_size", parse_size, "4M", "Cache block and ranged-GET size.", metavar="SIZE"),
+    Option("endpoint_url", _opt_str, None,
+           "S3 endpoint URL (default: AWS, or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL).",
+           metavar="URL"),
+    Option("region", _opt_str, None, "AWS region of the bucket (default: from the AWS config).",
+           metavar="REGION"),
+    Option("no_sign_request", parse_bool, False, "Send anonymous requests (public buckets).",
+           flag=True),
+    Option("metrics_addr", _opt_str, None,
+           "Serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; "
+           "the conventional cachefs port is 9477).", metavar="HOST:PORT"),
+    Option("metadata_ttl", parse_duration, "300s",
+           "How long a directory listing or object attribute is trusted before S3 is asked "
+           "again ('inf' for immutable datasets).", metavar="DURATION"),
+    Option("memory_budget", parse_size, "512M",
+           "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
+           metavar="SIZE"),
+    Option("max_connections", parse_int, 64, "Concurrent S3 requests at most.", metavar="N"),
+    Option("read_ahead", parse_size, "1M",
+           "Kernel readahead for the mount (larger FUSE read requests).", metavar="SIZE"),
+    Option("allow_other", parse_bool, False, "Let users other than the mounting one read.",
+           flag=True),
+    Option("uid", _opt_int, None, "Owner of every file (default: the mounting user).",
+           metavar="UID"),
+    Option("gid", _opt_int, None, "Group of every file (default: the mounting group).",
+           metavar="GID"),
+    Option("file_mode", parse_mode, "0444", "Permission bits of files.", metavar="MODE"),
+    Option("dir_mode", parse_mode, "0555", "Permission bits of directories.", metavar="MODE"),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "Log level.",
+           metavar="LEVEL"),
+    Option("log_file", _opt_str, None,
+           "Log file when running in the background (default: DIR/cachefs.log in the cache dir).",
+           metavar="FILE"),
+)
+
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class MountConfig:
+    """A complete, validated mount configuration."""
+
+    source: S3Url
+    mountpoint: Path
+    cache_dir: Path
+    cache_size: int
+    cache_policy: str
+    block_size: int
+    endpoint_url: str | None
+    region: str | None
+    no_sign_request: bool
+    metrics_addr: str | None
+    metadata_ttl: float
+    memory_budget: int
+    max_connections: int
+    read_ahead: int
+    allow_other: bool
+    uid: int | None
+    gid: int | None
+    file_mode: int
+    dir_mode: int
+    log_level: str
+    log_file: str | None
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML config file; unknown keys are an error (typos must not pass silently)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+    known = set(OPTIONS_BY_NAME) | {"source", "mountpoint"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"config file {os.fspath(path)!r}: unknown option {unknown[0]!r}")
+    return data
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Options given as ``CACHEFS_<NAME>`` environment variables."""
+    values: dict[str, Any] = {}
+    for name in list(OPTIONS_BY_NAME) + ["source", "mountpoint"]:
+        key = "CACHEFS_" + name.upper()
+        if key in environ:
+            values[name] = environ[key]
+    return values
+
+
+def resolve(
+    cli: Mapping[str, Any],
+    *,
+    environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+) -> MountConfig:
+    """Merge the sources (flags > environment > file > default) and validate.
+
+    ``cli`` holds only the options actually given on the command line (None = not given).
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    for layer in (file_values or {}, env_values(environ), {k: v for k, v in cli.items()
+                                                             if v is not None}):
+        merged.update(layer)
+
+    if "source" not in merged:
+        raise ConfigError("missing source: give s3://BUCKET[/PREFIX]")
+    if "mountpoint" not in merged:
+        raise ConfigError("missing mount point")
+    values: dict[str, Any] = {
+        "source": parse_s3_url(merged["source"]),
+        "mountpoint": _path(merged["mountpoint"]).absolute(),
+    }
+    for opt in OPTIONS:
+        raw = merged.get(opt.name, opt.default)
+        try:
+            values[opt.name] = None if raw is None else opt.parse(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{opt.cli}: {exc}") from None
+    if values["cache_dir"] is None:
+        raise ConfigError("missing --cache-dir: cachefs needs a local directory for its cache")
+    values["cache_dir"] = values["cache_dir"].absolute()
+    cfg = MountConfig(**values)
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: MountConfig) -> None:
+    if not 64 * KiB <= cfg.block_size <= 64 * MiB or cfg.block_size & (cfg.block_size - 1):
+        raise ConfigError(f"--block-size {cfg.block_size}: must be a power of two "
+                          "between 64K and 64M")
+    if cfg.cache_size < cfg.block_size:
+        raise ConfigError(f"--cache-size {cfg.cache_size} bytes is too small: it must hold at "
+                          f"least one block ({cfg.block_size} bytes)")
+    if cfg.memory_budget < 4 * cfg.block_size:
+        raise ConfigError(f"--memory-budget {cfg.memory_budget} bytes is too small: it must "
+                          f"hold at least 4 blocks ({4 * cfg.block_size} bytes)")
+    if not 1 <= cfg.max_connections <= 1024:
+        raise ConfigError("--max-connections must be between 1 and 1024")
+    if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:
+        raise ConfigError("--read-ahead must be between 4K and 64M")

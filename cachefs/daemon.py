@@ -1,0 +1,324 @@
+"""The composition root: check the inputs, wire the layers, mount, serve, tear down.
+
+Order of start-up (each step fails with one clear CachefsError line):
+
+1. mount point: exists, is a directory, is empty, is not a (dead) mount;
+2. cache directory: created, writable, locked for this daemon only, large
+   enough for ``--cache-size``;
+3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
+4. S3: one probe request (bucket exists, credentials work, endpoint answers);
+5. metrics endpoint bound (if asked);
+6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
+   ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
+
+Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
+the fetcher's flights, the maintenance loop (last-use batches, LMDB sync),
+the orphan scan, and the signal watcher. SIGTERM/SIGINT unmount cleanly.
+When the request loop ends (unmounted), pending cache writes are drained
+(bounded wait), then the rest is cancelled and the index synced and closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from cachefs import metrics, runtime
+from cachefs.blockcache import BlockCache
+from cachefs.budget import MemoryBudget
+from cachefs.config import MountConfig
+from cachefs.errors import (
+    CacheError,
+    CachefsError,
+    ConfigError,
+    CredentialsError,
+    EndpointUnreachable,
+    StoreError,
+)
+from cachefs.fetcher import Fetcher
+from cachefs.fs import FileSystem
+from cachefs.fuse_ops import Operations
+from cachefs.lmdbenv import LmdbEnv
+from cachefs.metadata import Metadata
+from cachefs.store import RetryingStore, S3Store
+
+log = logging.getLogger(__name__)
+
+MAINTENANCE_INTERVAL = 5.0
+DRAIN_TIMEOUT = 30.0
+
+
+def check_mountpoint(path: Path) -> None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"mount point {path} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise ConfigError(f"mount point {path} is a dead mount (transport endpoint is not "
+                              f"connected): run 'cachefs unmount {path}' first") from None
+        raise ConfigError(f"mount point {path}: {exc.strerror}") from None
+    import stat as stat_mod
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise ConfigError(f"mount point {path} is not a directory")
+    if os.path.ismount(path):
+        raise ConfigError(f"mount point {path} is already a mount point")
+    try:
+        if any(os.scandir(path)):
+            raise ConfigError(f"mount point {path} is not empty")
+    except PermissionError:
+        raise ConfigError(f"mount point {path}: permission denied") from None
+
+
+def prepare_cache_dir(path: Path, cache_size: int) -> None:
+    """Create the cache directory and check it is writable and big enough."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheError(f"cannot create cache directory {path}: {exc.strerror}") from None
+    if not path.is_dir():
+        raise CacheError(f"cache directory {path} is not a directory")
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise CacheError(f"cache directory {path} is not writable: {exc.strerror}") from None
+    st = os.statvfs(path)
+    total = st.f_blocks * st.f_frsize
+    if cache_size > total:
+        raise ConfigError(f"--cache-size {_human(cache_size)} is larger than the file system "
+                          f"holding {path} ({_human(total)})")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@contextlib.contextmanager
+def lock_cache_dir(path: Path) -> Any:
+    """Hold an exclusive lock on the cache directory for the daemon's lifetime."""
+    lock_path = path / "lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise CacheError(f"cache directory {path} is in use by another cachefs daemon "
+                             f"(pid {owner})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def set_kernel_readahead(mountpoint: Path, read_ahead: int) -> None:
+    """Raise the mount's kernel readahead so FUSE read requests are larger
+    (the default of 128 KiB caps a single reader's throughput)."""
+    # The device number comes from mountinfo: stat() on the mount point would send a
+    # FUSE request before the request loop runs, and wait for ever.
+    try:
+        dev = runtime.mount_device(mountpoint)
+        if dev is None:
+            log.info("could not find %s in mountinfo to set its readahead", mountpoint)
+            return
+        bdi = Path(f"/sys/class/bdi/{dev}/read_ahead_kb")
+        bdi.write_text(str(read_ahead // 1024))
+    except OSError as exc:
+        log.info("could not set kernel readahead for %s: %s", mountpoint, exc)
+
+
+def sd_notify(message: str) -> None:
+    """Send a message to systemd if it is watching (Type=notify)."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("sd_notify failed: %s", exc)
+
+
+def _source_identity(cfg: MountConfig) -> bytes:
+    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}".encode()
+
+
+def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
+    ident = _source_identity(cfg)
+    with env.read() as txn:
+        stored = txn.get(b"source", db=env.db("meta"))
+    if stored != ident:
+        if stored is not None:
+            log.info("cache directory was used for another source; dropping its listings")
+        env.drop("dirs")
+        env.drop("entries")
+        with env.write() as txn:
+            txn.put(b"source", ident, db=env.db("meta"))
+
+
+def make_store(cfg: MountConfig) -> S3Store:
+    return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                   max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+
+
+def probe_store(store: S3Store, cfg: MountConfig) -> None:
+    try:
+        store.probe(cfg.source.prefix)
+    except EndpointUnreachable:
+        where = cfg.endpoint_url or "the AWS S3 endpoint"
+        raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and the "
+                         "server running?)") from None
+    except CredentialsError:
+        raise
+    except StoreError as exc:
+        raise StoreError(f"cannot read {cfg.source}: {exc}") from None
+
+
+class Daemon:
+    """One mount: owns every component and their lifetimes."""
+
+    def __init__(self, cfg: MountConfig) -> None:
+        self.cfg = cfg
+        self.started_at = time.time()
+        self.env: LmdbEnv | None = None
+
+    def run(self, on_ready: Callable[[], None]) -> None:
+        """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
+        failure (nothing is left mounted)."""
+        cfg = self.cfg
+        check_mountpoint(cfg.mountpoint)
+        prepare_cache_dir(cfg.cache_dir, cfg.cache_size)
+        with lock_cache_dir(cfg.cache_dir):
+            self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb")
+            try:
+                self._run_locked(env, on_ready)
+            finally:
+                env.close()
+
+    def _run_locked(self, env: LmdbEnv, on_ready: Callable[[], None]) -> None:
+        cfg = self.cfg
+        _drop_foreign_metadata(env, cfg)
+        s3 = make_store(cfg)
+        probe_store(s3, cfg)
+        store = RetryingStore(s3)
+        metrics.START_TIME.set(self.started_at)
+        if cfg.metrics_addr:
+            host, port = metrics.serve_metrics(cfg.metrics_addr)
+            log.info("metrics at http://%s:%d/metrics", host, port)
+
+        s3_limiter = trio.CapacityLimiter(cfg.max_connections)
+        disk_limiter = trio.CapacityLimiter(16)
+        cache = BlockCache(env, cfg.cache_dir, capacity=cfg.cache_size, policy=cfg.cache_policy,
+                           limiter=disk_limiter)
+        # A quarter of the budget keeps verified blocks in memory (sub-block reads
+        # of the same block are not re-read and re-verified); the rest bounds
+        # fetches in flight and blocks waiting to be written.
+        hot = cfg.memory_budget // 4
+        budget = MemoryBudget(cfg.memory_budget - hot)
+        fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
+                          s3_limiter=s3_limiter, hot_capacity=hot)
+        metadata = Metadata(env, store, ttl=cfg.metadata_ttl, limiter=s3_limiter)
+        fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
+                        max_readahead=max(cfg.block_size * 2, budget.limit // 8))
+        ops = Operations(
+            fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
+            gid=os.getgid() if cfg.gid is None else cfg.gid,
+            file_mode=cfg.file_mode, dir_mode=cfg.dir_mode,
+            attr_timeout=min(cfg.metadata_ttl, 86400.0),
+            statfs_bytes=lambda: (cache.capacity, cache.used))
+
+        options = set(pyfuse3.default_options)
+        options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}
+        if cfg.allow_other:
+            options.add("allow_other")
+        try:
+            pyfuse3.init(ops, str(cfg.mountpoint), options)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
+        unmounted = False
+        try:
+            set_kernel_readahead(cfg.mountpoint, cfg.read_ahead)
+            trio.run(self._serve, fetcher, cache, env, on_ready)
+            unmounted = True
+        finally:
+            runtime.unregister(cfg.mountpoint)
+            sd_notify("STOPPING=1")
+            try:
+                pyfuse3.close(
+                    unmount=not unmounted or str(cfg.mountpoint) in runtime.cachefs_mounts())
+            except Exception:  # the mount may already be gone
+                log.debug("pyfuse3.close failed", exc_info=True)
+            cache.flush_touches(cache.take_touches())
+
+    async def _serve(self, fetcher: Fetcher, cache: BlockCache, env: LmdbEnv,
+                     on_ready: Callable[[], None]) -> None:
+        cfg = self.cfg
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            nursery.start_soon(self._maintenance, cache, env)
+            nursery.start_soon(self._remove_orphans, cache)
+            nursery.start_soon(self._watch_signals)
+            async with trio.open_nursery() as fuse_nursery:
+                fuse_nursery.start_soon(pyfuse3.main)
+                await trio.sleep(0)
+                runtime.register(cfg.mountpoint, {
+                    "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
+                    "source": str(cfg.source), "cache_dir": str(cfg.cache_dir),
+                    "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
+                    "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
+                })
+                on_ready()
+                sd_notify("READY=1")
+                log.info("mounted %s at %s (cache %s, %s policy)", cfg.source, cfg.mountpoint,
+                         cfg.cache_dir, cfg.cache_policy)
+            log.info("unmounted; finishing cache writes")
+            with trio.move_on_after(DRAIN_TIMEOUT):
+                await fetcher.drain()
+            nursery.cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for signum in sigs:
+                if signum == signal.SIGHUP:
+                    continue
+                log.info("received %s; unmounting", signal.Signals(signum).name)
+                pyfuse3.terminate()
+                return
+
+    async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
+        while True:
+            await trio.sleep(MAINTENANCE_INTERVAL)
+            touched = cache.take_touches()
+            await trio.to_thread.run_sync(cache.flush_touches, touched)
+            await trio.to_thread.run_sync(env.sync)
+
+    async def _remove_orphans(self, cache: BlockCache) -> None:
+        try:
+            await trio.to_thread.run_sync(cache.remove_orphans, self.started_at)
+        except OSError as exc:
+            log.warning("orphan scan failed: %s", exc)
+
+
+__all__ = ["Daemon", "CachefsError"]

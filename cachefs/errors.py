@@ -1,0 +1,71 @@
+"""The cachefs exception hierarchy (the only place it is drawn).
+
+::
+
+    CachefsError                  base of everything cachefs raises on purpose
+    +-- ConfigError               bad user input: URL, flag, config file, size...
+    +-- StoreError                the object store failed (raised by cachefs.store)
+    |   +-- NoSuchBucket
+    |   +-- NoSuchKey
+    |   +-- ObjectChanged         If-Match failed: the object is not the version we pinned
+    |   +-- AccessDenied
+    |   +-- CredentialsError      no credentials, or the store rejected them
+    |   +-- TransientStoreError   worth retrying: 5xx, throttling, resets, timeouts
+    |       +-- EndpointUnreachable   connection refused / DNS / connect timeout
+    +-- CacheError                local cache directory unusable (not writable, corrupt env)
+
+Lower layers raise these typed errors; only the FUSE adapter (cachefs.fuse_ops)
+turns them into errno values, and only the CLI turns them into one-line
+messages and exit codes. Third-party exceptions (botocore, lmdb, OSError) are
+translated at the module that owns the library, with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class CachefsError(Exception):
+    """Base class; ``str(exc)`` is a complete one-line message for users."""
+
+
+class ConfigError(CachefsError):
+    """Invalid user input (command line, config file, environment)."""
+
+
+class CacheError(CachefsError):
+    """The local cache directory cannot be used."""
+
+
+class StoreError(CachefsError):
+    """The object store failed to answer a request."""
+
+
+class NoSuchBucket(StoreError):
+    pass
+
+
+class NoSuchKey(StoreError):
+    pass
+
+
+class ObjectChanged(StoreError):
+    """The object's ETag no longer matches the version a reader pinned."""
+
+
+class AccessDenied(StoreError):
+    pass
+
+
+class CredentialsError(StoreError):
+    pass
+
+
+class TransientStoreError(StoreError):
+    """A failure that may succeed when retried (5xx, throttling, timeouts)."""
+
+    def __init__(self, message: str, *, throttled: bool = False) -> None:
+        super().__init__(message)
+        self.throttled = throttled
+
+
+class EndpointUnreachable(TransientStoreError):
+    """The endpoint did not accept a connection (refused, DNS, connect timeout)."""

@@ -1,0 +1,280 @@
+"""Read-through of object bytes: memory -> disk cache -> S3, one GET per block.
+
+:class:`Fetcher` answers "bytes [offset, offset+size) of object version V".
+Each block it needs comes from, in order:
+
+1. the hot set: recently used, already verified blocks in memory (bounded);
+2. the disk cache (verified on every read, see :mod:`cachefs.blockcache`);
+3. a *flight*: one ranged GET with If-Match for the block, shared by every
+   reader and prefetcher that wants the same block while it is in flight
+   (single flight: concurrent readers of one missing block cause one GET).
+
+Tasks and ownership:
+
+* Flights run in the fetcher's own nursery (:meth:`Fetcher.run`), not in the
+  reader's task, so an interrupted reader does not abort a GET others wait on.
+  A flight holds a :class:`~cachefs.budget.MemoryBudget` reservation until its
+  block has been written to the disk cache.
+* S3 calls run in worker threads under ``s3_limiter`` (bounded connections).
+  Prefetch flights additionally take ``prefetch_limiter`` (a share of the
+  connections) so demand GETs always find a free connection.
+* Everything here runs on the trio thread; ``_flights`` and the hot set are
+  only touched there.
+
+Invariant: a block id names one object version (key, ETag), so bytes of two
+versions are never mixed; a version that changed on S3 raises ObjectChanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+
+import trio
+
+from cachefs import metrics
+from cachefs.blockcache import BlockCache, block_id
+from cachefs.budget import MemoryBudget
+from cachefs.errors import TransientStoreError
+from cachefs.store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectVersion:
+    """The version of an object a reader pinned when it opened the file."""
+
+    key: str
+    etag: str
+    size: int
+
+
+# How many prefetched-but-unread blocks are remembered before the oldest counts as wasted.
+_PREFETCH_MEMORY = 65536
+
+
+class HotBlocks:
+    """Verified blocks in memory, least recently used dropped first (bounded in bytes)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, bid: bytes) -> bytes | None:
+        data = self._blocks.get(bid)
+        if data is not None:
+            self._blocks.move_to_end(bid)
+        return data
+
+    def put(self, bid: bytes, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        old = self._blocks.pop(bid, None)
+        if old is not None:
+            self.used -= len(old)
+        self._blocks[bid] = data
+        self.used += len(data)
+        while self.used > self.capacity:
+            _, dropped = self._blocks.popitem(last=False)
+            self.used -= len(dropped)
+
+    def __contains__(self, bid: bytes) -> bool:
+        return bid in self._blocks
+
+
+class _Flight:
+    __slots__ = ("event", "data", "error", "prefetch")
+
+    def __init__(self, prefetch: bool) -> None:
+        self.event = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.prefetch = prefetch
+
+
+class Fetcher:
+    """Blocks of object versions, read through the caches with single-flight GETs."""
+
+    def __init__(self, store: ObjectStore, cache: BlockCache, *, block_size: int,
+                 budget: MemoryBudget, s3_limiter: trio.CapacityLimiter,
+                 hot_capacity: int) -> None:
+        self.store = store
+        self.cache = cache
+        self.block_size = block_size
+        self.budget = budget
+        self._s3_limiter = s3_limiter
+        # Prefetch may use at most 3/4 of the connections: demand never queues behind it.
+        self._prefetch_limiter = trio.CapacityLimiter(max(1, s3_limiter.total_tokens * 3 // 4))
+        self.hot = HotBlocks(hot_capacity)
+        self._flights: dict[bytes, _Flight] = {}
+        # Prefetched blocks not read yet (for the used/wasted metrics), oldest first.
+        self._prefetched: OrderedDict[bytes, int] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+        self._pending = 0  # flights + cache writes not finished
+        self._idle = trio.Event()
+        self._idle.set()
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the nursery flights run in; returns when cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def drain(self) -> None:
+        """Wait until every flight and cache write has finished (used at unmount)."""
+        while self._pending:
+            await self._idle.wait()
+
+    # -- block addressing -----------------------------------------------------------------
+    def block_id(self, obj: ObjectVersion, index: int) -> bytes:
+        return block_id(self.store.bucket, obj.key, obj.etag, self.block_size, index)
+
+    def block_count(self, obj: ObjectVersion) -> int:
+        return (obj.size + self.block_size - 1) // self.block_size
+
+    def block_len(self, obj: ObjectVersion, index: int) -> int:
+        return max(0, min(self.block_size, obj.size - index * self.block_size))
+
+    def is_resident(self, obj: ObjectVersion, index: int) -> bool:
+        """In memory, on disk, or in flight (nothing to do for a prefetcher)."""
+        bid = self.block_id(obj, index)
+        return bid in self.hot or bid in self._flights or self.cache.contains(bid)
+
+    # -- reads ------------------------------------------------------------------------------
+    async def read(self, obj: ObjectVersion, offset: int, size: int) -> bytes:
+        """Bytes ``[offset, offset+size)`` of ``obj`` (clamped to its size)."""
+        end = min(offset + size, obj.size)
+        if offset >= end:
+            return b""
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
+        if first == last:
+            data = await self._block_for_read(obj, first, offset - first * bs, end - offset)
+            return data[offset - first * bs:end - first * bs]
+        parts: list[bytes] = [b""] * (last - first + 1)
+
+        async def fetch_part(i: int) -> None:
+            lo = max(offset, i * bs) - i * bs
+            hi = min(end, (i + 1) * bs) - i * bs
+            block = await self._block_for_read(obj, i, lo, hi - lo)
+            parts[i - first] = block[lo:hi]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(first, last + 1):
+                nursery.start_soon(fetch_part, i)
+        return b"".join(parts)
+
+    async def _block_for_read(self, obj: ObjectVersion, index: int, lo: int, n: int) -> bytes:
+        data, source = await self.get_block(obj, index)
+        if source == "s3":
+            metrics.CACHE_MISS_BYTES.inc(n)
+        else:
+            metrics.CACHE_HIT_BYTES.inc(n)
+        return data
+
+    def _remember_prefetched(self, bid: bytes, n: int) -> None:
+        self._prefetched[bid] = n
+        while len(self._prefetched) > _PREFETCH_MEMORY:
+            _, wasted = self._prefetched.popitem(last=False)
+            metrics.PREFETCH_WASTED_BYTES.inc(wasted)
+
+    def _note_read(self, bid: bytes) -> None:
+        n = self._prefetched.pop(bid, None)
+        if n is not None:
+            metrics.PREFETCH_USED_BYTES.inc(n)
+
+    async def get_block(self, obj: ObjectVersion, index: int) -> tuple[bytes, str]:
+        """Block ``index`` of ``obj`` and where it came from: "memory", "disk" or "s3"."""
+        bid = self.block_id(obj, index)
+        if self._prefetched:
+            self._note_read(bid)
+        data = self.hot.get(bid)
+        if data is not None:
+            metrics.CACHE_HIT_REQUESTS.inc()
+            return data, "memory"
+        flight = self._flights.get(bid)
+        if flight is None:
+            data = await self.cache.get(bid)
+            if data is not None:
+                self.hot.put(bid, data)
+                metrics.CACHE_HIT_REQUESTS.inc()
+                return data, "disk"
+            flight = self._flights.get(bid)  # another task may have started one meanwhile
+        metrics.CACHE_MISS_REQUESTS.inc()
+        if flight is None:
+            flight = self._start_flight(obj, index, bid, prefetch=False)
+        else:
+            metrics.SINGLE_FLIGHT_JOINS.inc()
+        await flight.event.wait()
+        if flight.error is not None:
+            raise flight.error
+        assert flight.data is not None
+        return flight.data, "s3"
+
+    def prefetch(self, obj: ObjectVersion, index: int) -> bool:
+        """Start fetching a block ahead of readers if it is not resident and the budget
+        has room. Never waits; returns whether a flight was started."""
+        if index * self.block_size >= obj.size or self.is_resident(obj, index):
+            return False
+        if not self.budget.try_reserve(self.block_len(obj, index)):
+            return False
+        bid = self.block_id(obj, index)
+        self._remember_prefetched(bid, self.block_len(obj, index))
+        self._start_flight(obj, index, bid, prefetch=True, reserved=True)
+        return True
+
+    def _start_flight(self, obj: ObjectVersion, index: int, bid: bytes, *, prefetch: bool,
+                      reserved: bool = False) -> _Flight:
+        assert self._nursery is not None, "Fetcher.run() is not running"
+        length = self.block_len(obj, index)
+        if not reserved:
+            self.budget.force_reserve(length)
+        flight = _Flight(prefetch)
+        self._flights[bid] = flight
+        if not self._pending:
+            self._idle = trio.Event()
+        self._pending += 1
+        self._nursery.start_soon(self._fly, obj, index, bid, flight, length)
+        return flight
+
+    async def _fly(self, obj: ObjectVersion, index: int, bid: bytes, flight: _Flight,
+                   reserved: int) -> None:
+        start = index * self.block_size
+        end = start + self.block_len(obj, index)
+        metrics.INFLIGHT_FETCHES.inc()
+        try:
+            try:
+                if flight.prefetch:
+                    async with self._prefetch_limiter:
+                        data = await self._get_range(obj, start, end)
+                    metrics.PREFETCH_ISSUED_BYTES.inc(len(data))
+                else:
+                    data = await self._get_range(obj, start, end)
+                flight.data = data
+                self.hot.put(bid, data)
+            except Exception as exc:  # handed to every waiter; logged by the FUSE layer
+                flight.error = exc
+                data = b""
+                self._prefetched.pop(bid, None)
+            finally:
+                if flight.data is None and flight.error is None:  # cancelled at shutdown
+                    flight.error = TransientStoreError("fetch cancelled: cachefs is stopping")
+                metrics.INFLIGHT_FETCHES.dec()
+                del self._flights[bid]
+                flight.event.set()
+            if data:
+                await self.cache.put(bid, data)
+        finally:
+            self.budget.release(reserved)
+            self._pending -= 1
+            if not self._pending:
+                self._idle.set()
+
+    async def _get_range(self, obj: ObjectVersion, start: int, end: int) -> bytes:
+        return await trio.to_thread.run_sync(
+            self.store.get_range, obj.key, obj.etag, start, end, limiter=self._s3_limiter)

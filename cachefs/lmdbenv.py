@@ -1,0 +1,131 @@
+"""The LMDB environment of a cache directory (the only module that imports lmdb).
+
+One environment, ``DIR/meta.lmdb``, holds every persistent index:
+
+* ``blocks``  block id -> (length, xxh3-64 checksum, last use)       (blockcache)
+* ``lru``     last use (big-endian float) + block id -> ""           (blockcache)
+* ``dirs``    directory prefix -> (listed at, entry count)           (metadata)
+* ``entries`` directory prefix + NUL + name -> kind, size, mtime, etag (metadata)
+* ``meta``    small values: format version, used bytes, source identity
+
+Concurrency rules:
+
+* Read transactions may run on any thread, the trio thread included (they
+  take no lock and never block: LMDB readers are MVCC snapshots).
+* Write transactions run only in worker threads (``trio.to_thread``): LMDB
+  allows one writer at a time and a writer may wait for another. The trio
+  thread never opens one.
+* ``sync=False``: commits do not fsync. A background task calls
+  :meth:`LmdbEnv.sync` every few seconds and at unmount. A process crash loses
+  nothing (the OS has the pages); a power loss may lose recent commits, which
+  for a cache means re-fetching. A block whose data did not reach the disk is
+  caught by its checksum. If the environment cannot be opened at all, the
+  cache directory is wiped and started afresh (the cache is best-effort).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from cachefs.errors import CacheError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = b"1"
+DB_NAMES = (b"blocks", b"lru", b"dirs", b"entries", b"meta")
+
+# Virtual size of the memory map. LMDB files are sparse; this only bounds growth.
+_MAP_SIZE = 64 << 30
+
+
+class LmdbEnv:
+    """Owns the environment and its named databases."""
+
+    def __init__(self, path: Path, map_size: int = _MAP_SIZE) -> None:
+        self.path = path
+        self.env = self._open(path, map_size)
+        self.dbs = {name.decode(): self.env.open_db(name) for name in DB_NAMES}
+        with self.env.begin(write=True) as txn:
+            version = txn.get(b"format", db=self.dbs["meta"])
+            if version is None:
+                txn.put(b"format", FORMAT_VERSION, db=self.dbs["meta"])
+        if version not in (None, FORMAT_VERSION):
+            raise CacheError(f"cache metadata in {path} has format {version!r}; this cachefs "
+                             f"uses {FORMAT_VERSION!r}: remove the cache directory to start over")
+
+    @staticmethod
+    def _open(path: Path, map_size: int) -> Any:
+        def do_open() -> Any:
+            return lmdb.open(
+                str(path), map_size=map_size, max_dbs=len(DB_NAMES) + 2, max_readers=1024,
+                sync=False, metasync=False, readahead=False, subdir=True, lock=True,
+            )
+        try:
+            return do_open()
+        except lmdb.Error as exc:
+            if isinstance(exc, (lmdb.ReadonlyError,)) or "Permission" in str(exc):
+                raise CacheError(f"cannot open cache metadata {path}: {exc}") from exc
+            log.warning("cache metadata %s is unreadable (%s); starting an empty cache", path, exc)
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                return do_open()
+            except lmdb.Error as exc2:
+                raise CacheError(f"cannot open cache metadata {path}: {exc2}") from exc2
+
+    def db(self, name: str) -> Any:
+        return self.dbs[name]
+
+    @contextmanager
+    def read(self) -> Iterator[Any]:
+        """A read-only snapshot. Safe on the trio thread."""
+        with self.env.begin(write=False, buffers=False) as txn:
+            yield txn
+
+    @contextmanager
+    def write(self) -> Iterator[Any]:
+        """A write transaction. Worker threads only (it may wait for the writer lock)."""
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError as exc:
+            raise CacheError("cache metadata is full") from exc
+        except lmdb.Error as exc:
+            raise CacheError(f"cache metadata write failed: {exc}") from exc
+
+    def sync(self) -> None:
+        """Flush commits to disk (blocks: worker threads only)."""
+        self.env.sync(True)
+
+    def close(self) -> None:
+        try:
+            self.env.sync(True)
+        finally:
+            self.env.close()
+
+    def size_on_disk(self) -> int:
+        try:
+            return sum(f.stat().st_size for f in self.path.iterdir())
+        except OSError:
+            return 0
+
+    def drop(self, name: str) -> None:
+        """Empty one database (worker threads only)."""
+        with self.write() as txn:
+            txn.drop(self.dbs[name], delete=False)
+
+
+def remove_stale_lock(path: Path) -> None:
+    """LMDB's lock file holds reader slots of dead processes; it is safe to remove
+    when we hold the cache directory's exclusive lock (no other process uses it)."""
+    try:
+        os.unlink(path / "lock.mdb")
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,181 @@
+"""Prometheus metrics: every metric cachefs exports is defined here, once.
+
+Naming follows Prometheus conventions: ``cachefs_`` prefix, base units (bytes,
+seconds), ``_total`` for counters, no per-path labels (label values come from
+small fixed sets such as S3 operation names).
+
+All metrics live in :data:`REGISTRY` (not the process-global default registry)
+so tests can start several daemons' worth of components in one process and the
+exposition only ever contains cachefs metrics plus process/platform collectors.
+
+Thread-safety: prometheus_client metrics are thread-safe; they may be updated
+from the trio thread and from worker threads alike.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+from cachefs import __version__
+from cachefs.errors import ConfigError
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+#: Default scrape port: clear of node_exporter (9100), dcgm-exporter (9400),
+#: 9109 and JuiceFS (9567).
+DEFAULT_METRICS_PORT = 9477
+
+# Latency buckets (seconds) resolving NVMe hits (tens of microseconds) up to
+# cross-region misses (hundreds of milliseconds) and retried requests (seconds).
+LATENCY_BUCKETS = (
+    0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+BUILD_INFO = Info("cachefs_build", "cachefs build information", registry=REGISTRY)
+BUILD_INFO.info({"version": __version__})
+
+# --- block cache -----------------------------------------------------------
+CACHE_HIT_BYTES = Counter(
+    "cachefs_cache_hit_bytes", "Bytes of file reads served from the block cache", registry=REGISTRY)
+CACHE_MISS_BYTES = Counter(
+    "cachefs_cache_miss_bytes", "Bytes of file reads that had to be fetched from S3", registry=REGISTRY)
+CACHE_HIT_REQUESTS = Counter(
+    "cachefs_cache_hit_requests", "Block lookups answered by the cache", registry=REGISTRY)
+CACHE_MISS_REQUESTS = Counter(
+    "cachefs_cache_miss_requests", "Block lookups the cache could not answer", registry=REGISTRY)
+CACHE_USED_BYTES = Gauge(
+    "cachefs_cache_used_bytes", "Bytes of block data held in the disk cache", registry=REGISTRY)
+CACHE_CAPACITY_BYTES = Gauge(
+    "cachefs_cache_capacity_bytes", "Configured disk cache size", registry=REGISTRY)
+CACHE_BLOCKS = Gauge(
+    "cachefs_cache_blocks", "Blocks held in the disk cache", registry=REGISTRY)
+CACHE_EVICTIONS = Counter(
+    "cachefs_cache_evictions", "Blocks evicted from the disk cache", registry=REGISTRY)
+CACHE_EVICTED_BYTES = Counter(
+    "cachefs_cache_evicted_bytes", "Bytes evicted from the disk cache", registry=REGISTRY)
+CACHE_ADMISSION_REJECTS = Counter(
+    "cachefs_cache_admission_rejected", "Blocks not admitted because the cache was full "
+    "(keep policy) or the disk was out of space", registry=REGISTRY)
+CACHE_CORRUPT_BLOCKS = Counter(
+    "cachefs_cache_corrupt_blocks", "Cached blocks that failed verification and were refetched",
+    registry=REGISTRY)
+CACHE_WRITE_ERRORS = Counter(
+    "cachefs_cache_write_errors", "Blocks that could not be written to the cache (e.g. disk full)",
+    registry=REGISTRY)
+
+# --- file system -----------------------------------------------------------
+READ_BYTES = Counter(
+    "cachefs_read_bytes", "Bytes returned to readers through the mount", registry=REGISTRY)
+FUSE_REQUESTS = Counter(
+    "cachefs_fuse_requests", "FUSE requests handled", ["op"], registry=REGISTRY)
+FUSE_ERRORS = Counter(
+    "cachefs_fuse_errors", "FUSE requests answered with an error", ["op", "errno"],
+    registry=REGISTRY)
+FUSE_INTERNAL_ERRORS = Counter(
+    "cachefs_fuse_internal_errors", "Unexpected exceptions in FUSE handlers (answered EIO)",
+    registry=REGISTRY)
+FUSE_LATENCY = Histogram(
+    "cachefs_fuse_request_duration_seconds", "FUSE request latency", ["op"],
+    buckets=LATENCY_BUCKETS, registry=REGISTRY)
+SKIPPED_KEYS = Counter(
+    "cachefs_skipped_keys", "Object keys not shown because they cannot be file names or are "
+    "shadowed by a directory of the same name", ["reason"], registry=REGISTRY)
+OPEN_HANDLES = Gauge(
+    "cachefs_open_file_handles", "Open file handles", registry=REGISTRY)
+
+# --- S3 --------------------------------------------------------------------
+S3_REQUESTS = Counter(
+    "cachefs_s3_requests", "S3 requests sent (each attempt counts)", ["op"], registry=REGISTRY)
+S3_ERRORS = Counter(
+    "cachefs_s3_errors", "S3 requests that failed", ["op", "kind"], registry=REGISTRY)
+S3_RETRIES = Counter(
+    "cachefs_s3_retries", "S3 requests retried after a transient failure", ["op"],
+    registry=REGISTRY)
+S3_THROTTLES = Counter(
+    "cachefs_s3_throttles", "S3 requests answered 503 SlowDown / 429", ["op"], registry=REGISTRY)
+S3_BYTES = Counter(
+    "cachefs_s3_bytes", "Object bytes received from S3", registry=REGISTRY)
+S3_LATENCY = Histogram(
+    "cachefs_s3_request_duration_seconds", "S3 request latency (one attempt)", ["op"],
+    buckets=LATENCY_BUCKETS, registry=REGISTRY)
+
+# --- fetch pipeline / prefetch ---------------------------------------------
+INFLIGHT_BYTES = Gauge(
+    "cachefs_inflight_bytes", "Bytes reserved by fetches in flight and buffered blocks",
+    registry=REGISTRY)
+INFLIGHT_BUDGET_BYTES = Gauge(
+    "cachefs_inflight_budget_bytes", "Memory budget for fetches in flight and buffers",
+    registry=REGISTRY)
+INFLIGHT_FETCHES = Gauge(
+    "cachefs_inflight_fetches", "Block fetches from S3 in flight", registry=REGISTRY)
+SINGLE_FLIGHT_JOINS = Counter(
+    "cachefs_single_flight_joins", "Reads that waited on a fetch already in flight instead of "
+    "sending another GET", registry=REGISTRY)
+PREFETCH_ISSUED_BYTES = Counter(
+    "cachefs_prefetch_issued_bytes", "Bytes fetched ahead of readers", registry=REGISTRY)
+PREFETCH_USED_BYTES = Counter(
+    "cachefs_prefetch_used_bytes", "Prefetched bytes later read", registry=REGISTRY)
+PREFETCH_WASTED_BYTES = Counter(
+    "cachefs_prefetch_wasted_bytes", "Prefetched bytes evicted or dropped unread",
+    registry=REGISTRY)
+
+# --- warm ------------------------------------------------------------------
+WARM_BYTES_DONE = Counter(
+    "cachefs_warm_bytes", "Bytes made resident by warm requests", registry=REGISTRY)
+WARM_BYTES_TOTAL = Gauge(
+    "cachefs_warm_target_bytes", "Bytes requested by running warm jobs", registry=REGISTRY)
+WARM_OBJECTS_DONE = Counter(
+    "cachefs_warm_objects", "Objects made resident by warm requests", registry=REGISTRY)
+
+# --- daemon ----------------------------------------------------------------
+START_TIME = Gauge(
+    "cachefs_start_time_seconds", "Unix time the daemon started", registry=REGISTRY)
+METADATA_LISTINGS = Counter(
+    "cachefs_metadata_listings", "Directory listings fetched from S3", registry=REGISTRY)
+
+
+def parse_metrics_addr(value: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT``, ``:PORT`` or ``PORT`` (host defaults to 127.0.0.1)."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep:
+        host, port_s = "", value
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(f"--metrics-addr {value!r}: expected HOST:PORT") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-addr {value!r}: port out of range")
+    return host, port
+
+
+def serve_metrics(addr: str) -> tuple[str, int]:
+    """Serve /metrics on ``addr`` from a daemon thread; return the bound (host, port).
+
+    Raises ConfigError (one clear line) when the address cannot be bound.
+    """
+    host, port = parse_metrics_addr(addr)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as exc:
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {reason}") from None
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+    bound = server.server_address
+    return str(bound[0]), int(bound[1])

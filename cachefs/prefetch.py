@@ -1,0 +1,59 @@
+"""Per-handle readahead: detect sequential reads and fetch the blocks ahead.
+
+A :class:`ReadStream` belongs to one open file handle and sees every read of
+it. While reads stay sequential (within a tolerance that absorbs the kernel's
+readahead jitter and small seeks: up to ``BACKWARD_TOLERANCE`` back or
+``FORWARD_TOLERANCE`` forward of where the last read ended), the window of
+blocks fetched ahead doubles each time the reader enters a new block, up to
+``max_window`` bytes. Any other read resets the window, so a random reader
+never pays for readahead beyond ``initial_window`` at offset 0 (whole-file
+readers such as DataLoader workers start there).
+
+Pure logic, no I/O: :meth:`ReadStream.on_read` returns the block indices to
+prefetch; the caller hands them to :meth:`cachefs.fetcher.Fetcher.prefetch`,
+which skips resident blocks and respects the memory budget.
+"""
+
+from __future__ import annotations
+
+FORWARD_TOLERANCE = 16 << 20
+BACKWARD_TOLERANCE = 1 << 20
+
+
+class ReadStream:
+    def __init__(self, *, size: int, block_size: int, max_window: int,
+                 initial_window: int | None = None) -> None:
+        self.size = size
+        self.block_size = block_size
+        self.max_window = max(block_size, max_window)
+        self.initial_window = block_size if initial_window is None else initial_window
+        self.window = 0
+        self._next = 0  # where the previous read ended
+        self._block = -1  # the block the previous read ended in
+        self._reads = 0
+
+    def on_read(self, offset: int, size: int) -> range:
+        """Record a read; return the block indices worth fetching ahead of it."""
+        end = min(offset + size, self.size)
+        sequential = (self._reads > 0 and
+                      self._next - BACKWARD_TOLERANCE <= offset <= self._next + FORWARD_TOLERANCE)
+        self._reads += 1
+        if sequential:
+            end_block = max(end - 1, 0) // self.block_size
+            if end_block != self._block:
+                self.window = min(self.max_window,
+                                  max(self.window * 2, self.initial_window, self.block_size))
+        elif offset == 0:
+            self.window = self.initial_window
+        else:
+            self.window = 0
+        self._next = end
+        self._block = max(end - 1, 0) // self.block_size
+        if self.window <= 0 or end >= self.size:
+            return range(0)
+        first = (end + self.block_size - 1) // self.block_size  # first block not yet asked for
+        if end % self.block_size:
+            first = end // self.block_size + 1
+        last_byte = min(self.size, end + self.window) - 1
+        last = last_byte // self.block_size
+        return range(first, last + 1)

@@ -1,0 +1,119 @@
+"""The node-local registry of running cachefs mounts.
+
+Each daemon writes ``RUNTIME_DIR/<id>.json`` (pid, mount point, source, cache
+dir, metrics address, start time) once its mount is live and removes it at
+exit. ``cachefs unmount`` and ``cachefs status`` read it; entries whose
+process is gone are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path(os.environ.get("CACHEFS_RUNTIME_DIR", "/run/cachefs"))
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/cachefs-{os.geteuid()}"
+    return Path(os.environ.get("CACHEFS_RUNTIME_DIR", os.path.join(base, "cachefs")))
+
+
+def _entry_path(mountpoint: Path) -> Path:
+    digest = hashlib.sha1(str(mountpoint).encode()).hexdigest()[:16]
+    return runtime_dir() / f"{digest}.json"
+
+
+def register(mountpoint: Path, info: dict[str, Any]) -> None:
+    path = _entry_path(mountpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def unregister(mountpoint: Path) -> None:
+    try:
+        _entry_path(mountpoint).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lookup(mountpoint: Path) -> dict[str, Any] | None:
+    try:
+        info: dict[str, Any] = json.loads(_entry_path(mountpoint).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if pid_alive(int(info.get("pid", 0))) else None
+
+
+def all_mounts() -> list[dict[str, Any]]:
+    result = []
+    try:
+        files = sorted(runtime_dir().glob("*.json"))
+    except OSError:
+        return []
+    for f in files:
+        try:
+            info = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid_alive(int(info.get("pid", 0))):
+            result.append(info)
+    return result
+
+
+def cachefs_mounts() -> dict[str, str]:
+    """Mount points of cachefs file systems from /proc/self/mountinfo -> fs type."""
+    mounts: dict[str, str] = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                fstype = right.split()[0] if right else ""
+                if fstype in ("fuse.cachefs", "cachefs"):
+                    mounts[_unescape(fields[4])] = fstype
+    except OSError:
+        pass
+    return mounts
+
+
+def mount_device(mountpoint: Path) -> str | None:
+    """``major:minor`` of the file system mounted at ``mountpoint`` (from mountinfo)."""
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if _unescape(fields[4]) == str(mountpoint):
+                    found = fields[2]  # the last match is the top-most mount
+    except OSError:
+        return None
+    return found
+
+
+def _unescape(path: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(path):
+        if path[i] == "\\" and i + 3 < len(path) + 0 and path[i + 1:i + 4].isdigit():
+            out.append(chr(int(path[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
