@@ -85,6 +85,14 @@ class HotBlocks:
         return bid in self._blocks
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first real exception in a (nested) group: a read fails with one error."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class _Flight:
     __slots__ = ("event", "data", "error", "prefetch")
 
@@ -164,9 +172,12 @@ class Fetcher:
             block = await self._block_for_read(obj, i, lo, hi - lo)
             parts[i - first] = block[lo:hi]
 
-        async with trio.open_nursery() as nursery:
-            for i in range(first, last + 1):
-                nursery.start_soon(fetch_part, i)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(first, last + 1):
+                    nursery.start_soon(fetch_part, i)
+        except BaseExceptionGroup as group:
+            raise _first_leaf(group) from None
         return b"".join(parts)
 
     async def _block_for_read(self, obj: ObjectVersion, index: int, lo: int, n: int) -> bytes:

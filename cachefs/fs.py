@@ -24,8 +24,6 @@ import itertools
 import logging
 from collections.abc import Iterator
 
-import trio
-
 from cachefs.errors import ObjectChanged
 from cachefs.fetcher import Fetcher, ObjectVersion
 from cachefs.metadata import Entry, Metadata
@@ -244,34 +242,16 @@ class FileSystem:
         if not isinstance(handle, FileHandle):
             raise FsError(errno.EBADF)
         obj = handle.obj
-        ahead = handle.stream.on_read(offset, size)
+        # Prefetch flights are started first but cannot starve this read: they may use
+        # only a share of the S3 connections (see Fetcher), and never wait for budget.
+        for index in handle.stream.on_read(offset, size):
+            if not self.fetcher.prefetch(obj, index) and not self.fetcher.is_resident(obj, index):
+                break  # budget full: the next read tries again
         try:
-            if ahead:
-                # Demand first: its flight is started by read() before any prefetch
-                # competes for a connection; prefetch is scheduled right after.
-                data = await self._read_then_prefetch(obj, offset, size, ahead)
-            else:
-                data = await self.fetcher.read(obj, offset, size)
+            return await self.fetcher.read(obj, offset, size)
         except ObjectChanged:
             self.metadata.invalidate(handle.node.parent_prefix)
             raise
-        return data
-
-    async def _read_then_prefetch(self, obj: ObjectVersion, offset: int, size: int,
-                                  ahead: range) -> bytes:
-        result: list[bytes] = []
-
-        async def demand() -> None:
-            result.append(await self.fetcher.read(obj, offset, size))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(demand)
-            await trio.lowlevel.checkpoint()  # let the demand read start its flight first
-            for index in ahead:
-                if not self.fetcher.prefetch(obj, index):
-                    if not self.fetcher.is_resident(obj, index):
-                        break  # budget full: stop, the next read will try again
-        return result[0]
 
     def release(self, fh: int) -> None:
         self._handles.pop(fh, None)

@@ -4,8 +4,8 @@ One environment, ``DIR/meta.lmdb``, holds every persistent index:
 
 * ``blocks``  block id -> (length, xxh3-64 checksum, last use)       (blockcache)
 * ``lru``     last use (big-endian float) + block id -> ""           (blockcache)
-* ``dirs``    directory prefix -> (listed at, entry count)           (metadata)
-* ``entries`` directory prefix + NUL + name -> kind, size, mtime, etag (metadata)
+* ``dirs``    hash of directory prefix -> (listed at, entry count)   (metadata)
+* ``entries`` hash of directory prefix + name -> kind, size, mtime, etag (metadata)
 * ``meta``    small values: format version, used bytes, source identity
 
 Concurrency rules:

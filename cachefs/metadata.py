@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 import trio
+import xxhash
 
 from cachefs import metrics
 from cachefs.lmdbenv import LmdbEnv
@@ -65,6 +66,13 @@ def invalid_name_reason(name: str) -> str | None:
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         return "too_long"
     return None
+
+
+def dir_key(prefix: str) -> bytes:
+    """The LMDB key of a directory: a 16-byte hash of its prefix (LMDB keys are limited
+    to 511 bytes, S3 keys to 1024), so an entry's key (dir key + name) is <= 271 bytes
+    and a directory's entries are contiguous and sorted by name."""
+    return xxhash.xxh3_128_digest(prefix.encode("utf-8", "surrogateescape"))
 
 
 def _pack_entry(e: Entry) -> bytes:
@@ -127,7 +135,7 @@ class Metadata:
     # -- freshness -------------------------------------------------------------
     def listed_at(self, prefix: str) -> float | None:
         with self._env.read() as txn:
-            raw = txn.get(prefix.encode(), db=self._dirs)
+            raw = txn.get(dir_key(prefix), db=self._dirs)
         return None if raw is None else float(_DIR.unpack(raw)[0])
 
     def is_fresh(self, prefix: str) -> bool:
@@ -185,7 +193,7 @@ class Metadata:
         return len(entries)
 
     def _store_entries(self, prefix: str, entries: list[Entry]) -> None:
-        pb = prefix.encode() + b"\0"
+        pb = dir_key(prefix)
         with self._env.write() as txn:
             cur = txn.cursor(db=self._entries)
             if cur.set_range(pb):
@@ -193,23 +201,23 @@ class Metadata:
                     if not cur.delete():
                         break
             cur.putmulti(((pb + e.name, _pack_entry(e)) for e in entries), append=False)
-            txn.put(prefix.encode(), _DIR.pack(self._clock(), len(entries)), db=self._dirs)
+            txn.put(pb, _DIR.pack(self._clock(), len(entries)), db=self._dirs)
 
     # -- queries (trio thread; no S3) ------------------------------------------
     def get(self, prefix: str, name: bytes) -> Entry | None:
         with self._env.read() as txn:
-            raw = txn.get(prefix.encode() + b"\0" + name, db=self._entries)
+            raw = txn.get(dir_key(prefix) + name, db=self._entries)
         return None if raw is None else _unpack_entry(name, raw)
 
     def count(self, prefix: str) -> int:
         with self._env.read() as txn:
-            raw = txn.get(prefix.encode(), db=self._dirs)
+            raw = txn.get(dir_key(prefix), db=self._dirs)
         return 0 if raw is None else int(_DIR.unpack(raw)[1])
 
     def iter_entries(self, prefix: str, after: bytes | None = None) -> Iterator[Entry]:
         """Entries of ``prefix`` in name order, starting after name ``after``."""
-        pb = prefix.encode() + b"\0"
-        start = pb + after + b"\0" if after is not None else pb
+        pb = dir_key(prefix)
+        start = pb + after if after is not None else pb
         with self._env.read() as txn:
             cur = txn.cursor(db=self._entries)
             if not cur.set_range(start):

@@ -1,0 +1,195 @@
+"""Shared fixtures: a real S3-compatible server (moto) on loopback and real FUSE mounts.
+
+Mount tests run the daemon exactly as users do (``python -m cachefs mount``
+without --foreground, which returns once the mount is live) and always
+lazy-unmount in teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing-secret"
+
+
+def fuse_unusable_reason() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse does not exist"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse is not readable and writable by this user"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (apt-get install fuse3)"
+    return None
+
+
+requires_fuse = pytest.mark.skipif(fuse_unusable_reason() is not None,
+                                   reason=fuse_unusable_reason() or "")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for the whole session."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Credentials for the test server, and no real AWS configuration leaking in."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    empty = tmp_path_factory.getbasetemp() / "no-aws-config"
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(empty))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty))
+    monkeypatch.setenv("CACHEFS_RUNTIME_DIR", str(tmp_path_factory.getbasetemp() / "run"))
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def s3_client(endpoint: str) -> Any:
+    import boto3
+    import botocore.config
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+        config=botocore.config.Config(request_checksum_calculation="when_required",
+                                      response_checksum_validation="when_required"))
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str) -> Iterator[tuple[Any, str]]:
+    """A fresh bucket; yields (client, name)."""
+    client = s3_client(s3_endpoint)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=name)
+    yield client, name
+
+
+def scrape(addr: str) -> dict[str, float]:
+    """Samples of a cachefs /metrics endpoint as {'name{label="v"}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_cachefs(*args: str, env: dict[str, str] | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def is_mounted(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+class Mount:
+    """A running cachefs mount started through the CLI."""
+
+    def __init__(self, source: str, mountpoint: Path, cache_dir: Path, endpoint: str,
+                 extra: list[str]) -> None:
+        self.source = source
+        self.path = mountpoint
+        self.cache_dir = cache_dir
+        self.endpoint = endpoint
+        self.extra = extra
+        self.metrics_addr = f"127.0.0.1:{free_port()}"
+
+    def start(self) -> None:
+        self.metrics_addr = f"127.0.0.1:{free_port()}"
+        proc = run_cachefs("mount", self.source, str(self.path), "--cache-dir",
+                           str(self.cache_dir), "--endpoint-url", self.endpoint,
+                           "--metrics-addr", self.metrics_addr, *self.extra)
+        if proc.returncode != 0:
+            log = self.cache_dir / "cachefs.log"
+            tail = log.read_text()[-4000:] if log.exists() else ""
+            raise AssertionError(f"mount failed ({proc.returncode}): {proc.stderr}\n{tail}")
+        assert is_mounted(self.path)
+
+    def stop(self) -> None:
+        if is_mounted(self.path):
+            proc = run_cachefs("unmount", str(self.path))
+            if proc.returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        deadline = time.monotonic() + 30
+        while is_mounted(self.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.metrics_addr)
+
+    def metric(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def gets(self) -> float:
+        return self.metric('cachefs_s3_requests_total{op="get"}')
+
+    def log(self) -> str:
+        p = self.cache_dir / "cachefs.log"
+        return p.read_text() if p.exists() else ""
+
+
+@pytest.fixture
+def mount_factory(tmp_path: Path, s3_endpoint: str) -> Iterator[Any]:
+    """Create mounts of s3://bucket/prefix; every one is unmounted at teardown."""
+    reason = fuse_unusable_reason()
+    if reason:
+        pytest.skip(reason)
+    mounts: list[Mount] = []
+
+    def make(source: str, *extra: str, cache_dir: Path | None = None,
+             start: bool = True) -> Mount:
+        mp = tmp_path / f"mnt{len(mounts)}"
+        mp.mkdir()
+        m = Mount(source, mp, cache_dir or tmp_path / f"cache{len(mounts)}", s3_endpoint,
+                  list(extra))
+        mounts.append(m)
+        if start:
+            m.start()
+        return m
+
+    yield make
+    for m in mounts:
+        try:
+            m.stop()
+        finally:
+            if is_mounted(m.path):
+                subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=False)

@@ -1,0 +1,259 @@
+"""Real-mount tests: a real cachefs daemon, a real FUSE mount, a real S3 server (moto)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import is_mounted
+
+pytestmark = pytest.mark.fuse
+
+BLOCK = 64 * 1024  # small blocks so "large" objects span many blocks cheaply
+
+
+def _payload(seed: int, size: int) -> bytes:
+    rnd = random.Random(seed)
+    return rnd.randbytes(size)
+
+
+def populate(client: Any, bucket: str, prefix: str = "data/") -> dict[str, bytes]:
+    """Objects a dataset bucket may hold, awkward ones included. Returns the visible files
+    (relative path -> bytes) the mount must show."""
+    files: dict[str, bytes] = {}
+    for cls in range(3):
+        for i in range(5):
+            files[f"train/class{cls}/img{i:03d}.jpg"] = _payload(cls * 100 + i, 1000 + 937 * i)
+    files["shards/shard-000.tar"] = _payload(1, 5 * BLOCK + 12345)  # > 3 blocks
+    files["shards/shard-001.tar"] = _payload(2, 4 * BLOCK)  # exact multiple
+    files["empty.bin"] = b""
+    files["with space/ünïcödé name.txt"] = b"unicode key\n"
+    files["deep/a/b/c/d/leaf.txt"] = b"deep\n"
+    files["a"] = b"shadowed file"  # also a prefix below: the directory wins
+    files["a/inner.txt"] = b"inner\n"
+    for key, data in files.items():
+        client.put_object(Bucket=bucket, Key=prefix + key, Body=data)
+    # Awkward keys that must not crash the mount and are not files:
+    client.put_object(Bucket=bucket, Key=prefix + "marker/", Body=b"")  # directory marker
+    client.put_object(Bucket=bucket, Key=prefix + "bad//double-slash", Body=b"x")
+    client.put_object(Bucket=bucket, Key=prefix + "dots/../escape", Body=b"x")
+    client.put_object(Bucket=bucket, Key=prefix + "dots/./here", Body=b"x")
+    client.put_object(Bucket=bucket, Key=prefix + "long/" + "n" * 300, Body=b"x")
+    client.put_object(Bucket=bucket, Key="outside-prefix.txt", Body=b"not mounted")
+    del files["a"]
+    return files
+
+
+def tree(root: Path) -> tuple[set[str], set[str]]:
+    dirs, files = set(), set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirnames:
+            dirs.add(os.path.normpath(os.path.join(rel, d)))
+        for f in filenames:
+            files.add(os.path.normpath(os.path.join(rel, f)))
+    return dirs, files
+
+
+def test_tree_and_bytes_match_the_bucket(bucket, mount_factory):
+    client, name = bucket
+    files = populate(client, name)
+    m = mount_factory(f"s3://{name}/data", "--block-size", "64K")
+    dirs, seen = tree(m.path)
+    assert seen == set(files)
+    assert {"train", "train/class0", "shards", "marker", "a", "deep/a/b/c/d", "with space",
+            "bad", "dots", "long"} <= dirs
+    for rel, data in files.items():
+        p = m.path / rel
+        assert p.stat().st_size == len(data), rel
+        assert p.read_bytes() == data, rel
+    # Nothing under "bad", "dots" or "long" can be a file name there.
+    assert os.listdir(m.path / "bad") == [] and os.listdir(m.path / "long") == []
+    skipped = m.metrics()
+    assert skipped['cachefs_skipped_keys_total{reason="shadowed"}'] == 1
+    assert skipped['cachefs_skipped_keys_total{reason="empty"}'] >= 1
+    assert skipped['cachefs_skipped_keys_total{reason="too_long"}'] == 1
+    assert skipped['cachefs_skipped_keys_total{reason="dot"}'] == 2
+    st = (m.path / "train").stat()
+    assert oct(st.st_mode & 0o777) == oct(0o555)
+    assert oct((m.path / "empty.bin").stat().st_mode & 0o777) == oct(0o444)
+
+
+def test_random_offset_reads_match_reference(bucket, mount_factory):
+    client, name = bucket
+    data = _payload(7, 7 * BLOCK + 999)
+    client.put_object(Bucket=name, Key="obj.bin", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    rnd = random.Random(42)
+    with open(m.path / "obj.bin", "rb", buffering=0) as f:
+        for _ in range(300):
+            off = rnd.randrange(0, len(data) + 100)
+            size = rnd.choice([1, 17, 4096, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK, 200_000])
+            assert os.pread(f.fileno(), size, off) == data[off:off + size], (off, size)
+
+
+def test_concurrent_readers_share_one_get_per_block(bucket, mount_factory):
+    client, name = bucket
+    data = _payload(9, 6 * BLOCK)
+    client.put_object(Bucket=name, Key="shared.bin", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    results: list[bytes] = []
+
+    def reader() -> None:
+        with open(m.path / "shared.bin", "rb") as f:
+            results.append(f.read())
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [data] * 8
+    assert m.gets() == 6  # one GET per block, however many readers
+
+
+def test_remount_reads_everything_with_zero_gets(bucket, mount_factory, tmp_path):
+    client, name = bucket
+    files = populate(client, name)
+    m = mount_factory(f"s3://{name}/data", "--block-size", "64K")
+    assert tree(m.path)[1] == set(files)
+    for rel, data in files.items():
+        assert (m.path / rel).read_bytes() == data
+    first_gets = m.gets()
+    assert first_gets >= len(files) - 1  # the empty object needs no GET
+    m.stop()
+    assert not is_mounted(m.path)
+    m.start()  # same cache dir
+    dirs, seen = tree(m.path)
+    assert seen == set(files)
+    for rel, data in files.items():
+        assert (m.path / rel).read_bytes() == data
+    after = m.metrics()
+    assert after.get('cachefs_s3_requests_total{op="get"}', 0) == 0
+    assert after.get('cachefs_s3_requests_total{op="list"}', 0) <= 1  # the start-up probe
+    assert after["cachefs_cache_miss_bytes_total"] == 0
+    assert after["cachefs_cache_hit_bytes_total"] == sum(len(d) for d in files.values())
+
+
+def test_corrupt_cached_block_is_refetched(bucket, mount_factory):
+    client, name = bucket
+    data = _payload(11, 3 * BLOCK + 5)
+    client.put_object(Bucket=name, Key="c.bin", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    assert (m.path / "c.bin").read_bytes() == data
+    m.stop()
+    blocks = sorted((m.cache_dir / "blocks").rglob("*"))
+    block_files = [b for b in blocks if b.is_file()]
+    assert len(block_files) == 4
+    for b in block_files:  # flip a byte in every cached block
+        raw = bytearray(b.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        b.write_bytes(bytes(raw))
+    m.start()
+    assert (m.path / "c.bin").read_bytes() == data
+    metrics = m.metrics()
+    assert metrics["cachefs_cache_corrupt_blocks_total"] == 4
+    assert metrics['cachefs_s3_requests_total{op="get"}'] == 4
+
+
+def test_object_changed_under_open_reader_gives_estale_never_a_mix(bucket, mount_factory):
+    client, name = bucket
+    old = b"A" * (4 * BLOCK)
+    new = b"B" * (4 * BLOCK)
+    client.put_object(Bucket=name, Key="v.bin", Body=old)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--read-ahead", "64K")
+    with open(m.path / "v.bin", "rb", buffering=0) as f:
+        first = os.pread(f.fileno(), BLOCK, 0)
+        assert first == old[:BLOCK]
+        client.put_object(Bucket=name, Key="v.bin", Body=new)
+        chunks = [first]
+        try:
+            for off in range(BLOCK, 4 * BLOCK, BLOCK):
+                chunks.append(os.pread(f.fileno(), BLOCK, off))
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE
+        got = b"".join(chunks)
+        # Either the old version (blocks prefetched before the change) or ESTALE:
+        assert got == old[:len(got)]
+    # After the directory listing is refreshed, a new open sees the new version.
+    assert m.metric('cachefs_fuse_errors_total{errno="ESTALE",op="read"}') >= 0
+
+
+def test_new_version_visible_after_ttl(bucket, mount_factory):
+    client, name = bucket
+    client.put_object(Bucket=name, Key="f.txt", Body=b"version one")
+    m = mount_factory(f"s3://{name}", "--metadata-ttl", "1s")
+    assert (m.path / "f.txt").read_bytes() == b"version one"
+    client.put_object(Bucket=name, Key="f.txt", Body=b"version two!")
+    import time
+
+    time.sleep(1.5)
+    assert (m.path / "f.txt").read_bytes() == b"version two!"
+
+
+def test_writes_are_refused_with_erofs(bucket, mount_factory):
+    client, name = bucket
+    client.put_object(Bucket=name, Key="dir/f.txt", Body=b"x")
+    m = mount_factory(f"s3://{name}")
+    attempts = [
+        lambda: open(m.path / "new.txt", "w"),
+        lambda: open(m.path / "dir/f.txt", "r+b"),
+        lambda: os.mkdir(m.path / "newdir"),
+        lambda: os.unlink(m.path / "dir/f.txt"),
+        lambda: os.rename(m.path / "dir/f.txt", m.path / "dir/g.txt"),
+        lambda: os.chmod(m.path / "dir/f.txt", 0o777),
+        lambda: os.rmdir(m.path / "dir"),
+        lambda: os.truncate(m.path / "dir/f.txt", 0),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno == errno.EROFS
+    assert (m.path / "dir/f.txt").read_bytes() == b"x"
+
+
+def test_missing_names_are_enoent_and_listing_is_cached(bucket, mount_factory):
+    client, name = bucket
+    for i in range(30):
+        client.put_object(Bucket=name, Key=f"d/f{i}", Body=b"%d" % i)
+    m = mount_factory(f"s3://{name}")
+    with pytest.raises(FileNotFoundError):
+        (m.path / "nope").stat()
+    assert sorted(os.listdir(m.path / "d")) == sorted(f"f{i}" for i in range(30))
+    lists = m.metric('cachefs_s3_requests_total{op="list"}')
+    for _ in range(3):
+        os.listdir(m.path / "d")
+        for i in range(30):
+            (m.path / f"d/f{i}").stat()
+    assert m.metric('cachefs_s3_requests_total{op="list"}') == lists
+
+
+def test_big_directory_readdir_pages(bucket, mount_factory):
+    client, name = bucket
+    names = {f"file-{i:05d}-{'x' * 40}" for i in range(1500)}  # > 1 ListObjects page
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda n: client.put_object(Bucket=name, Key=f"big/{n}", Body=b""),
+                      names))
+    m = mount_factory(f"s3://{name}")
+    assert set(os.listdir(m.path / "big")) == names
+
+
+def test_file_checksums_stable_across_many_files(bucket, mount_factory):
+    client, name = bucket
+    expected = {}
+    for i in range(40):
+        data = _payload(1000 + i, random.Random(i).randrange(0, 3 * BLOCK))
+        client.put_object(Bucket=name, Key=f"many/{i}.bin", Body=data)
+        expected[f"{i}.bin"] = hashlib.sha256(data).hexdigest()
+    m = mount_factory(f"s3://{name}/many", "--block-size", "64K")
+    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in m.path.iterdir()}
+    assert got == expected
