@@ -29,9 +29,8 @@ START_TIMEOUT = 180.0
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, exit 2 (argparse prints usage too)
-        self.print_usage(sys.stderr)
-        print(f"cachefs: error: {message}", file=sys.stderr)
+    def error(self, message: str) -> Any:  # one line, exit 2
+        print(f"cachefs: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -56,7 +56,8 @@ from cachefs.store import RetryingStore, S3Store
 
 log = logging.getLogger(__name__)
 
-MAINTENANCE_INTERVAL = 5.0
+MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
+STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
 DRAIN_TIMEOUT = 30.0
 
 
@@ -283,12 +284,7 @@ class Daemon:
             async with trio.open_nursery() as fuse_nursery:
                 fuse_nursery.start_soon(pyfuse3.main)
                 await trio.sleep(0)
-                runtime.register(cfg.mountpoint, {
-                    "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
-                    "source": str(cfg.source), "cache_dir": str(cfg.cache_dir),
-                    "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
-                    "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
-                })
+                self._publish_status()
                 on_ready()
                 sd_notify("READY=1")
                 log.info("mounted %s at %s (cache %s, %s policy)", cfg.source, cfg.mountpoint,
@@ -297,6 +293,16 @@ class Daemon:
             with trio.move_on_after(DRAIN_TIMEOUT):
                 await fetcher.drain()
             nursery.cancel_scope.cancel()
+
+    def _publish_status(self) -> None:
+        cfg = self.cfg
+        runtime.register(cfg.mountpoint, {
+            "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
+            "source": str(cfg.source), "cache_dir": str(cfg.cache_dir),
+            "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
+            "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
+            "updated_at": time.time(), "stats": metrics.totals(),
+        })
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -308,11 +314,15 @@ class Daemon:
                 return
 
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
+        last_sync = time.monotonic()
         while True:
-            await trio.sleep(MAINTENANCE_INTERVAL)
-            touched = cache.take_touches()
-            await trio.to_thread.run_sync(cache.flush_touches, touched)
-            await trio.to_thread.run_sync(env.sync)
+            await trio.sleep(STATUS_INTERVAL)
+            await trio.to_thread.run_sync(self._publish_status)
+            if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
+                last_sync = time.monotonic()
+                touched = cache.take_touches()
+                await trio.to_thread.run_sync(cache.flush_touches, touched)
+                await trio.to_thread.run_sync(env.sync)
 
     async def _remove_orphans(self, cache: BlockCache) -> None:
         try:

@@ -179,3 +179,14 @@ def serve_metrics(addr: str) -> tuple[str, int]:
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
     bound = server.server_address
     return str(bound[0]), int(bound[1])
+
+
+def totals() -> dict[str, float]:
+    """Current value of every cachefs sample, summed over labels (for status reports)."""
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("cachefs_") and not sample.name.endswith(
+                    ("_bucket", "_created")):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out

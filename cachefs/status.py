@@ -1,0 +1,97 @@
+"""``cachefs status``: what every cachefs mount on this node is doing.
+
+Daemons publish a snapshot of their counters into the runtime registry
+(:mod:`cachefs.runtime`) every few seconds; this command reads those files,
+so it needs no network access and works for mounts without a metrics port.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachefs import runtime
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    d, rem = divmod(seconds, 86400)
+    h, rem = divmod(rem, 3600)
+    m, s = divmod(rem, 60)
+    return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """The status of one mount as a flat, documented dict (the --json schema)."""
+    now = time.time() if now is None else now
+    stats: dict[str, float] = info.get("stats", {})
+    hit = stats.get("cachefs_cache_hit_bytes_total", 0.0)
+    miss = stats.get("cachefs_cache_miss_bytes_total", 0.0)
+    return {
+        "mountpoint": info["mountpoint"],
+        "source": info["source"],
+        "pid": info["pid"],
+        "cache_dir": info["cache_dir"],
+        "cache_policy": info.get("cache_policy"),
+        "cache_used_bytes": int(stats.get("cachefs_cache_used_bytes", 0)),
+        "cache_capacity_bytes": int(info.get("cache_size", 0)),
+        "cache_blocks": int(stats.get("cachefs_cache_blocks", 0)),
+        "hit_ratio": (hit / (hit + miss)) if hit + miss else None,
+        "read_bytes": int(stats.get("cachefs_read_bytes_total", 0)),
+        "s3_bytes": int(stats.get("cachefs_s3_bytes_total", 0)),
+        "s3_requests": int(stats.get("cachefs_s3_requests_total", 0)),
+        "s3_errors": int(stats.get("cachefs_s3_errors_total", 0)),
+        "inflight_fetches": int(stats.get("cachefs_inflight_fetches", 0)),
+        "inflight_bytes": int(stats.get("cachefs_inflight_bytes", 0)),
+        "corrupt_blocks": int(stats.get("cachefs_cache_corrupt_blocks_total", 0)),
+        "warm_bytes": int(stats.get("cachefs_warm_bytes_total", 0)),
+        "warm_target_bytes": int(stats.get("cachefs_warm_target_bytes", 0)),
+        "metrics_addr": info.get("metrics_addr"),
+        "uptime_seconds": max(0.0, now - float(info.get("started_at", now))),
+        "stats_age_seconds": max(0.0, now - float(info.get("updated_at", now))),
+    }
+
+
+def status_main(mountpoint: str | None, *, as_json: bool) -> int:
+    mounted = runtime.cachefs_mounts()
+    infos = [i for i in runtime.all_mounts() if i.get("mountpoint") in mounted]
+    if mountpoint is not None:
+        want = str(Path(mountpoint).absolute())
+        infos = [i for i in infos if i.get("mountpoint") == want]
+        if not infos:
+            print(f"cachefs: error: {want} is not a live cachefs mount", file=sys.stderr)
+            return 1
+    rows = [describe(i) for i in infos]
+    if as_json:
+        json.dump(rows if mountpoint is None else rows[0], sys.stdout, indent=2)
+        print()
+        return 0
+    if not rows:
+        print("no cachefs mounts")
+        return 0
+    for r in rows:
+        ratio = "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}%"
+        warm = ""
+        if r["warm_target_bytes"]:
+            warm = (f"  warm {_human(r['warm_bytes'])} / {_human(r['warm_target_bytes'])}")
+        print(f"{r['mountpoint']}  <-  {r['source']}  (pid {r['pid']}, up "
+              f"{_duration(r['uptime_seconds'])})")
+        print(f"  cache   {_human(r['cache_used_bytes'])} / {_human(r['cache_capacity_bytes'])}"
+              f" in {r['cache_dir']} ({r['cache_policy']} policy, {r['cache_blocks']} blocks)")
+        print(f"  reads   {_human(r['read_bytes'])}, byte hit ratio {ratio}, "
+              f"{_human(r['s3_bytes'])} from S3 in {r['s3_requests']} requests "
+              f"({r['s3_errors']} errors)")
+        print(f"  now     {r['inflight_fetches']} fetches in flight, "
+              f"{_human(r['inflight_bytes'])} buffered{warm}")
+    return 0

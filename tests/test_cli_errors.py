@@ -1,0 +1,149 @@
+"""Bad input gets one clear line on stderr, a non-zero exit, no traceback, and no mount."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, is_mounted, requires_fuse, run_cachefs
+
+pytestmark = requires_fuse
+
+
+def assert_one_line_error(proc, *fragments: str, code: int | None = None) -> None:
+    assert proc.returncode != 0, proc
+    if code is not None:
+        assert proc.returncode == code, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("cachefs: error: "), lines[0]
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def mp(tmp_path: Path) -> Path:
+    p = tmp_path / "mnt"
+    p.mkdir()
+    return p
+
+
+def mount(source: str, mp: Path, cache: Path, *extra: str, env=None):
+    return run_cachefs("mount", source, str(mp), "--cache-dir", str(cache), *extra, env=env,
+                       timeout=120)
+
+
+def test_url_that_is_not_s3(mp, tmp_path, s3_endpoint):
+    proc = mount("http://bucket/prefix", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
+    assert_one_line_error(proc, "s3://BUCKET", code=2)
+    assert not is_mounted(mp)
+
+
+def test_missing_mount_point(tmp_path, s3_endpoint, bucket):
+    _, name = bucket
+    proc = mount(f"s3://{name}", tmp_path / "nope", tmp_path / "c", "--endpoint-url",
+                 s3_endpoint)
+    assert_one_line_error(proc, "does not exist", code=2)
+
+
+def test_non_empty_mount_point(mp, tmp_path, s3_endpoint, bucket):
+    _, name = bucket
+    (mp / "precious.txt").write_text("keep me")
+    proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
+    assert_one_line_error(proc, "not empty", code=2)
+    assert (mp / "precious.txt").read_text() == "keep me"
+    assert not is_mounted(mp)
+
+
+def test_bucket_that_does_not_exist(mp, tmp_path, s3_endpoint):
+    proc = mount("s3://no-such-bucket-here", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
+    assert_one_line_error(proc, "no-such-bucket-here", "does not exist")
+    assert not is_mounted(mp)
+
+
+def test_endpoint_that_does_not_answer(mp, tmp_path):
+    port = free_port()  # nothing listens there
+    proc = mount("s3://some-bucket", mp, tmp_path / "c", "--endpoint-url",
+                 f"http://127.0.0.1:{port}")
+    assert_one_line_error(proc, "cannot reach", f"127.0.0.1:{port}")
+    assert not is_mounted(mp)
+
+
+def test_missing_credentials(mp, tmp_path, s3_endpoint, bucket):
+    _, name = bucket
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint, env=env)
+    assert_one_line_error(proc, "credentials")
+    assert not is_mounted(mp)
+
+
+def test_cache_dir_that_cannot_be_written(mp, tmp_path, s3_endpoint, bucket):
+    _, name = bucket
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = mount(f"s3://{name}", mp, blocker / "cache", "--endpoint-url", s3_endpoint)
+    assert_one_line_error(proc, "cache directory")
+    assert not is_mounted(mp)
+
+
+@pytest.mark.parametrize("size,fragment", [
+    ("1000P", "larger than the file system"),
+    ("lots", "invalid size"),
+    ("0", "too small"),
+    ("-5G", "invalid size"),
+])
+def test_impossible_cache_size(mp, tmp_path, s3_endpoint, bucket, size, fragment):
+    _, name = bucket
+    proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint,
+                 f"--cache-size={size}")
+    assert_one_line_error(proc, fragment, code=2)
+    assert not is_mounted(mp)
+
+
+def test_unknown_flag(mp, tmp_path):
+    proc = mount("s3://bucket", mp, tmp_path / "c", "--no-such-flag")
+    assert_one_line_error(proc, "--no-such-flag", code=2)
+
+
+def test_bad_config_file(mp, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('cache_dri = "/tmp/x"\n')
+    proc = run_cachefs("mount", "--config", str(cfg), "s3://bucket", str(mp))
+    assert_one_line_error(proc, "unknown option 'cache_dri'", code=2)
+    cfg.write_text("this is = = not toml")
+    proc = run_cachefs("mount", "--config", str(cfg), "s3://bucket", str(mp))
+    assert_one_line_error(proc, "not valid TOML", code=2)
+
+
+def test_metrics_address_in_use(mp, tmp_path, s3_endpoint, bucket):
+    _, name = bucket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint,
+                     "--metrics-addr", f"127.0.0.1:{port}")
+    assert_one_line_error(proc, "address already in use")
+    assert not is_mounted(mp)
+
+
+def test_cache_dir_in_use_by_another_mount(tmp_path, s3_endpoint, bucket, mount_factory):
+    _, name = bucket
+    m = mount_factory(f"s3://{name}")
+    other = tmp_path / "other"
+    other.mkdir()
+    proc = mount(f"s3://{name}", other, m.cache_dir, "--endpoint-url", s3_endpoint)
+    assert_one_line_error(proc, "in use by another cachefs")
+    assert not is_mounted(other)
+    assert is_mounted(m.path)
+
+
+def test_unmount_of_something_else(tmp_path):
+    proc = run_cachefs("unmount", str(tmp_path))
+    assert_one_line_error(proc, "not a cachefs mount")
+    assert run_cachefs("unmount", "--quiet", str(tmp_path)).returncode == 0
