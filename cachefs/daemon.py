@@ -260,7 +260,6 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            set_kernel_readahead(cfg.mountpoint, cfg.read_ahead)
             trio.run(self._serve, fetcher, cache, env, on_ready)
             unmounted = True
         finally:
@@ -283,7 +282,11 @@ class Daemon:
             nursery.start_soon(self._watch_signals)
             async with trio.open_nursery() as fuse_nursery:
                 fuse_nursery.start_soon(pyfuse3.main)
-                await trio.sleep(0)
+                # The kernel applies the file system's INIT reply to the mount's readahead,
+                # so raise it only after INIT: a stat() is answered only after INIT.
+                await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+                await trio.to_thread.run_sync(set_kernel_readahead, cfg.mountpoint,
+                                              cfg.read_ahead)
                 self._publish_status()
                 on_ready()
                 sd_notify("READY=1")

@@ -5,13 +5,16 @@ Each block it needs comes from, in order:
 
 1. the hot set: recently used, already verified blocks in memory (bounded);
 2. the disk cache (verified on every read, see :mod:`cachefs.blockcache`);
-3. a *flight*: one ranged GET with If-Match for the block, shared by every
-   reader and prefetcher that wants the same block while it is in flight
-   (single flight: concurrent readers of one missing block cause one GET).
+3. S3.
+
+2+3 run as one *load* per block (a ``_Flight``), shared by every reader and
+prefetcher that wants the block while it runs: it reads the disk cache and,
+on a miss, sends one ranged GET with If-Match (single flight: concurrent
+readers of one missing block cause one GET and one disk read).
 
 Tasks and ownership:
 
-* Flights run in the fetcher's own nursery (:meth:`Fetcher.run`), not in the
+* Loads run in the fetcher's own nursery (:meth:`Fetcher.run`), not in the
   reader's task, so an interrupted reader does not abort a GET others wait on.
   A flight holds a :class:`~cachefs.budget.MemoryBudget` reservation until its
   block has been written to the disk cache.
@@ -94,9 +97,12 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 class _Flight:
-    __slots__ = ("event", "data", "error", "prefetch")
+    """One load of one block, shared by everyone who wants it while it runs."""
+
+    __slots__ = ("data", "error", "event", "prefetch", "source")
 
     def __init__(self, prefetch: bool) -> None:
+        self.source = "disk"
         self.event = trio.Event()
         self.data: bytes | None = None
         self.error: BaseException | None = None
@@ -210,81 +216,97 @@ class Fetcher:
             return data, "memory"
         flight = self._flights.get(bid)
         if flight is None:
-            data = await self.cache.get(bid)
-            if data is not None:
-                self.hot.put(bid, data)
-                metrics.CACHE_HIT_REQUESTS.inc()
-                return data, "disk"
-            flight = self._flights.get(bid)  # another task may have started one meanwhile
-        metrics.CACHE_MISS_REQUESTS.inc()
-        if flight is None:
-            flight = self._start_flight(obj, index, bid, prefetch=False)
+            flight = self._start_load(obj, index, bid, prefetch=False, reserved=0)
         else:
             metrics.SINGLE_FLIGHT_JOINS.inc()
         await flight.event.wait()
         if flight.error is not None:
             raise flight.error
         assert flight.data is not None
-        return flight.data, "s3"
+        if flight.source == "disk":
+            metrics.CACHE_HIT_REQUESTS.inc()
+        else:
+            metrics.CACHE_MISS_REQUESTS.inc()
+        return flight.data, flight.source
 
     def prefetch(self, obj: ObjectVersion, index: int) -> bool:
-        """Start fetching a block ahead of readers if it is not resident and the budget
-        has room. Never waits; returns whether a flight was started."""
-        if index * self.block_size >= obj.size or self.is_resident(obj, index):
-            return False
-        if not self.budget.try_reserve(self.block_len(obj, index)):
+        """Start loading a block ahead of readers: from disk into memory when it is cached,
+        else from S3 if the memory budget has room. Never waits; returns whether a load
+        was started."""
+        if index * self.block_size >= obj.size:
             return False
         bid = self.block_id(obj, index)
-        self._remember_prefetched(bid, self.block_len(obj, index))
-        self._start_flight(obj, index, bid, prefetch=True, reserved=True)
+        if bid in self.hot or bid in self._flights:
+            return False
+        if self.cache.contains(bid):
+            self._start_load(obj, index, bid, prefetch=True, reserved=0)
+            return True
+        length = self.block_len(obj, index)
+        if not self.budget.try_reserve(length):
+            return False
+        self._remember_prefetched(bid, length)
+        self._start_load(obj, index, bid, prefetch=True, reserved=length)
         return True
 
-    def _start_flight(self, obj: ObjectVersion, index: int, bid: bytes, *, prefetch: bool,
-                      reserved: bool = False) -> _Flight:
+    def _start_load(self, obj: ObjectVersion, index: int, bid: bytes, *, prefetch: bool,
+                    reserved: int) -> _Flight:
         assert self._nursery is not None, "Fetcher.run() is not running"
-        length = self.block_len(obj, index)
-        if not reserved:
-            self.budget.force_reserve(length)
         flight = _Flight(prefetch)
         self._flights[bid] = flight
         if not self._pending:
             self._idle = trio.Event()
         self._pending += 1
-        self._nursery.start_soon(self._fly, obj, index, bid, flight, length)
+        self._nursery.start_soon(self._load, obj, index, bid, flight, reserved)
         return flight
 
-    async def _fly(self, obj: ObjectVersion, index: int, bid: bytes, flight: _Flight,
-                   reserved: int) -> None:
-        start = index * self.block_size
-        end = start + self.block_len(obj, index)
-        metrics.INFLIGHT_FETCHES.inc()
+    async def _load(self, obj: ObjectVersion, index: int, bid: bytes, flight: _Flight,
+                    reserved: int) -> None:
+        """Load one block (disk, else S3) for every waiter; then write it to the cache."""
+        data: bytes | None = None
         try:
             try:
-                if flight.prefetch:
-                    async with self._prefetch_limiter:
-                        data = await self._get_range(obj, start, end)
-                    metrics.PREFETCH_ISSUED_BYTES.inc(len(data))
+                data = await self.cache.get(bid)
+                if data is not None:
+                    flight.source = "disk"
                 else:
-                    data = await self._get_range(obj, start, end)
+                    if not reserved:
+                        reserved = self.block_len(obj, index)
+                        self.budget.force_reserve(reserved)
+                    flight.source = "s3"
+                    data = await self._fetch(obj, index, flight.prefetch)
                 flight.data = data
                 self.hot.put(bid, data)
             except Exception as exc:  # handed to every waiter; logged by the FUSE layer
                 flight.error = exc
-                data = b""
+                data = None
                 self._prefetched.pop(bid, None)
             finally:
                 if flight.data is None and flight.error is None:  # cancelled at shutdown
                     flight.error = TransientStoreError("fetch cancelled: cachefs is stopping")
-                metrics.INFLIGHT_FETCHES.dec()
                 del self._flights[bid]
                 flight.event.set()
-            if data:
+            if data is not None and flight.source == "s3":
                 await self.cache.put(bid, data)
         finally:
-            self.budget.release(reserved)
+            if reserved:
+                self.budget.release(reserved)
             self._pending -= 1
             if not self._pending:
                 self._idle.set()
+
+    async def _fetch(self, obj: ObjectVersion, index: int, prefetch: bool) -> bytes:
+        start = index * self.block_size
+        end = start + self.block_len(obj, index)
+        metrics.INFLIGHT_FETCHES.inc()
+        try:
+            if prefetch:
+                async with self._prefetch_limiter:
+                    data = await self._get_range(obj, start, end)
+                metrics.PREFETCH_ISSUED_BYTES.inc(len(data))
+                return data
+            return await self._get_range(obj, start, end)
+        finally:
+            metrics.INFLIGHT_FETCHES.dec()
 
     async def _get_range(self, obj: ObjectVersion, start: int, end: int) -> bytes:
         return await trio.to_thread.run_sync(
