@@ -107,8 +107,8 @@ def main() -> int:
         cmd = [sys.executable, "-m", "cachefs", "mount", f"s3://{BUCKET}/{PREFIX}", str(mnt),
                "--cache-dir", str(cache), "--cache-size", "2G", "--endpoint-url",
                origin.endpoint, "--metrics-addr", metrics_addr]
-        print("$ cachefs mount s3://%s/%s %s --cache-dir %s --endpoint-url %s" % (
-            BUCKET, PREFIX, mnt, cache, origin.endpoint))
+        print(f"$ cachefs mount s3://{BUCKET}/{PREFIX} {mnt} --cache-dir {cache} "
+              f"--endpoint-url {origin.endpoint}")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr.strip(), file=sys.stderr)

@@ -107,7 +107,7 @@ class BlockCache:
 
     @property
     def block_count(self) -> int:
-        return self._count
+        return int(self._count)
 
     def _publish(self) -> None:
         metrics.CACHE_USED_BYTES.set(self._used)

@@ -245,4 +245,4 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-__all__ = ["main", "build_parser", "json"]
+__all__ = ["build_parser", "json", "main"]

@@ -264,7 +264,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     """Options given as ``CACHEFS_<NAME>`` environment variables."""
     values: dict[str, Any] = {}
-    for name in list(OPTIONS_BY_NAME) + ["source", "mountpoint"]:
+    for name in [*OPTIONS_BY_NAME, "source", "mountpoint"]:
         key = "CACHEFS_" + name.upper()
         if key in environ:
             values[name] = environ[key]

@@ -334,4 +334,4 @@ class Daemon:
             log.warning("orphan scan failed: %s", exc)
 
 
-__all__ = ["Daemon", "CachefsError"]
+__all__ = ["CachefsError", "Daemon"]

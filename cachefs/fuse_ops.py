@@ -19,8 +19,8 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
@@ -40,6 +40,7 @@ from cachefs.fs import FileSystem, FsError, Node
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # The one place errors become errno values.
 _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
@@ -66,13 +67,15 @@ def errno_for(exc: BaseException) -> int | None:
     return None
 
 
-def _handler(op: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-    def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _handler(
+    op: str,
+) -> Callable[[Callable[P, Coroutine[Any, Any, T]]], Callable[P, Coroutine[Any, Any, T]]]:
+    def wrap(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
         requests = metrics.FUSE_REQUESTS.labels(op)
         latency = metrics.FUSE_LATENCY.labels(op)
 
         @functools.wraps(fn)
-        async def handler(*args: Any, **kwargs: Any) -> T:
+        async def handler(*args: P.args, **kwargs: P.kwargs) -> T:
             requests.inc()
             t0 = time.perf_counter()
             try:
@@ -143,7 +146,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def getattr(self, inode: int, ctx: Any = None) -> Any:
         return self._attrs(await self.fs.getattr(inode))
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, nlookup in inode_list:
             self.fs.forget(ino, nlookup)
 

@@ -131,7 +131,7 @@ def test_remount_reads_everything_with_zero_gets(bucket, mount_factory, tmp_path
     m.stop()
     assert not is_mounted(m.path)
     m.start()  # same cache dir
-    dirs, seen = tree(m.path)
+    _dirs, seen = tree(m.path)
     assert seen == set(files)
     for rel, data in files.items():
         assert (m.path / rel).read_bytes() == data

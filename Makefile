@@ -1,0 +1,57 @@
+# cachefs developer entry points. Every target installs what it needs on a fresh
+# Debian machine (as root) and is quick when everything is already there.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck
+
+.PHONY: demo test check lint typecheck test-fast bench bench-quick deps clean
+
+## demo: a local S3 server with a sample dataset, mounted and read cold then warm
+demo: deps
+	$(BIN)/python -m benchmarks.demo
+
+## test: lint + type gate, then the whole test suite (real FUSE mounts, real S3 servers)
+test: check
+	@$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
+	exit $$rc
+
+## test-fast: the suite without tests marked slow
+test-fast: deps
+	$(BIN)/python -m pytest -q -m "not slow"
+
+## check: ruff and mypy
+check: lint typecheck
+
+lint: deps
+	$(BIN)/ruff check cachefs tests benchmarks
+
+typecheck: deps
+	$(BIN)/mypy
+
+## bench: the full remote-vs-co-located benchmark (minutes); bench-quick: seconds
+bench: deps
+	$(BIN)/python -m benchmarks.run
+
+bench-quick: deps
+	$(BIN)/python -m benchmarks.run --quick
+
+deps: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing apt packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	@touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
