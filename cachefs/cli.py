@@ -67,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     unmount.add_argument("--timeout", type=float, default=60.0,
                          help="seconds to wait for the daemon to finish (default 60)")
 
+    warm = sub.add_parser("warm", help="fill the cache of a running mount ahead of training",
+                          description="Make whole directories (or the files a manifest lists) "
+                          "resident in the block cache of a running cachefs mount.")
+    warm.add_argument("mountpoint", help="a live cachefs mount point")
+    warm.add_argument("paths", nargs="*", help="files or directories under the mount "
+                      "(relative to it or absolute; default: everything)")
+    warm.add_argument("--manifest", metavar="FILE", help="a file listing one path per line "
+                      "(relative to the mount, or absolute)")
+    warm.add_argument("--parallel", type=int, default=16, metavar="N",
+                      help="objects warmed at once (default 16)")
+    warm.add_argument("--check", action="store_true",
+                      help="only report what share is cached; fetch nothing")
+
     status = sub.add_parser("status", help="show cachefs mounts on this node")
     status.add_argument("mountpoint", nargs="?")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -216,6 +229,13 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def cmd_warm(args: argparse.Namespace) -> int:
+    from cachefs.warm_cli import warm_main
+
+    return warm_main(args.mountpoint, args.paths, manifest=args.manifest,
+                     parallel=args.parallel, check=args.check)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from cachefs.status import status_main
 
@@ -232,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_unmount(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "warm":
+            return cmd_warm(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

@@ -39,6 +39,7 @@ from cachefs import metrics, runtime
 from cachefs.blockcache import BlockCache
 from cachefs.budget import MemoryBudget
 from cachefs.config import MountConfig
+from cachefs.control import ControlServer
 from cachefs.errors import (
     CacheError,
     CachefsError,
@@ -260,7 +261,7 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            trio.run(self._serve, fetcher, cache, env, on_ready)
+            trio.run(self._serve, fs, fetcher, cache, env, on_ready)
             unmounted = True
         finally:
             runtime.unregister(cfg.mountpoint)
@@ -272,7 +273,7 @@ class Daemon:
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, fetcher: Fetcher, cache: BlockCache, env: LmdbEnv,
+    async def _serve(self, fs: FileSystem, fetcher: Fetcher, cache: BlockCache, env: LmdbEnv,
                      on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
@@ -280,6 +281,9 @@ class Daemon:
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals)
+            await nursery.start(fs.read_order.run)
+            await nursery.start(ControlServer(fs, runtime.control_socket(cfg.mountpoint),
+                                              allow_other=cfg.allow_other).serve)
             async with trio.open_nursery() as fuse_nursery:
                 fuse_nursery.start_soon(pyfuse3.main)
                 # The kernel applies the file system's INIT reply to the mount's readahead,

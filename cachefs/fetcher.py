@@ -248,6 +248,34 @@ class Fetcher:
         self._start_load(obj, index, bid, prefetch=True, reserved=length)
         return True
 
+    def is_cached(self, obj: ObjectVersion, index: int) -> bool:
+        """On disk (what ``cachefs warm --check`` reports)."""
+        return self.cache.contains(self.block_id(obj, index))
+
+    async def warm(self, obj: ObjectVersion, index: int) -> bool:
+        """Make a block resident on disk at background priority; returns whether it had to
+        be fetched. Waits for memory budget (unlike demand reads) and uses the prefetch
+        share of the connections, so training reads keep priority. Raises StoreError."""
+        bid = self.block_id(obj, index)
+        flight = self._flights.get(bid)
+        if flight is None:
+            if self.cache.contains(bid):
+                return False
+            length = self.block_len(obj, index)
+            await self.budget.reserve(length)
+            flight = self._flights.get(bid)
+            if flight is None:
+                if self.cache.contains(bid):
+                    self.budget.release(length)
+                    return False
+                flight = self._start_load(obj, index, bid, prefetch=True, reserved=length)
+            else:
+                self.budget.release(length)
+        await flight.event.wait()
+        if flight.error is not None:
+            raise flight.error
+        return flight.source == "s3"
+
     def _start_load(self, obj: ObjectVersion, index: int, bid: bytes, *, prefetch: bool,
                     reserved: int) -> _Flight:
         assert self._nursery is not None, "Fetcher.run() is not running"

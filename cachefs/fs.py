@@ -28,6 +28,7 @@ from cachefs.errors import ObjectChanged
 from cachefs.fetcher import Fetcher, ObjectVersion
 from cachefs.metadata import Entry, Metadata
 from cachefs.prefetch import ReadStream
+from cachefs.readorder import DirectoryLookahead, ReadOrder
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,23 @@ class FileSystem:
         self._next_ino = itertools.count(ROOT_INODE + 1)
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
+        # Files that will be read next: the sampler's order (hints) and directory walks.
+        self.read_order = ReadOrder(fetcher, self.resolve_key, lookahead_bytes=max_readahead * 4)
+        self.lookahead = DirectoryLookahead(fetcher, self.metadata.iter_entries)
+
+    async def resolve_key(self, key: str) -> ObjectVersion | None:
+        """The current version of the object ``key`` (listing its directory if needed),
+        or None when it is not a visible file under this mount."""
+        if not key.startswith(self.root_prefix):
+            return None
+        parent = key[:key.rfind("/") + 1]
+        if len(parent) < len(self.root_prefix):
+            return None
+        await self.metadata.ensure(parent)
+        entry = self.metadata.get(parent, key[len(parent):].encode())
+        if entry is None or entry.is_dir:
+            return None
+        return ObjectVersion(key, entry.etag, entry.size)
 
     # -- inodes ---------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -230,6 +248,8 @@ class FileSystem:
         obj = ObjectVersion(node.path, node.etag, node.size)
         keep_cache = node.last_open_etag == node.etag
         node.last_open_etag = node.etag
+        self.read_order.on_open(node.path)
+        self.lookahead.on_open(node.parent_prefix, node.name)
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(
             fh, node, obj,

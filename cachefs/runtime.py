@@ -27,6 +27,11 @@ def _entry_path(mountpoint: Path) -> Path:
     return runtime_dir() / f"{digest}.json"
 
 
+def control_socket(mountpoint: Path) -> Path:
+    """The daemon's control socket (warm, hints, status); short enough for AF_UNIX."""
+    return _entry_path(mountpoint).with_suffix(".sock")
+
+
 def register(mountpoint: Path, info: dict[str, Any]) -> None:
     path = _entry_path(mountpoint)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,202 @@
+"""Prefetch in the order the training sampler will read files.
+
+A training script hands cachefs the list of files it will read in the coming
+epoch (``cachefs.torch``, or any client of the control socket). This module
+keeps a *cursor* (the furthest hinted file opened so far) and fetches the
+files after it ahead of the readers, so that many small GETs are in flight
+and the link stays full even when the order is a random permutation (Little's
+law: in flight >= rate x latency; stock DataLoader workers only ever have one
+read each in flight).
+
+Bounds: at most ``lookahead_bytes`` of hinted files ahead of the cursor are
+requested, and each block needs room in the fetcher's memory budget
+(``Fetcher.prefetch`` never waits; when it refuses, the loop sleeps until the
+next open or a short tick). Prefetched blocks land in the disk cache, so a
+reader that arrives later finds them there.
+
+Concurrency: one task (:meth:`ReadOrder.run`) owned by the daemon's nursery
+does all the work; :meth:`set_order` and :meth:`on_open` only update state
+and wake it (trio thread only).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from cachefs.errors import StoreError
+from cachefs.fetcher import Fetcher, ObjectVersion
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str], Awaitable[ObjectVersion | None]]
+
+TICK = 0.05  # seconds between top-ups while the budget is full
+
+
+class ReadOrder:
+    def __init__(self, fetcher: Fetcher, resolve: Resolver, *, lookahead_bytes: int) -> None:
+        self._fetcher = fetcher
+        self._resolve = resolve
+        self.lookahead_bytes = lookahead_bytes
+        self._order: list[str] = []
+        self._position: dict[str, int] = {}
+        self._cum: list[int] = [0]  # cumulative sizes of resolved files: _cum[i] = bytes before i
+        self._cursor = -1  # index of the furthest hinted file opened
+        self._next = 0  # next file to prefetch
+        self._wake = trio.Event()
+        self.generation = 0
+
+    # -- inputs (trio thread) ---------------------------------------------------------
+    def set_order(self, keys: Sequence[str]) -> int:
+        """Replace the expected read order (object keys). Returns how many were taken."""
+        self._order = list(keys)
+        self._position = {}
+        for i, key in enumerate(self._order):
+            self._position.setdefault(key, i)
+        self._cum = [0]
+        self._cursor = -1
+        self._next = 0
+        self.generation += 1
+        self._wake.set()
+        return len(self._order)
+
+    def on_open(self, key: str) -> None:
+        """A reader opened ``key``: move the cursor if it is further along the order."""
+        pos = self._position.get(key)
+        if pos is not None and pos > self._cursor:
+            self._cursor = pos
+            self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        """Hinted files not yet requested."""
+        return max(0, len(self._order) - self._next)
+
+    # -- the prefetch loop ------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            with trio.move_on_after(TICK if self.pending else 3600):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            try:
+                await self._top_up()
+            except Exception:  # a bad hint must never take the daemon down
+                log.exception("read-order prefetch failed; dropping the hint")
+                self.set_order([])
+
+    def _bytes_ahead(self) -> int:
+        start = min(self._cursor + 1, len(self._cum) - 1)
+        return self._cum[-1] - self._cum[max(0, start)]
+
+    async def _top_up(self) -> None:
+        generation = self.generation
+        while self._next < len(self._order) and generation == self.generation:
+            if self._next <= self._cursor:
+                # Readers overtook the prefetcher: skip what they already opened.
+                while len(self._cum) <= self._cursor + 1:
+                    self._cum.append(self._cum[-1])
+                self._next = self._cursor + 1
+                continue
+            if self._bytes_ahead() >= self.lookahead_bytes:
+                return
+            key = self._order[self._next]
+            try:
+                obj = await self._resolve(key)
+            except StoreError as exc:
+                log.info("hinted file %s cannot be resolved: %s", key, exc)
+                obj = None
+            if generation != self.generation:
+                return
+            if obj is not None:
+                for index in range(self._fetcher.block_count(obj)):
+                    if (not self._fetcher.prefetch(obj, index)
+                            and not self._fetcher.is_resident(obj, index)):
+                        return  # memory budget full: try again on the next tick
+            size = obj.size if obj is not None else 0
+            if len(self._cum) == self._next + 1:
+                self._cum.append(self._cum[-1] + size)
+            self._next += 1
+
+
+class _Walk:
+    __slots__ = ("ahead", "issued_until", "last", "streak")
+
+    def __init__(self, name: bytes) -> None:
+        self.last = name
+        self.streak = 0
+        self.ahead = 0  # files requested ahead of the readers (approximate)
+        self.issued_until: bytes | None = None
+
+
+class DirectoryLookahead:
+    """Prefetch the next files of a directory when readers open its files in name order.
+
+    Each open of a file advances that directory's walk. After ``min_streak``
+    opens in increasing name order, up to ``window(streak)`` files after the
+    reader are requested (doubling with the streak, at most ``max_files``).
+    Each open consumes one file of the window; only the shortfall is issued,
+    continuing after the last file requested, so the cost per open is a few
+    index lookups however large the window. Random opens reset the walk.
+    Blocks go through ``Fetcher.prefetch`` (never waits, bounded by budget).
+    """
+
+    def __init__(self, fetcher: Fetcher, iter_after: Callable[[str, bytes], object], *,
+                 max_files: int = 256, min_streak: int = 2, max_dirs: int = 1024) -> None:
+        self._fetcher = fetcher
+        self._iter_after = iter_after
+        self.max_files = max_files
+        self.min_streak = min_streak
+        self.max_dirs = max_dirs
+        self._walks: dict[str, _Walk] = {}
+
+    def on_open(self, prefix: str, name: bytes) -> int:
+        """Record an open; returns how many files were newly requested."""
+        walk = self._walks.pop(prefix, None)
+        if walk is None:
+            walk = _Walk(name)
+        elif name > walk.last:
+            walk.streak += 1
+            walk.last = name
+            walk.ahead = max(0, walk.ahead - 1)
+        elif name != walk.last:
+            walk = _Walk(name)
+        self._walks[prefix] = walk  # most recently used last
+        if len(self._walks) > self.max_dirs:
+            self._walks.pop(next(iter(self._walks)))
+        if walk.streak < self.min_streak:
+            return 0
+        window = min(self.max_files, 2 ** (walk.streak - self.min_streak + 2))
+        if walk.issued_until is None or walk.issued_until <= name:
+            walk.issued_until, walk.ahead = name, 0
+        want = window - walk.ahead
+        issued = 0
+        if want <= 0:
+            return 0
+        entries = self._iter_after(prefix, walk.issued_until)
+        try:
+            for entry in entries:  # type: ignore[attr-defined]
+                if entry.is_dir:
+                    continue
+                obj = ObjectVersion(prefix + entry.name.decode(), entry.etag, entry.size)
+                full = False
+                for index in range(self._fetcher.block_count(obj)):
+                    if (not self._fetcher.prefetch(obj, index)
+                            and not self._fetcher.is_resident(obj, index)):
+                        full = True
+                        break
+                if full:
+                    break
+                walk.issued_until = entry.name
+                walk.ahead += 1
+                issued += 1
+                if issued >= want:
+                    break
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
+        return issued

@@ -1,0 +1,101 @@
+"""``cachefs warm``: drive a warm job in the daemon and show its progress.
+
+On a terminal: one self-updating line (bytes, objects, rate, ETA). Otherwise a
+log line every few seconds. Always a summary at the end; exit 1 if any object
+failed (each failure listed), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachefs.client import find_mount, relative_paths, request
+from cachefs.errors import CachefsError, ConfigError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _eta(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _line(p: dict[str, Any], elapsed: float, check: bool) -> str:
+    done, total = p["bytes_done"], p["bytes_total"]
+    if check:
+        return (f"{_human(done)} of {_human(total)} cached "
+                f"({100 * done / total if total else 100:.1f}%), {p['objects_total']} objects")
+    rate = p["bytes_fetched"] / elapsed if elapsed > 0 else 0.0
+    left = total - done
+    eta = left / rate if rate > 0 and p["listing_done"] else float("nan")
+    pct = 100 * done / total if total else 0.0
+    return (f"{_human(done)} / {_human(total)}{'' if p['listing_done'] else '+'} ({pct:.1f}%)  "
+            f"{p['objects_done']}/{p['objects_total']} objects  {_human(rate)}/s  "
+            f"ETA {_eta(eta)}")
+
+
+def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parallel: int,
+              check: bool) -> int:
+    mp, sock = find_mount(mountpoint)
+    if Path(os.path.abspath(mountpoint)) != mp:
+        raise ConfigError(f"{mountpoint} is not a cachefs mount point (it is inside {mp})")
+    wanted = [p if os.path.isabs(p) else os.path.join(mp, p) for p in paths]
+    if manifest:
+        try:
+            with open(manifest) as f:
+                lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+        except OSError as exc:
+            raise ConfigError(f"cannot read manifest {manifest!r}: {exc.strerror}") from None
+        wanted += [ln if os.path.isabs(ln) else os.path.join(mp, ln) for ln in lines]
+    rel = relative_paths(mp, wanted) if wanted else [""]
+    if parallel < 1:
+        raise ConfigError("--parallel must be at least 1")
+    tty = sys.stderr.isatty()
+    t0 = time.monotonic()
+    last_log = 0.0
+    final: dict[str, Any] | None = None
+    try:
+        for reply in request(sock, {"op": "warm", "paths": rel, "parallel": parallel,
+                                    "check": check}, timeout=None):
+            elapsed = time.monotonic() - t0
+            if reply["event"] == "progress":
+                if tty:
+                    print("\r" + _line(reply, elapsed, check).ljust(100), end="",
+                          file=sys.stderr, flush=True)
+                elif elapsed - last_log >= 5:
+                    last_log = elapsed
+                    print("cachefs warm: " + _line(reply, elapsed, check), file=sys.stderr)
+            elif reply["event"] == "done":
+                final = reply
+    except KeyboardInterrupt:
+        print("\ncachefs warm: interrupted; run it again to resume", file=sys.stderr)
+        return 130
+    if tty:
+        print(file=sys.stderr)
+    if final is None:
+        raise CachefsError("the cachefs daemon ended the warm request without a result")
+    elapsed = time.monotonic() - t0
+    if check:
+        print(_line(final, elapsed, True))
+    else:
+        print(f"warmed {final['objects_done']} of {final['objects_total']} objects, "
+              f"{_human(final['bytes_done'])} resident, {_human(final['bytes_fetched'])} "
+              f"fetched from S3 in {elapsed:.1f}s")
+    for path, message in final["failed"]:
+        print(f"failed: {path}: {message}", file=sys.stderr)
+    if final["failed_count"] > len(final["failed"]):
+        print(f"... and {final['failed_count'] - len(final['failed'])} more failures",
+              file=sys.stderr)
+    return 1 if final["failed_count"] else 0

@@ -1,0 +1,96 @@
+"""``cachefs warm`` and read-order hints against a real mount and a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import run_cachefs
+
+pytestmark = pytest.mark.fuse
+
+
+def _populate(client, name: str) -> dict[str, bytes]:
+    files = {}
+    for d in range(3):
+        for i in range(6):
+            files[f"ds/train/c{d}/{i}.bin"] = bytes([d * 16 + i]) * (20_000 + 7_000 * i)
+    files["ds/val/v.bin"] = b"v" * 300_000
+    for k, v in files.items():
+        client.put_object(Bucket=name, Key=k, Body=v)
+    return files
+
+
+def test_warm_directory_then_reads_need_no_get(bucket, mount_factory):
+    client, name = bucket
+    files = _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds", "--block-size", "64K")
+    check = run_cachefs("warm", str(m.path), "--check")
+    assert check.returncode == 0, check.stderr
+    assert "0 B of" in check.stdout and "(0.0%)" in check.stdout
+
+    proc = run_cachefs("warm", str(m.path), "train")
+    assert proc.returncode == 0, proc.stderr
+    train = {k: v for k, v in files.items() if "/train/" in k}
+    assert f"warmed {len(train)} of {len(train)} objects" in proc.stdout
+    gets = m.gets()
+    assert gets >= len(train)
+
+    again = run_cachefs("warm", str(m.path), "train")  # resumable: nothing left to fetch
+    assert again.returncode == 0 and "0 B fetched" in again.stdout
+    assert m.gets() == gets
+
+    for key, data in train.items():
+        assert (m.path / key[len("ds/"):]).read_bytes() == data
+    assert m.gets() == gets  # every training read came from the cache
+
+    check = run_cachefs("warm", str(m.path), "--check")
+    total = sum(len(v) for v in files.values())
+    cached = sum(len(v) for v in train.values())
+    assert f"({100 * cached / total:.1f}%)" in check.stdout, check.stdout
+
+
+def test_warm_manifest_with_missing_entry_fails_clearly(bucket, mount_factory, tmp_path):
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text("val/v.bin\ntrain/c0/0.bin\nno/such/file.bin\n")
+    proc = run_cachefs("warm", str(m.path), "--manifest", str(manifest))
+    assert proc.returncode == 1
+    assert "failed: no/such/file.bin: no such file or directory" in proc.stderr
+    assert "warmed 2 of 2 objects" in proc.stdout
+    assert (m.path / "val/v.bin").read_bytes() == b"v" * 300_000
+
+
+def test_warm_rejects_paths_outside_the_mount(bucket, mount_factory, tmp_path):
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    proc = run_cachefs("warm", str(m.path), str(tmp_path))
+    assert proc.returncode != 0
+    assert "not inside the cachefs mount" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cachefs("warm", str(tmp_path))
+    assert proc.returncode != 0 and "not inside a cachefs mount" in proc.stderr
+
+
+def test_read_order_hint_prefetches_the_hinted_files(bucket, mount_factory):
+    from cachefs.client import send_hint
+
+    client, name = bucket
+    files = _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    order = sorted(k for k in files if "/train/" in k)[::-1]
+    accepted = send_hint([str(m.path / k[len("ds/"):]) for k in order])
+    assert accepted == len(order)
+    deadline = time.monotonic() + 20
+    while m.gets() < len(order) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert m.gets() == len(order)  # fetched ahead, each exactly once
+    for key in order:
+        assert (m.path / key[len("ds/"):]).read_bytes() == files[key]
+    assert m.gets() == len(order)
+    st = json.loads(run_cachefs("status", "--json", str(m.path)).stdout)
+    assert st["mountpoint"] == str(m.path)
