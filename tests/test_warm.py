@@ -94,3 +94,50 @@ def test_read_order_hint_prefetches_the_hinted_files(bucket, mount_factory):
     assert m.gets() == len(order)
     st = json.loads(run_cachefs("status", "--json", str(m.path)).stdout)
     assert st["mountpoint"] == str(m.path)
+
+
+def test_hinted_sampler_sends_the_epoch_order(bucket, mount_factory):
+    import random
+
+    from cachefs.torch import hinted
+
+    client, name = bucket
+    files = _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    keys = sorted(files)
+    paths = [str(m.path / k[len("ds/"):]) for k in keys]
+
+    class Shuffled:
+        def __init__(self, n: int) -> None:
+            self.n, self.epoch = n, 0
+
+        def __iter__(self):
+            order = list(range(self.n))
+            random.Random(self.epoch).shuffle(order)
+            return iter(order)
+
+        def __len__(self) -> int:
+            return self.n
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    sampler = hinted(Shuffled(len(paths)), paths=paths)
+    sampler.set_epoch(3)
+    order = list(sampler)
+    assert sorted(order) == list(range(len(paths))) and sampler.hints_sent == 1
+    deadline = time.monotonic() + 20
+    while m.gets() < len(paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert m.gets() == len(paths)
+    for i in order:
+        assert open(paths[i], "rb").read() == files[keys[i]]
+    assert m.gets() == len(paths)
+
+
+def test_hinted_sampler_outside_cachefs_is_harmless(tmp_path):
+    from cachefs.torch import hinted
+
+    sampler = hinted([2, 0, 1], paths=[str(tmp_path / f"{i}") for i in range(3)])
+    assert list(sampler) == [2, 0, 1]
+    assert sampler.hints_sent == 0 and len(sampler) == 3
