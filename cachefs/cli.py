@@ -80,6 +80,33 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--check", action="store_true",
                       help="only report what share is cached; fetch nothing")
 
+    probe = sub.add_parser("probe", help="measure latency and throughput to a bucket")
+    probe.add_argument("source", help="s3://BUCKET[/PREFIX] with some objects to read")
+    probe.add_argument("--endpoint-url", metavar="URL")
+    probe.add_argument("--region", metavar="REGION")
+    probe.add_argument("--no-sign-request", action="store_true")
+    probe.add_argument("--samples", type=int, default=20, help="latency samples (default 20)")
+    probe.add_argument("--parallel", type=int, default=16, help="parallel streams (default 16)")
+    probe.add_argument("--seconds", type=float, default=5.0,
+                       help="duration of each throughput test (default 5)")
+    probe.add_argument("--json", action="store_true")
+
+    plan = sub.add_parser("plan", help="expected warm-up, hit ratio and throughput per policy")
+    plan.add_argument("--dataset-size", required=True, metavar="SIZE", help="e.g. 144G")
+    plan.add_argument("--cache-size", required=True, metavar="SIZE", help="per node, e.g. 2T")
+    plan.add_argument("--bandwidth", metavar="RATE", help="link goodput, e.g. 150MB/s, 10Gbit")
+    plan.add_argument("--latency", metavar="DURATION", help="request latency, e.g. 70ms")
+    plan.add_argument("--probe", metavar="FILE", help="'cachefs probe --json' output")
+    plan.add_argument("--demand", required=True, metavar="RATE",
+                      help="what the job reads co-located, e.g. 1.8GB/s")
+    plan.add_argument("--files", type=int, default=0, help="number of files in the dataset")
+    plan.add_argument("--mean-file-size", metavar="SIZE", help="instead of --files (default 110K)")
+    plan.add_argument("--epochs", type=int, default=10)
+    plan.add_argument("--workers", type=int, default=8, help="DataLoader workers (default 8)")
+    plan.add_argument("--in-flight", type=int, default=96,
+                      help="requests cachefs keeps in flight when prefetching (default 96)")
+    plan.add_argument("--json", action="store_true")
+
     status = sub.add_parser("status", help="show cachefs mounts on this node")
     status.add_argument("mountpoint", nargs="?")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -254,6 +281,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "warm":
             return cmd_warm(args)
+        if args.command == "probe":
+            from cachefs.probe import probe_main
+
+            return probe_main(args)
+        if args.command == "plan":
+            from cachefs.plan import plan_main
+
+            return plan_main(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

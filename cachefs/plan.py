@@ -1,0 +1,204 @@
+"""``cachefs plan``: what moving a training job next to a remote bucket will cost.
+
+Inputs are the dataset, the cache, the link (measured with ``cachefs probe`` or
+given) and the job's demand. Notation (anchors of the design): dataset S bytes
+in D files, cache fraction c = min(1, cache / S), link goodput B, demand R,
+request latency L, requests in flight Q, epochs E.
+
+* Hit ratio per epoch with a fresh random permutation each epoch:
+  ``keep`` (admit until full, then keep) h = c; ``lru`` h = c + (1-c) ln(1-c).
+  Both are 1 once the dataset fits (c = 1).
+* Remote bytes per epoch after the first: (1-h) S. Only misses cross the link,
+  so the steady rate is min(R, min(B, latency bound) / (1-h)) (R when h = 1).
+* Latency bound on reading files one request each: Q x (S/D) / L. Without
+  daemon-side prefetch Q is the number of DataLoader workers; with directory
+  order or a read-order hint cachefs keeps up to its connection limit in flight.
+* First epoch (cold): min(R, B, latency bound). Warm-up lower bound: S / B when
+  the dataset fits in the cache.
+* Co-located parity in steady state needs min(B/(1-h), latency bound) >= R,
+  i.e. c >= 1 - B/R for the keep policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from typing import Any
+
+from cachefs.config import parse_duration, parse_size
+from cachefs.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    dataset_bytes: int
+    cache_bytes: int
+    bandwidth: float  # bytes/s
+    latency: float  # seconds
+    demand: float  # bytes/s
+    files: int
+    in_flight: int
+    workers: int
+    epochs: int
+
+
+def hit_ratio(policy: str, c: float) -> float:
+    if c >= 1:
+        return 1.0
+    if policy == "keep":
+        return c
+    if policy == "lru":
+        return c + (1 - c) * math.log(1 - c) if c > 0 else 0.0
+    raise ValueError(policy)
+
+
+def plan(inp: Inputs) -> dict[str, Any]:
+    S, B, R, L = inp.dataset_bytes, inp.bandwidth, inp.demand, inp.latency
+    c = min(1.0, inp.cache_bytes / S) if S else 1.0
+    mean_file = S / max(1, inp.files)
+    latency_bound_workers = inp.workers * mean_file / L if L > 0 else math.inf
+    latency_bound_prefetch = inp.in_flight * mean_file / L if L > 0 else math.inf
+    first_epoch_rate = min(R, B, latency_bound_prefetch)
+    result: dict[str, Any] = {
+        "cache_fraction": c,
+        "mean_file_bytes": mean_file,
+        "latency_bound_workers_bytes_per_s": latency_bound_workers,
+        "latency_bound_prefetch_bytes_per_s": latency_bound_prefetch,
+        "first_epoch_seconds": S / first_epoch_rate if first_epoch_rate else math.inf,
+        "first_epoch_bytes_per_s": first_epoch_rate,
+        "warmup_lower_bound_seconds": S / B if B else math.inf,
+        "parity_cache_fraction_needed": max(0.0, 1 - B / R) if R else 0.0,
+        "policies": {},
+    }
+    for policy in ("keep", "lru"):
+        h = hit_ratio(policy, c)
+        # Only misses cross the link: the remote share (1-h) x rate is bounded by the link
+        # and by the latency bound of the requests in flight.
+        remote_bound = min(B, latency_bound_prefetch)
+        rate = min(R, remote_bound / (1 - h)) if h < 1 else R
+        epoch_s = S / rate if rate else math.inf
+        total = result["first_epoch_seconds"] + max(0, inp.epochs - 1) * epoch_s
+        result["policies"][policy] = {
+            "hit_ratio": h,
+            "remote_bytes_per_epoch": (1 - h) * S,
+            "steady_bytes_per_s": rate,
+            "steady_epoch_seconds": epoch_s,
+            "job_seconds": total,
+            "colocated_job_seconds": inp.epochs * S / R if R else math.inf,
+            "parity": rate >= R * 0.999,
+        }
+    return result
+
+
+def _h(n: float) -> str:
+    if n == math.inf:
+        return "inf"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _t(s: float) -> str:
+    if s == math.inf:
+        return "never"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def render(inp: Inputs, r: dict[str, Any]) -> str:
+    c = r["cache_fraction"]
+    lines = [
+        f"dataset S = {_h(inp.dataset_bytes)} in D = {inp.files} files "
+        f"(mean {_h(r['mean_file_bytes'])}); cache = {_h(inp.cache_bytes)} -> c = {c:.3f}",
+        f"link B = {_h(inp.bandwidth)}/s, latency L = {inp.latency * 1000:.0f} ms; demand R = "
+        f"{_h(inp.demand)}/s; {inp.epochs} epochs",
+        "",
+        f"latency bound, one file per DataLoader worker: Q x S/D / L = {inp.workers} x "
+        f"{_h(r['mean_file_bytes'])} / {inp.latency * 1000:.0f} ms = "
+        f"{_h(r['latency_bound_workers_bytes_per_s'])}/s",
+        f"latency bound, cachefs prefetch (directory order or read-order hint, Q = "
+        f"{inp.in_flight}): {_h(r['latency_bound_prefetch_bytes_per_s'])}/s",
+        f"first epoch (cold): S / min(R, B, prefetch bound) = "
+        f"{_t(r['first_epoch_seconds'])} at {_h(r['first_epoch_bytes_per_s'])}/s",
+        f"warm-up lower bound S / B = {_t(r['warmup_lower_bound_seconds'])}",
+        f"co-located parity needs c >= 1 - B/R = {r['parity_cache_fraction_needed']:.3f}",
+        "",
+        f"{'policy':<8}{'hit ratio':>11}{'remote/epoch':>14}{'steady rate':>14}"
+        f"{'job time':>12}{'co-located':>12}  parity",
+    ]
+    for policy, p in r["policies"].items():
+        formula = "h = c" if policy == "keep" else "h = c + (1-c) ln(1-c)"
+        lines.append(
+            f"{policy:<8}{p['hit_ratio']:>11.3f}{_h(p['remote_bytes_per_epoch']):>14}"
+            f"{_h(p['steady_bytes_per_s']) + '/s':>14}{_t(p['job_seconds']):>12}"
+            f"{_t(p['colocated_job_seconds']):>12}  {'yes' if p['parity'] else 'no'}"
+            f"   ({formula}; rate = min(R, min(B, prefetch bound) / (1-h)))")
+    best = max(r["policies"].items(), key=lambda kv: kv[1]["steady_bytes_per_s"])
+    lines.append("")
+    lines.append(f"recommended policy: {best[0]}" + (
+        "" if best[1]["parity"] else
+        f" (no parity: grow the cache to >= {r['parity_cache_fraction_needed']:.0%} of the "
+        "dataset, or the link)"))
+    return "\n".join(lines)
+
+
+def _rate(value: str) -> float:
+    """'150MB/s', '1.2GB', '10Gbit' -> bytes/s (decimal units, as links are quoted)."""
+    text = value.strip().lower().removesuffix("/s").removesuffix("ps")
+    bits = text.endswith(("bit", "b")) and not text.endswith(("byte", "kb", "mb", "gb", "tb"))
+    for suffix in ("bits", "bit", "bytes", "byte", "b"):
+        if text.endswith(suffix):
+            text = text[:-len(suffix)]
+            break
+    mult = 1.0
+    for unit, m in (("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12)):
+        if text.endswith(unit):
+            text, mult = text[:-1], m
+            break
+    try:
+        n = float(text) * mult
+    except ValueError:
+        raise ConfigError(f"invalid rate {value!r}: expected e.g. 150MB/s or 10Gbit") from None
+    return n / 8 if bits else n
+
+
+def plan_main(args: Any) -> int:
+    bandwidth = _rate(args.bandwidth) if args.bandwidth else None
+    latency = parse_duration(args.latency) if args.latency else None
+    if args.probe:
+        try:
+            with open(args.probe) as f:
+                probe = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read probe results {args.probe!r}: {exc}") from None
+        bandwidth = bandwidth or float(probe["parallel_bytes_per_s"])
+        latency = latency if latency is not None else float(probe["get_latency_p50_s"])
+    if bandwidth is None or latency is None:
+        raise ConfigError("give --bandwidth and --latency, or --probe FILE from "
+                          "'cachefs probe --json'")
+    dataset = parse_size(args.dataset_size)
+    if dataset <= 0:
+        raise ConfigError("--dataset-size must be positive")
+    inp = Inputs(
+        dataset_bytes=dataset, cache_bytes=parse_size(args.cache_size),
+        bandwidth=bandwidth, latency=latency, demand=_rate(args.demand),
+        files=args.files or max(1, dataset // (parse_size(args.mean_file_size)
+                                               if args.mean_file_size else 110_000)),
+        in_flight=args.in_flight, workers=args.workers, epochs=args.epochs)
+    if inp.demand <= 0 or inp.bandwidth <= 0:
+        raise ConfigError("--demand and --bandwidth must be positive")
+    result = plan(inp)
+    if args.json:
+        json.dump({"inputs": dataclasses.asdict(inp), **result}, sys.stdout, indent=2,
+                  default=str)
+        print()
+    else:
+        print(render(inp, result))
+    return 0

@@ -1,0 +1,81 @@
+"""``cachefs plan`` formulas and ``cachefs probe`` against a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cachefs.plan import Inputs, hit_ratio, plan
+from tests.conftest import run_cachefs
+
+
+def test_hit_ratio_formulas():
+    assert hit_ratio("keep", 0.5) == 0.5
+    assert hit_ratio("lru", 0.5) == pytest.approx(0.5 + 0.5 * math.log(0.5))  # ~0.153
+    assert hit_ratio("lru", 0.8) == pytest.approx(0.478, abs=1e-3)
+    assert hit_ratio("keep", 1.2) == hit_ratio("lru", 1.0) == 1.0
+
+
+def test_plan_parity_and_bounds():
+    base = dict(dataset_bytes=100 * 10**9, bandwidth=150e6, latency=0.07, demand=300e6,
+                files=1_000_000, in_flight=200, workers=8, epochs=5)
+    fits = plan(Inputs(cache_bytes=200 * 10**9, **base))
+    assert fits["policies"]["keep"]["parity"] and fits["policies"]["lru"]["parity"]
+    assert fits["warmup_lower_bound_seconds"] == pytest.approx(100e9 / 150e6)
+    half = plan(Inputs(cache_bytes=50 * 10**9, **base))
+    keep, lru = half["policies"]["keep"], half["policies"]["lru"]
+    assert keep["hit_ratio"] == 0.5 and keep["remote_bytes_per_epoch"] == pytest.approx(50e9)
+    assert keep["steady_bytes_per_s"] == pytest.approx(300e6)  # 150 MB/s / (1 - 0.5) = R
+    assert keep["parity"] and not lru["parity"]
+    assert half["parity_cache_fraction_needed"] == pytest.approx(0.5)
+    assert half["latency_bound_workers_bytes_per_s"] == pytest.approx(8 * 1e5 / 0.07)
+
+
+def test_plan_cli_prints_formulas_and_json():
+    proc = run_cachefs("plan", "--dataset-size", "144G", "--cache-size", "72G", "--bandwidth",
+                       "150MB/s", "--latency", "70ms", "--demand", "1.8GB/s", "--files",
+                       "1281167")
+    assert proc.returncode == 0, proc.stderr
+    assert "h = c + (1-c) ln(1-c)" in proc.stdout and "c >= 1 - B/R" in proc.stdout
+    proc = run_cachefs("plan", "--dataset-size", "1G", "--cache-size", "2G", "--bandwidth",
+                       "10Gbit", "--latency", "70ms", "--demand", "500MB/s", "--json")
+    data = json.loads(proc.stdout)
+    assert data["inputs"]["bandwidth"] == pytest.approx(1.25e9)
+    assert data["policies"]["keep"]["parity"] is True
+
+
+def test_plan_bad_input_is_one_line():
+    proc = run_cachefs("plan", "--dataset-size", "lots", "--cache-size", "1G", "--bandwidth",
+                       "1MB/s", "--latency", "1ms", "--demand", "1MB/s")
+    assert proc.returncode == 2 and proc.stderr.startswith("cachefs: error: invalid size")
+    proc = run_cachefs("plan", "--dataset-size", "1G", "--cache-size", "1G", "--demand", "1MB/s")
+    assert proc.returncode == 2 and "--probe" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_probe_measures_a_real_bucket_and_feeds_plan(bucket, s3_endpoint, tmp_path):
+    client, name = bucket
+    for i in range(4):
+        client.put_object(Bucket=name, Key=f"p/d{i}/obj", Body=b"z" * (1 << 20))
+    proc = run_cachefs("probe", f"s3://{name}/p", "--endpoint-url", s3_endpoint, "--samples",
+                       "3", "--parallel", "2", "--seconds", "0.5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["objects_seen"] == 4
+    assert result["single_stream_bytes_per_s"] > 0 and result["parallel_bytes_per_s"] > 0
+    assert 0 < result["get_latency_p50_s"] <= result["get_latency_p90_s"]
+    probe_file = tmp_path / "probe.json"
+    probe_file.write_text(proc.stdout)
+    planned = run_cachefs("plan", "--probe", str(probe_file), "--dataset-size", "10G",
+                          "--cache-size", "5G", "--demand", "1GB/s", "--json")
+    assert planned.returncode == 0, planned.stderr
+    inputs = json.loads(planned.stdout)["inputs"]
+    assert inputs["bandwidth"] == pytest.approx(result["parallel_bytes_per_s"])
+
+
+def test_probe_of_missing_bucket_is_one_line(s3_endpoint):
+    proc = run_cachefs("probe", "s3://no-such-bucket-xyz", "--endpoint-url", s3_endpoint,
+                       "--seconds", "0.2")
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr
