@@ -1,0 +1,81 @@
+"""S3 faults under a real mount: transient failures are retried, the rest become errno."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+
+import pytest
+
+from tests.conftest import Mount
+from tests.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.fuse
+
+
+@pytest.fixture
+def proxied(bucket, s3_endpoint, mount_factory, tmp_path):
+    client, name = bucket
+    data = {f"d/f{i}.bin": random.Random(i).randbytes(50_000 + i * 40_000) for i in range(12)}
+    for k, v in data.items():
+        client.put_object(Bucket=name, Key=k, Body=v)
+    with FaultProxy(s3_endpoint) as proxy:
+        m: Mount = mount_factory(f"s3://{name}", "--block-size", "64K", start=False)
+        m.endpoint = proxy.url
+        m.start()
+        yield proxy, m, data
+
+
+def test_slowdown_and_resets_are_retried(proxied):
+    proxy, m, data = proxied
+    # Every third GET is throttled and every fifth reset: reads must still be exact.
+    proxy.plan = lambda method, path, n: ("503" if n % 3 == 0 else "reset" if n % 5 == 0
+                                          else "pass")
+    for key, expected in data.items():
+        assert (m.path / key).read_bytes() == expected
+    metrics = m.metrics()
+    assert sum(v for k, v in metrics.items() if k.startswith("cachefs_s3_retries_total")) > 0
+    assert sum(v for k, v in metrics.items() if k.startswith("cachefs_s3_throttles_total")) > 0
+    assert proxy.faults["503"] > 0 and proxy.faults["reset"] > 0
+
+
+def test_unreachable_store_becomes_eio_not_a_hang(proxied):
+    proxy, m, data = proxied
+    os.listdir(m.path / "d")  # metadata cached; data not yet
+    proxy.plan = lambda method, path, n: "down"
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as info:
+        (m.path / "d/f3.bin").read_bytes()
+    assert info.value.errno == errno.EIO
+    assert time.monotonic() - t0 < 120
+    assert "failed" in m.log()
+    # The mount survives: once S3 answers again, the same file reads correctly.
+    proxy.plan = lambda method, path, n: "pass"
+    assert (m.path / "d/f3.bin").read_bytes() == data["d/f3.bin"]
+
+
+def test_cached_data_is_served_while_s3_is_down(proxied):
+    proxy, m, data = proxied
+    for key, expected in data.items():
+        assert (m.path / key).read_bytes() == expected
+    proxy.plan = lambda method, path, n: "down"
+    gets_before = proxy.counts["GET"]
+    for key, expected in data.items():
+        assert (m.path / key).read_bytes() == expected
+    assert proxy.counts["GET"] == gets_before
+
+
+
+
+def test_credentials_never_reach_the_log(bucket, mount_factory):
+    from tests.conftest import ACCESS_KEY, SECRET_KEY
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="k.bin", Body=b"k" * 1000)
+    m = mount_factory(f"s3://{name}", "--log-level", "debug")
+    assert (m.path / "k.bin").read_bytes() == b"k" * 1000
+    log = m.log()
+    assert "mounted" in log
+    assert SECRET_KEY not in log and ACCESS_KEY not in log
