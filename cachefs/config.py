@@ -67,7 +67,8 @@ def parse_duration(value: str | int | float) -> float:
 def parse_mode(value: str | int) -> int:
     """Parse an octal permission mode such as ``0444`` or ``555``."""
     if isinstance(value, int) and not isinstance(value, bool):
-        mode = value
+        # A TOML integer 444 is decimal (0o674): refuse to guess, ask for a string.
+        raise ConfigError(f"invalid mode {value!r}: write modes as strings, e.g. \"0444\"")
     else:
         try:
             mode = int(str(value), 8)

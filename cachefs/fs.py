@@ -262,6 +262,10 @@ class FileSystem:
         if not isinstance(handle, FileHandle):
             raise FsError(errno.EBADF)
         obj = handle.obj
+        if obj.etag != handle.node.last_open_etag:
+            # An old version is read into this inode's page cache: the next open must
+            # not keep that cache, whatever version it finds.
+            handle.node.last_open_etag = None
         # Prefetch flights are started first but cannot starve this read: they may use
         # only a share of the S3 connections (see Fetcher), and never wait for budget.
         for index in handle.stream.on_read(offset, size):

@@ -114,6 +114,16 @@ def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[
     return result
 
 
+class _Listing:
+    """One directory listing in progress, shared by every caller that needs it."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+
+
 class Metadata:
     """Listings of one bucket's directories, cached in LMDB.
 
@@ -128,7 +138,7 @@ class Metadata:
         self._limiter = limiter
         self._clock = clock
         self._stale: set[str] = set()
-        self._inflight: dict[str, trio.Event] = {}
+        self._inflight: dict[str, _Listing] = {}
         self._dirs = env.db("dirs")
         self._entries = env.db("entries")
 
@@ -151,29 +161,34 @@ class Metadata:
     async def ensure(self, prefix: str) -> None:
         """Make sure ``prefix`` has a fresh listing; list it (once, shared) if not.
 
-        Raises StoreError when listing fails and no listing at all is known; a
-        stale listing is kept and served when a refresh fails transiently.
+        Raises StoreError when listing fails and no listing at all is known (every
+        caller waiting on that listing gets the same error); a stale listing is kept
+        and served when a refresh fails.
         """
-        while not self.is_fresh(prefix):
-            event = self._inflight.get(prefix)
-            if event is not None:
-                await event.wait()
-                if self.listed_at(prefix) is not None:
-                    return  # fresh now, or a stale listing the refresh could not replace
-                continue
-            event = self._inflight[prefix] = trio.Event()
+        if self.is_fresh(prefix):
+            return
+        listing = self._inflight.get(prefix)
+        if listing is None:
+            listing = self._inflight[prefix] = _Listing()
+            # Cleared before listing: an invalidate() that arrives while the listing
+            # runs must survive it (the listing may predate the change).
+            self._stale.discard(prefix)
             try:
                 await trio.to_thread.run_sync(self.refresh_sync, prefix, limiter=self._limiter)
-                self._stale.discard(prefix)
-            except Exception:
+            except Exception as exc:
+                self._stale.add(prefix)
                 if self.listed_at(prefix) is None:
+                    listing.error = exc
                     raise
-                log.warning("refreshing the listing of %r failed; serving the old one", prefix,
-                            exc_info=True)
+                log.warning("refreshing the listing of %r failed (%s); serving the old one",
+                            prefix, exc)
             finally:
                 del self._inflight[prefix]
-                event.set()
+                listing.done.set()
             return
+        await listing.done.wait()
+        if listing.error is not None and self.listed_at(prefix) is None:
+            raise listing.error
 
     # -- listing (worker threads) -------------------------------------------------
     def refresh_sync(self, prefix: str) -> int:

@@ -1,0 +1,467 @@
+"""Component tests of cachefs.fetcher over MemoryStore + BlockCache + MemoryBudget (no FUSE)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachefs.blockcache import BlockCache
+from cachefs.budget import MemoryBudget
+from cachefs.errors import AccessDenied, NoSuchKey, ObjectChanged, TransientStoreError
+from cachefs.fetcher import Fetcher, ObjectVersion
+from cachefs.lmdbenv import LmdbEnv
+from cachefs.store import MemoryStore, ObjectStore, RetryingStore, RetryPolicy
+
+BS = 64  # tiny blocks: many block boundaries with little data
+
+
+def payload(n: int, seed: int = 1) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class Rig:
+    """Everything a Fetcher needs, built inside one trio run."""
+
+    def __init__(self, root: Path, store: ObjectStore, *, budget: int = 1 << 20, hot: int = 0,
+                 capacity: int = 1 << 20, connections: int = 8) -> None:
+        self.root = root
+        self.store = store
+        root.mkdir(parents=True, exist_ok=True)
+        self.env = LmdbEnv(root / "meta.lmdb")
+        self.budget_limit = budget
+        self.hot = hot
+        self.capacity = capacity
+        self.connections = connections
+
+    @contextlib.asynccontextmanager
+    async def fetcher(self) -> AsyncIterator[Fetcher]:
+        cache = BlockCache(self.env, self.root, capacity=self.capacity)
+        fetcher = Fetcher(self.store, cache, block_size=BS, budget=MemoryBudget(self.budget_limit),
+                          s3_limiter=trio.CapacityLimiter(self.connections), hot_capacity=self.hot)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            try:
+                yield fetcher
+                await fetcher.drain()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    def run(self, fn: Callable[[Fetcher], Awaitable[Any]]) -> Any:
+        async def main() -> Any:
+            async with self.fetcher() as f:
+                return await fn(f)
+        return trio.run(main)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+@pytest.fixture
+def mem() -> MemoryStore:
+    return MemoryStore()
+
+
+@pytest.fixture
+def rig(tmp_path: Path, mem: MemoryStore) -> Any:
+    r = Rig(tmp_path, mem)
+    yield r
+    r.close()
+
+
+def version(store: MemoryStore, key: str) -> ObjectVersion:
+    info = store.head(key)
+    store.calls["head"] -= 1
+    return ObjectVersion(key, info.etag, info.size)
+
+
+def slow_gets(store: MemoryStore, seconds: float = 0.02) -> None:
+    def fault(op: str, key: str) -> None:
+        if op == "get":
+            time.sleep(seconds)
+    store.fault = fault
+
+
+# -- correctness of arbitrary ranges ------------------------------------------------------------
+def test_read_arbitrary_ranges_matches_reference(tmp_path: Path) -> None:
+    store = MemoryStore()
+    sizes = {"empty": 0, "one": 1, "small": BS - 1, "exact": 4 * BS, "odd": 10 * BS + 17}
+    ref = {k: payload(n, seed=n) for k, n in sizes.items()}
+    for k, d in ref.items():
+        store.put(k, d)
+    rig = Rig(tmp_path, store, hot=3 * BS)
+
+    @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(key=st.sampled_from(sorted(sizes)), offset=st.integers(0, 12 * BS),
+           size=st.integers(0, 12 * BS))
+    def check(key: str, offset: int, size: int) -> None:
+        obj = version(store, key)
+
+        async def body(f: Fetcher) -> bytes:
+            return await f.read(obj, offset, size)
+
+        assert rig.run(body) == ref[key][offset:offset + size]
+
+    try:
+        check()
+        # Every block ever fetched was fetched once (later examples hit the disk cache).
+        fetched = store.calls["get"]
+        assert fetched <= sum((n + BS - 1) // BS for n in sizes.values())
+
+        async def again(f: Fetcher) -> None:
+            for k in sizes:
+                assert await f.read(version(store, k), 0, 1 << 20) == ref[k]
+        rig.run(again)
+        assert store.calls["get"] == sum((n + BS - 1) // BS for n in sizes.values())
+    finally:
+        rig.close()
+
+
+def test_read_clamps_to_object_size(rig: Rig, mem: MemoryStore) -> None:
+    mem.put("k", payload(100))
+    obj = version(mem, "k")
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 90, 1000) == payload(100)[90:]
+        assert await f.read(obj, 100, 10) == b""
+        assert await f.read(obj, 5000, 10) == b""
+        assert await f.read(obj, 0, 0) == b""
+
+    rig.run(body)
+
+
+# -- single flight and caching ------------------------------------------------------------------------
+def test_concurrent_readers_of_a_missing_block_share_one_get(rig: Rig, mem: MemoryStore) -> None:
+    mem.put("k", payload(3 * BS))
+    obj = version(mem, "k")
+    slow_gets(mem)
+
+    async def body(f: Fetcher) -> None:
+        results: list[bytes] = []
+
+        async def reader(offset: int, size: int) -> None:
+            results.append(await f.read(obj, offset, size))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(reader, i, BS - i)  # all inside block 0
+        assert sorted(results) == sorted(payload(3 * BS)[i:BS] for i in range(10))
+        assert mem.calls["get"] == 1
+
+    rig.run(body)
+
+
+@pytest.mark.parametrize("hot", [0, 1 << 20], ids=["from-disk", "from-memory"])
+def test_second_read_is_served_without_a_get(tmp_path: Path, mem: MemoryStore, hot: int) -> None:
+    data = payload(5 * BS + 3)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    rig = Rig(tmp_path, mem, hot=hot)
+    try:
+        async def body(f: Fetcher) -> None:
+            assert await f.read(obj, 0, len(data)) == data
+            assert mem.calls["get"] == 6
+            await f.drain()
+            sources = [(await f.get_block(obj, i))[1] for i in range(6)]
+            assert sources == ["memory" if hot else "disk"] * 6
+            assert await f.read(obj, 0, len(data)) == data
+            assert await f.read(obj, BS - 1, 2) == data[BS - 1:BS + 1]
+            assert mem.calls["get"] == 6
+
+        rig.run(body)
+
+        # A new fetcher over the same cache directory (a remount) reads from disk too.
+        async def after_restart(f: Fetcher) -> None:
+            assert (await f.get_block(obj, 2))[1] == "disk"
+            assert await f.read(obj, 0, len(data)) == data
+
+        rig.run(after_restart)
+        assert mem.calls["get"] == 6
+    finally:
+        rig.close()
+
+
+def test_corrupt_cached_block_is_fetched_again(rig: Rig, mem: MemoryStore) -> None:
+    data = payload(2 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+
+    async def fill(f: Fetcher) -> Path:
+        assert await f.read(obj, 0, 2 * BS) == data
+        return f.cache.path_of(f.block_id(obj, 1))
+
+    path = rig.run(fill)
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+    async def reread(f: Fetcher) -> None:
+        assert await f.read(obj, 0, 2 * BS) == data
+
+    rig.run(reread)
+    assert mem.calls["get"] == 3
+
+
+# -- changed objects ---------------------------------------------------------------------------------
+def test_object_changed_raises_and_never_mixes_versions(rig: Rig, mem: MemoryStore) -> None:
+    v1 = payload(3 * BS, seed=1)
+    v2 = payload(3 * BS, seed=2)
+    mem.put("k", v1)
+    old = version(mem, "k")
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(old, 0, BS) == v1[:BS]  # block 0 of v1 is now cached
+        mem.put("k", v2)
+        new = version(mem, "k")
+        assert new.etag != old.etag
+        with pytest.raises(ObjectChanged):
+            await f.read(old, 0, 3 * BS)  # block 1 and 2 are not cached: If-Match fails
+        with pytest.raises(ObjectChanged):
+            await f.read(old, 2 * BS, 5)
+        assert await f.read(old, 0, BS) == v1[:BS]  # still the pinned version's bytes
+        assert await f.read(new, 0, 3 * BS) == v2  # the new version: none of v1's bytes
+        with pytest.raises(ObjectChanged):
+            await f.read(old, BS, BS)
+
+    rig.run(body)
+
+
+def test_vanished_object_raises_no_such_key(rig: Rig, mem: MemoryStore) -> None:
+    mem.put("k", payload(BS))
+    obj = version(mem, "k")
+    mem.delete("k")
+
+    async def body(f: Fetcher) -> None:
+        with pytest.raises(NoSuchKey):
+            await f.read(obj, 0, 10)
+
+    rig.run(body)
+
+
+# -- prefetch and budget -------------------------------------------------------------------------------
+def test_prefetch_starts_at_most_one_load_per_block(tmp_path: Path, mem: MemoryStore) -> None:
+    data = payload(4 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    slow_gets(mem)
+    rig = Rig(tmp_path, mem, hot=1 << 20)
+
+    async def body(f: Fetcher) -> None:
+        assert f.prefetch(obj, 1) is True
+        assert f.prefetch(obj, 1) is False  # in flight
+        assert f.is_resident(obj, 1)
+        assert await f.read(obj, BS, BS) == data[BS:2 * BS]  # joins the prefetch flight
+        assert mem.calls["get"] == 1
+        await f.drain()
+        assert f.prefetch(obj, 1) is False  # in memory: nothing to do
+        assert f.prefetch(obj, 4) is False  # past the end
+        assert f.prefetch(obj, 100) is False
+        assert [f.prefetch(obj, i) for i in (0, 0, 2, 3, 3)] == [True, False, True, True, False]
+        await f.drain()
+        assert mem.calls["get"] == 4
+        assert await f.read(obj, 0, 4 * BS) == data
+        assert mem.calls["get"] == 4
+
+    try:
+        rig.run(body)
+    finally:
+        rig.close()
+
+
+def test_prefetch_of_a_cached_block_loads_it_from_disk(tmp_path: Path, mem: MemoryStore) -> None:
+    data = payload(2 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    rig = Rig(tmp_path, mem, hot=1 << 20)
+    try:
+        async def fill(f: Fetcher) -> None:
+            await f.read(obj, 0, 2 * BS)
+        rig.run(fill)
+
+        async def body(f: Fetcher) -> None:  # a fresh fetcher: empty memory, blocks on disk
+            assert obj and f.block_id(obj, 0) not in f.hot
+            assert f.prefetch(obj, 0) is True
+            assert f.prefetch(obj, 0) is False
+            await f.drain()
+            assert f.block_id(obj, 0) in f.hot
+            assert f.prefetch(obj, 0) is False
+            assert f.budget.used == 0
+        rig.run(body)
+        assert mem.calls["get"] == 2
+    finally:
+        rig.close()
+
+
+def test_prefetch_respects_the_memory_budget(tmp_path: Path, mem: MemoryStore) -> None:
+    data = payload(8 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    gate = threading.Event()
+
+    def blocked(op: str, key: str) -> None:
+        if op == "get":
+            gate.wait(5)
+
+    mem.fault = blocked
+    rig = Rig(tmp_path, mem, budget=3 * BS)
+    try:
+        async def body(f: Fetcher) -> None:
+            assert [f.prefetch(obj, i) for i in range(5)] == [True, True, True, False, False]
+            assert f.budget.used == 3 * BS
+            assert not f.is_resident(obj, 3)
+            gate.set()
+            await f.drain()
+            assert f.budget.used == 0
+            assert f.prefetch(obj, 3) is True  # room again
+            await f.drain()
+            assert mem.calls["get"] == 4
+            assert await f.read(obj, 0, 8 * BS) == data
+            await f.drain()
+            assert f.budget.used == 0
+            assert mem.calls["get"] == 8
+
+        rig.run(body)
+    finally:
+        gate.set()
+        rig.close()
+
+
+def test_demand_reads_never_wait_for_the_budget(tmp_path: Path, mem: MemoryStore) -> None:
+    data = payload(6 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    rig = Rig(tmp_path, mem, budget=BS)
+    try:
+        async def body(f: Fetcher) -> None:
+            assert f.budget.try_reserve(BS)  # the budget is exhausted
+            with trio.fail_after(5):
+                assert await f.read(obj, 0, 6 * BS) == data
+            await f.drain()
+            assert f.budget.used == BS  # demand reservations were released again
+            assert f.budget.try_reserve(1) is False
+        rig.run(body)
+    finally:
+        rig.close()
+
+
+def test_drain_waits_for_cache_writes(rig: Rig, mem: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = payload(3 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    real_put_sync = BlockCache.put_sync
+    written: list[bytes] = []
+
+    def slow_put_sync(self: BlockCache, bid: bytes, block: bytes) -> bool:
+        time.sleep(0.05)
+        ok = real_put_sync(self, bid, block)
+        written.append(bid)
+        return ok
+
+    monkeypatch.setattr(BlockCache, "put_sync", slow_put_sync)
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 0, 3 * BS) == data
+        ids = [f.block_id(obj, i) for i in range(3)]
+        assert not any(f.cache.contains(b) for b in ids), "writes should still be running"
+        assert f.budget.used == 3 * BS  # reservations held until the block is on disk
+        await f.drain()
+        assert sorted(written) == sorted(ids)
+        assert all(f.cache.contains(b) for b in ids)
+        assert f.budget.used == 0
+        await f.drain()  # idle: returns at once
+
+    rig.run(body)
+
+
+# -- failures ------------------------------------------------------------------------------------------
+def test_transient_failures_are_retried(tmp_path: Path, mem: MemoryStore) -> None:
+    data = payload(2 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    failures = {"left": 2}
+    lock = threading.Lock()
+
+    def flaky(op: str, key: str) -> None:
+        with lock:
+            if op == "get" and failures["left"]:
+                failures["left"] -= 1
+                raise TransientStoreError("500 InternalError")
+
+    mem.fault = flaky
+    slept: list[float] = []
+    store = RetryingStore(mem, policy=RetryPolicy(attempts=3, base=0), sleep=slept.append)
+    rig = Rig(tmp_path, store)
+    try:
+        async def body(f: Fetcher) -> None:
+            assert await f.read(obj, 0, BS) == data[:BS]
+        rig.run(body)
+        assert mem.calls["get"] == 3
+        assert slept == [0.0, 0.0]
+    finally:
+        rig.close()
+
+
+def test_retries_give_up_after_the_policy_attempts(tmp_path: Path, mem: MemoryStore) -> None:
+    mem.put("k", payload(BS))
+    obj = version(mem, "k")
+
+    def always(op: str, key: str) -> None:
+        raise TransientStoreError("503 SlowDown", throttled=True)
+
+    mem.fault = always
+    rig = Rig(tmp_path, RetryingStore(mem, policy=RetryPolicy(attempts=3, base=0), sleep=lambda s: None))
+    try:
+        async def body(f: Fetcher) -> None:
+            with pytest.raises(TransientStoreError):
+                await f.read(obj, 0, BS)
+        rig.run(body)
+        assert mem.calls["get"] == 3
+    finally:
+        rig.close()
+
+
+def test_permanent_failure_reaches_every_waiter_and_is_not_cached(rig: Rig, mem: MemoryStore) -> None:
+    data = payload(2 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+
+    def denied(op: str, key: str) -> None:
+        if op == "get":
+            time.sleep(0.02)
+            raise AccessDenied("access denied to s3://bucket/k")
+
+    mem.fault = denied
+
+    async def body(f: Fetcher) -> None:
+        errors: list[BaseException] = []
+
+        async def reader(offset: int) -> None:
+            try:
+                await f.read(obj, offset, 10)
+            except AccessDenied as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(reader, i)
+        assert len(errors) == 5
+        assert mem.calls["get"] == 1  # one shared failing GET
+        # A read spanning two blocks fails with the one error, not an exception group.
+        with pytest.raises(AccessDenied):
+            await f.read(obj, 0, 2 * BS)
+        await f.drain()
+        assert f.budget.used == 0
+        # The failure is not remembered: once access works again the read succeeds.
+        mem.fault = None
+        assert await f.read(obj, 0, 2 * BS) == data
+
+    rig.run(body)

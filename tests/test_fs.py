@@ -1,0 +1,416 @@
+"""Component tests of cachefs.fs.FileSystem over Metadata + Fetcher + MemoryStore (no FUSE)."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cachefs.blockcache import BlockCache
+from cachefs.budget import MemoryBudget
+from cachefs.errors import NoSuchBucket, ObjectChanged
+from cachefs.fetcher import Fetcher
+from cachefs.fs import ROOT_INODE, FileSystem, FsError
+from cachefs.lmdbenv import LmdbEnv
+from cachefs.metadata import Metadata
+from cachefs.store import MemoryStore
+
+BS = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    """A bucket, a cache directory and a way to run a FileSystem over them in trio."""
+
+    def __init__(self, tmp_path: Path, root_prefix: str = "ds/") -> None:
+        self.store = MemoryStore(page_size=2)
+        self.root = tmp_path / "cache"
+        self.root.mkdir()
+        self.env = LmdbEnv(self.root / "meta.lmdb")
+        self.clock = Clock()
+        self.root_prefix = root_prefix
+
+    def run(self, fn: Callable[[FileSystem], Awaitable[Any]], *, ttl: float = 300.0) -> Any:
+        async def main() -> Any:
+            limiter = trio.CapacityLimiter(8)
+            cache = BlockCache(self.env, self.root, capacity=1 << 20)
+            fetcher = Fetcher(self.store, cache, block_size=BS, budget=MemoryBudget(1 << 20),
+                              s3_limiter=limiter, hot_capacity=1 << 16)
+            metadata = Metadata(self.env, self.store, ttl=ttl, limiter=limiter, clock=self.clock)
+            fs = FileSystem(metadata, fetcher, root_prefix=self.root_prefix, max_readahead=4 * BS)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(fetcher.run)
+                try:
+                    return await fn(fs)
+                finally:
+                    nursery.cancel_scope.cancel()
+        return trio.run(main)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Any:
+    w = World(tmp_path)
+    s = w.store
+    s.put("ds/a.bin", b"A" * 100)
+    s.put("ds/b.bin", bytes(range(200)))
+    s.put("ds/c.txt", b"hello")
+    s.put("ds/sub/x", b"xx")
+    s.put("ds/sub/y", b"yyy")
+    s.put("ds/zdir/", b"")  # directory marker
+    s.put("other/outside", b"not in the mount")
+    yield w
+    w.env.close()
+
+
+ROOT_NAMES = [b"a.bin", b"b.bin", b"c.txt", b"sub", b"zdir"]
+
+
+async def read_all(fs: FileSystem, fh: int, start: int = 0) -> list[tuple[int, bytes]]:
+    return [(pos, node.name) for pos, node in await fs.readdir(fh, start)]
+
+
+# -- lookups and inode lifetime ----------------------------------------------------------------------
+def test_lookup_attributes_and_forget(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        assert fs.inode_count == 1
+        a = await fs.lookup(ROOT_INODE, b"a.bin")
+        assert not a.is_dir and a.size == 100 and a.path == "ds/a.bin"
+        assert a.etag == world.store.head("ds/a.bin").etag
+        assert a.lookups == 1
+        again = await fs.lookup(ROOT_INODE, b"a.bin")
+        assert again is a and a.lookups == 2
+        sub = await fs.lookup(ROOT_INODE, b"sub")
+        assert sub.is_dir and sub.path == "ds/sub/" and sub.ino not in (ROOT_INODE, a.ino)
+        x = await fs.lookup(sub.ino, b"x")
+        assert x.size == 2 and x.path == "ds/sub/x"
+        assert fs.inode_count == 4
+        fs.forget(a.ino, 1)
+        assert fs.node(a.ino) is a and a.lookups == 1
+        fs.forget(a.ino, 1)
+        with pytest.raises(FsError) as ei:
+            fs.node(a.ino)
+        assert ei.value.errno == errno.ENOENT
+        assert fs.inode_count == 3
+        # A new lookup allocates a new inode for the same path.
+        a2 = await fs.lookup(ROOT_INODE, b"a.bin")
+        assert a2.ino != a.ino and a2.lookups == 1
+        # The root is never forgotten.
+        fs.forget(ROOT_INODE, 100)
+        assert fs.node(ROOT_INODE).is_dir
+        # Forgetting an unknown inode is harmless.
+        fs.forget(999_999, 1)
+
+    world.run(body)
+
+
+def test_forget_many_at_once(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        for _ in range(5):
+            node = await fs.lookup(ROOT_INODE, b"c.txt")
+        fs.forget(node.ino, 5)
+        assert fs.inode_count == 1
+
+    world.run(body)
+
+
+def test_dot_and_dotdot(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        sub = await fs.lookup(ROOT_INODE, b"sub")
+        assert await fs.lookup(sub.ino, b".") is sub
+        assert (await fs.lookup(sub.ino, b"..")).ino == ROOT_INODE
+        assert (await fs.lookup(ROOT_INODE, b"..")).ino == ROOT_INODE
+
+    world.run(body)
+
+
+def test_errors(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        a = await fs.lookup(ROOT_INODE, b"a.bin")
+        sub = await fs.lookup(ROOT_INODE, b"sub")
+        cases: list[tuple[int, Awaitable[Any]]] = [
+            (errno.ENOENT, fs.lookup(ROOT_INODE, b"nope")),
+            (errno.ENOENT, fs.lookup(ROOT_INODE, b"outside")),
+            (errno.ENOENT, fs.lookup(sub.ino, b"a.bin")),
+            (errno.ENOTDIR, fs.lookup(a.ino, b"x")),
+            (errno.ENOTDIR, fs.opendir(a.ino)),
+            (errno.EISDIR, fs.open(sub.ino)),
+            (errno.EISDIR, fs.open(ROOT_INODE)),
+            (errno.ENOENT, fs.getattr(424242)),
+            (errno.ENOENT, fs.open(424242)),
+            (errno.EBADF, fs.read(777, 0, 1)),
+            (errno.EBADF, fs.readdir(777, 0)),
+        ]
+        for code, coro in cases:
+            with pytest.raises(FsError) as ei:
+                await coro
+            assert ei.value.errno == code, coro
+        assert fs.inode_count == 3  # failed lookups take no reference and allocate nothing
+
+    world.run(body)
+
+
+def test_store_errors_pass_through(world: World) -> None:
+    def no_bucket(op: str, key: str) -> None:
+        raise NoSuchBucket("bucket 'bucket' does not exist")
+
+    world.store.fault = no_bucket
+
+    async def body(fs: FileSystem) -> None:
+        with pytest.raises(NoSuchBucket):
+            await fs.lookup(ROOT_INODE, b"a.bin")
+
+    world.run(body)
+
+
+# -- readdir --------------------------------------------------------------------------------------------
+def test_readdir_positions_and_continuation(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        fh = await fs.opendir(ROOT_INODE)
+        everything = await read_all(fs, fh)
+        assert everything == list(zip(range(1, 6), ROOT_NAMES, strict=True))
+
+        # The kernel accepts two entries, then continues from the last accepted position.
+        accepted = []
+        for pos, node in await fs.readdir(fh, 0):
+            fs.remember(node)
+            fs.readdir_progress(fh, pos, node)
+            accepted.append((pos, node.name))
+            if len(accepted) == 2:
+                break
+        assert accepted == everything[:2]
+        assert await read_all(fs, fh, 2) == everything[2:]
+
+        # Continuation is by name: an entry inserted before the position (the listing was
+        # refreshed meanwhile) neither repeats nor skips entries.
+        world.store.put("ds/a0", b"new")
+        fs.metadata.invalidate("ds/")
+        await fs.metadata.ensure("ds/")
+        assert [n for _, n in await read_all(fs, fh, 2)] == ROOT_NAMES[2:]
+        assert [n for _, n in await read_all(fs, fh, 0)] == [b"a.bin", b"a0", *ROOT_NAMES[1:]]
+        await fs.lookup(ROOT_INODE, b"a0")  # the kernel may look it up without readdir
+        world.store.delete("ds/a0")
+        fs.metadata.invalidate("ds/")
+        await fs.metadata.ensure("ds/")
+        for pos, node in await fs.readdir(fh, 0):
+            fs.readdir_progress(fh, pos, node)
+            if pos == 2:
+                break
+
+        # Arbitrary restart positions (e.g. after seekdir).
+        for start in range(6):
+            assert await read_all(fs, fh, start) == everything[start:]
+        assert await read_all(fs, fh, 50) == []
+        fs.releasedir(fh)
+        with pytest.raises(FsError):
+            await fs.readdir(fh, 0)
+
+    world.run(body)
+
+
+def test_readdir_nodes_match_lookup(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        fh = await fs.opendir(ROOT_INODE)
+        nodes = {node.name: node for _, node in await fs.readdir(fh, 0)}
+        assert nodes[b"sub"].is_dir and nodes[b"zdir"].is_dir
+        assert nodes[b"b.bin"].size == 200
+        assert await fs.lookup(ROOT_INODE, b"b.bin") is nodes[b"b.bin"]
+        sub_fh = await fs.opendir(nodes[b"sub"].ino)
+        assert await read_all(fs, sub_fh) == [(1, b"x"), (2, b"y")]
+        empty_fh = await fs.opendir(nodes[b"zdir"].ino)
+        assert await read_all(fs, empty_fh) == []
+
+    world.run(body)
+
+
+def test_readdir_lists_once_per_ttl(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        fh = await fs.opendir(ROOT_INODE)
+        await read_all(fs, fh)
+        lists = world.store.calls["list"]
+        for _ in range(3):
+            fh = await fs.opendir(ROOT_INODE)
+            await read_all(fs, fh)
+            await fs.lookup(ROOT_INODE, b"a.bin")
+        assert world.store.calls["list"] == lists
+        world.store.put("ds/new", b"n")
+        world.clock.now += 301
+        fh = await fs.opendir(ROOT_INODE)
+        assert [n for _, n in await read_all(fs, fh)] == [*ROOT_NAMES[:3], b"new", *ROOT_NAMES[3:]]
+        assert world.store.calls["list"] > lists
+
+    world.run(body)
+
+
+# -- open / read / keep_cache ------------------------------------------------------------------------------
+def test_read_returns_object_bytes(world: World) -> None:
+    data = bytes(range(200))
+
+    async def body(fs: FileSystem) -> None:
+        b = await fs.lookup(ROOT_INODE, b"b.bin")
+        fh, _ = await fs.open(b.ino)
+        assert await fs.read(fh, 0, 1000) == data
+        assert await fs.read(fh, 63, 3) == data[63:66]
+        assert await fs.read(fh, 190, 50) == data[190:]
+        assert await fs.read(fh, 200, 10) == b""
+        assert fs.open_handles == 1
+        fs.release(fh)
+        assert fs.open_handles == 0
+        with pytest.raises(FsError) as ei:
+            await fs.read(fh, 0, 1)
+        assert ei.value.errno == errno.EBADF
+
+    world.run(body)
+
+
+def test_sequential_reads_prefetch_ahead(world: World) -> None:
+    world.store.put("ds/big", bytes(i % 256 for i in range(20 * BS)))
+
+    async def body(fs: FileSystem) -> None:
+        node = await fs.lookup(ROOT_INODE, b"big")
+        fh, _ = await fs.open(node.ino)
+        obj = fs._handles[fh].obj  # type: ignore[union-attr]
+        gets = world.store.calls["get"]
+        assert await fs.read(fh, 0, BS) == bytes(i % 256 for i in range(BS))  # + block 1 ahead
+        await fs.read(fh, BS, BS)  # window 2 blocks: 2, 3 ahead
+        await fs.fetcher.drain()
+        assert world.store.calls["get"] == gets + 4
+        assert all(fs.fetcher.is_resident(obj, i) for i in range(4))
+        assert not fs.fetcher.is_resident(obj, 4)
+        await fs.read(fh, 2 * BS, BS)  # block 2 is resident; window 4 blocks (the max): 3..6
+        await fs.fetcher.drain()
+        assert world.store.calls["get"] == gets + 7
+        assert not fs.fetcher.is_resident(obj, 7)
+        # A random reader of another handle gets no readahead.
+        fh2, _ = await fs.open(node.ino)
+        await fs.read(fh2, 15 * BS, 10)
+        await fs.fetcher.drain()
+        assert world.store.calls["get"] == gets + 8
+
+    world.run(body)
+
+
+def test_keep_cache_across_opens(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        c = await fs.lookup(ROOT_INODE, b"c.txt")
+        fh1, keep1 = await fs.open(c.ino)
+        assert keep1 is False  # first open: nothing in the page cache can be trusted
+        fs.release(fh1)
+        fh2, keep2 = await fs.open(c.ino)
+        assert keep2 is True  # same ETag as at the previous open
+        fs.release(fh2)
+        # The object changes; once the listing is refreshed the next open drops the cache.
+        world.store.put("ds/c.txt", b"HELLO, world")
+        world.clock.now += 301
+        fh3, keep3 = await fs.open(c.ino)
+        assert keep3 is False
+        assert c.size == 12
+        assert await fs.read(fh3, 0, 100) == b"HELLO, world"
+        fs.release(fh3)
+        fh4, keep4 = await fs.open(c.ino)
+        assert keep4 is True
+        fs.release(fh4)
+
+    world.run(body)
+
+
+def test_open_within_ttl_keeps_the_listed_version(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        c = await fs.lookup(ROOT_INODE, b"c.txt")
+        old_etag = c.etag
+        world.store.put("ds/c.txt", b"changed")
+        fh, _ = await fs.open(c.ino)  # listing still fresh: the listed version is pinned
+        assert c.etag == old_etag
+        with pytest.raises(ObjectChanged):
+            await fs.read(fh, 0, 10)
+
+    world.run(body)
+
+
+def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        sub = await fs.lookup(ROOT_INODE, b"sub")
+        x = await fs.lookup(sub.ino, b"x")
+        fh, _ = await fs.open(x.ino)
+        assert await fs.read(fh, 0, 10) == b"xx"
+        world.store.put("ds/sub/x", b"new x!")
+        assert fs.metadata.is_fresh("ds/sub/")
+        fh2, keep = await fs.open(x.ino)
+        assert keep is True  # the listing does not know yet
+        # Block 0 of the old version is still cached: it is served (consistently the old version).
+        assert await fs.read(fh2, 0, 10) == b"xx"
+        fs.fetcher.hot = type(fs.fetcher.hot)(0)
+        bid = fs.fetcher.block_id(fs._handles[fh2].obj, 0)  # type: ignore[union-attr]
+        await trio.to_thread.run_sync(fs.fetcher.cache._remove, [bid])
+        with pytest.raises(ObjectChanged):
+            await fs.read(fh2, 0, 10)
+        assert not fs.metadata.is_fresh("ds/sub/")
+        assert fs.metadata.is_fresh("ds/")  # only the file's directory
+        lists = world.store.calls["list"]
+        fh3, keep3 = await fs.open(x.ino)
+        assert world.store.calls["list"] > lists  # the next open listed the directory again
+        assert keep3 is False
+        assert x.size == 6
+        assert await fs.read(fh3, 0, 10) == b"new x!"
+
+    world.run(body)
+
+
+def test_getattr_revalidates_stale_attributes(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        a = await fs.lookup(ROOT_INODE, b"a.bin")
+        world.store.put("ds/a.bin", b"short")
+        assert (await fs.getattr(a.ino)).size == 100  # fresh listing: no S3 request
+        world.clock.now += 301
+        assert (await fs.getattr(a.ino)).size == 5
+        world.store.delete("ds/a.bin")
+        world.clock.now += 301
+        assert (await fs.getattr(a.ino)).size == 5  # gone: the last known version is kept
+
+    world.run(body)
+
+
+def test_root_prefix_empty_mounts_the_whole_bucket(tmp_path: Path) -> None:
+    w = World(tmp_path, root_prefix="")
+    w.store.put("top", b"t")
+    w.store.put("dir/f", b"f")
+    try:
+        async def body(fs: FileSystem) -> None:
+            fh = await fs.opendir(ROOT_INODE)
+            assert await read_all(fs, fh) == [(1, b"dir"), (2, b"top")]
+            d = await fs.lookup(ROOT_INODE, b"dir")
+            f = await fs.lookup(d.ino, b"f")
+            ofh, _ = await fs.open(f.ino)
+            assert await fs.read(ofh, 0, 10) == b"f"
+
+        w.run(body)
+    finally:
+        w.env.close()
+
+
+def test_keep_cache_false_when_an_old_version_handle_read_after_the_last_open(world: World) -> None:
+    async def body(fs: FileSystem) -> None:
+        c = await fs.lookup(ROOT_INODE, b"c.txt")
+        old_fh, _ = await fs.open(c.ino)
+        assert await fs.read(old_fh, 0, 100) == b"hello"  # v1 block now cached
+        world.store.put("ds/c.txt", b"HELLO")  # same size, new version
+        world.clock.now += 301
+        _new_fh, keep = await fs.open(c.ino)
+        assert keep is False  # the kernel drops its pages of v1 here
+        # The old handle keeps reading v1 (served from the block cache): through the same inode
+        # these bytes land in the kernel page cache again.
+        assert await fs.read(old_fh, 0, 100) == b"hello"
+        _, keep_again = await fs.open(c.ino)
+        assert keep_again is False, "the page cache may hold v1 bytes for a v2 reader"
+
+    world.run(body)

@@ -1,0 +1,432 @@
+"""Unit tests of cachefs.metadata: listing rules, LMDB persistence, TTL, single flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from cachefs.errors import AccessDenied, NoSuchBucket, TransientStoreError
+from cachefs.lmdbenv import LmdbEnv
+from cachefs.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
+from cachefs.store import MemoryStore, ObjectInfo
+
+
+def obj(key: str, size: int = 1, etag: str = "e", mtime: float = 1.0) -> ObjectInfo:
+    return ObjectInfo(key, size, etag, mtime)
+
+
+# -- entries_from_listing ------------------------------------------------------------------
+def test_listing_rules_marker_and_sort_order() -> None:
+    skipped: Counter[str] = Counter()
+    entries = entries_from_listing(
+        "data/",
+        [obj("data/"), obj("data/b.bin", 5, "eb", 2.0), obj("data/a.bin", 3, "ea", 1.0)],
+        ["data/sub/", "data/Z/"],
+        skipped,
+    )
+    assert [e.name for e in entries] == [b"Z", b"a.bin", b"b.bin", b"sub"]  # bytes order
+    by_name = {e.name: e for e in entries}
+    assert by_name[b"a.bin"] == Entry(b"a.bin", False, 3, 1.0, "ea")
+    assert by_name[b"sub"].is_dir and by_name[b"Z"].is_dir
+    assert not skipped  # the directory's own marker is not a skip
+
+
+def test_listing_directory_wins_over_object_of_same_name() -> None:
+    skipped: Counter[str] = Counter()
+    entries = entries_from_listing("", [obj("a"), obj("b")], ["a/"], skipped)
+    assert [(e.name, e.is_dir) for e in entries] == [(b"a", True), (b"b", False)]
+    assert skipped == Counter({"shadowed": 1})
+
+
+def test_listing_skips_invalid_names_by_reason() -> None:
+    skipped: Counter[str] = Counter()
+    long_name = "x" * 256
+    entries = entries_from_listing(
+        "p/",
+        [obj("p/."), obj("p/.."), obj("p/" + long_name), obj("p/nul\0name"), obj("p/ok"),
+         obj("p/" + "y" * 255)],
+        ["p//", "p/../", "p/" + long_name + "/", "p/d\0/", "p/dir/"],
+        skipped,
+    )
+    assert [e.name for e in entries] == [b"dir", b"ok", b"y" * 255]
+    assert skipped == Counter({"dot": 3, "too_long": 2, "nul": 2, "empty": 1})
+
+
+def test_too_long_counts_utf8_bytes() -> None:
+    assert invalid_name_reason("é" * 127) is None  # 254 bytes
+    assert invalid_name_reason("é" * 128) == "too_long"  # 256 bytes, 128 characters
+    assert invalid_name_reason("") == "empty"
+    assert invalid_name_reason("..") == "dot"
+    assert invalid_name_reason("a\0") == "nul"
+
+
+# -- Metadata over LMDB + MemoryStore --------------------------------------------------------
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[LmdbEnv]:
+    e = LmdbEnv(tmp_path / "meta.lmdb")
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    s = MemoryStore(page_size=3)
+    for i in range(8):
+        s.put(f"data/f{i}", b"x" * i, mtime=100.0 + i)
+    s.put("data/sub/inner", b"inner")
+    s.put("data/sub2/", b"")  # a directory marker
+    s.put("top", b"t")
+    return s
+
+
+def run_with_metadata(env: LmdbEnv, store: MemoryStore, fn: Callable[[Metadata], object], *,
+                      ttl: float = 300.0, clock: Callable[[], float] = time.time) -> None:
+    async def main() -> None:
+        md = Metadata(env, store, ttl=ttl, limiter=trio.CapacityLimiter(8), clock=clock)
+        await fn(md)  # type: ignore[misc]
+
+    trio.run(main)
+
+
+def names(md: Metadata, prefix: str, after: bytes | None = None) -> list[bytes]:
+    return [e.name for e in md.iter_entries(prefix, after=after)]
+
+
+EXPECTED_DATA = [b"f0", b"f1", b"f2", b"f3", b"f4", b"f5", b"f6", b"f7", b"sub", b"sub2"]
+
+
+def test_ensure_lists_all_pages_once_then_serves_from_lmdb(env: LmdbEnv, store: MemoryStore) -> None:
+    async def body(md: Metadata) -> None:
+        assert md.listed_at("data/") is None and not md.is_fresh("data/")
+        await md.ensure("data/")
+        lists = store.calls["list"]
+        assert lists == 4  # 10 entries in pages of 3
+        assert names(md, "data/") == EXPECTED_DATA
+        assert md.count("data/") == 10
+        f3 = md.get("data/", b"f3")
+        assert f3 is not None and (f3.size, f3.mtime, f3.is_dir) == (3, 103.0, False)
+        assert f3.etag == store.head("data/f3").etag
+        assert md.get("data/", b"sub2") == Entry(b"sub2", True)
+        assert md.get("data/", b"missing") is None
+        for _ in range(5):
+            await md.ensure("data/")
+        assert store.calls["list"] == lists
+        assert md.is_fresh("data/")
+
+    run_with_metadata(env, store, body)
+
+
+def test_ttl_expiry_relists(env: LmdbEnv, store: MemoryStore) -> None:
+    clock = Clock()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("")
+        assert names(md, "") == [b"data", b"top"]
+        first = store.calls["list"]
+        clock.now += 59
+        await md.ensure("")
+        assert store.calls["list"] == first
+        store.put("zz", b"new")
+        clock.now += 2  # 61 s after the listing: expired
+        assert not md.is_fresh("")
+        await md.ensure("")
+        assert store.calls["list"] == first + 1
+        assert names(md, "") == [b"data", b"top", b"zz"]
+        assert md.listed_at("") == clock.now
+
+    run_with_metadata(env, store, body, ttl=60, clock=clock)
+
+
+def test_infinite_ttl_never_expires(env: LmdbEnv, store: MemoryStore) -> None:
+    clock = Clock()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("")
+        clock.now += 10 * 365 * 86400
+        assert md.is_fresh("")
+        await md.ensure("")
+        assert store.calls["list"] == 1
+
+    run_with_metadata(env, store, body, ttl=float("inf"), clock=clock)
+
+
+def test_invalidate_forces_one_relist_and_replaces_entries(env: LmdbEnv, store: MemoryStore) -> None:
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        lists = store.calls["list"]
+        store.delete("data/f0")
+        store.delete("data/sub/inner")
+        new = store.put("data/f1", b"changed!")
+        md.invalidate("data/")
+        assert not md.is_fresh("data/")
+        assert names(md, "data/") == EXPECTED_DATA  # old listing until refreshed
+        await md.ensure("data/")
+        assert store.calls["list"] == lists + 3  # 8 entries, pages of 3
+        assert md.is_fresh("data/")
+        assert names(md, "data/") == [b"f1", b"f2", b"f3", b"f4", b"f5", b"f6", b"f7", b"sub2"]
+        assert md.count("data/") == 8
+        f1 = md.get("data/", b"f1")
+        assert f1 is not None and f1.etag == new.etag and f1.size == 8
+        assert md.get("data/", b"f0") is None
+        await md.ensure("data/")
+        assert store.calls["list"] == lists + 3
+
+    run_with_metadata(env, store, body)
+
+
+def test_concurrent_ensure_is_single_flight(env: LmdbEnv, store: MemoryStore) -> None:
+    entered = threading.Event()
+
+    def slow(op: str, key: str) -> None:
+        if op == "list":
+            entered.set()
+            time.sleep(0.02)
+
+    store.fault = slow
+
+    async def body(md: Metadata) -> None:
+        done: list[int] = []
+
+        async def one(i: int) -> None:
+            await md.ensure("data/")
+            assert names(md, "data/") == EXPECTED_DATA
+            done.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(one, i)
+        assert sorted(done) == list(range(10))
+        assert entered.is_set()
+        assert store.calls["list"] == 4  # one listing (4 pages) for ten callers
+
+    run_with_metadata(env, store, body)
+
+
+def test_different_prefixes_are_listed_independently(env: LmdbEnv, store: MemoryStore) -> None:
+    async def body(md: Metadata) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(md.ensure, "")
+            nursery.start_soon(md.ensure, "data/sub/")
+        assert names(md, "") == [b"data", b"top"]
+        assert names(md, "data/sub/") == [b"inner"]
+        assert md.listed_at("data/") is None
+        assert names(md, "data/") == []
+
+    run_with_metadata(env, store, body)
+
+
+def test_failed_refresh_keeps_serving_the_stale_listing(env: LmdbEnv, store: MemoryStore) -> None:
+    clock = Clock()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        lists = store.calls["list"]
+
+        def fail(op: str, key: str) -> None:
+            raise TransientStoreError("503 SlowDown", throttled=True)
+
+        store.fault = fail
+        clock.now += 1000
+        await md.ensure("data/")  # does not raise
+        assert store.calls["list"] == lists + 1
+        assert names(md, "data/") == EXPECTED_DATA
+        assert not md.is_fresh("data/")
+        md.invalidate("data/")
+        await md.ensure("data/")  # still does not raise
+        assert names(md, "data/") == EXPECTED_DATA
+        store.fault = None
+        await md.ensure("data/")  # recovers
+        assert md.is_fresh("data/")
+
+    run_with_metadata(env, store, body, ttl=60, clock=clock)
+
+
+def test_failed_first_listing_raises(env: LmdbEnv, store: MemoryStore) -> None:
+    def fail(op: str, key: str) -> None:
+        raise NoSuchBucket("bucket 'bucket' does not exist")
+
+    store.fault = fail
+
+    async def body(md: Metadata) -> None:
+        with pytest.raises(NoSuchBucket):
+            await md.ensure("data/")
+        assert md.listed_at("data/") is None
+        store.fault = None
+        await md.ensure("data/")
+        assert names(md, "data/") == EXPECTED_DATA
+
+    run_with_metadata(env, store, body)
+
+
+def test_failed_first_listing_raises_for_every_concurrent_caller(env: LmdbEnv, store: MemoryStore) -> None:
+    def fail(op: str, key: str) -> None:
+        time.sleep(0.01)
+        raise AccessDenied("access denied")
+
+    store.fault = fail
+
+    async def body(md: Metadata) -> None:
+        errors: list[BaseException] = []
+
+        async def one() -> None:
+            try:
+                await md.ensure("data/")
+            except AccessDenied as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+        assert len(errors) == 3
+        assert md.listed_at("data/") is None
+
+    run_with_metadata(env, store, body)
+
+
+def test_listing_persists_across_reopen(tmp_path: Path, store: MemoryStore) -> None:
+    path = tmp_path / "meta.lmdb"
+    clock = Clock()
+    env = LmdbEnv(path)
+    try:
+        run_with_metadata(env, store, lambda md: md.ensure("data/"), clock=clock)
+    finally:
+        env.close()
+    lists = store.calls["list"]
+    env2 = LmdbEnv(path)
+    try:
+        async def body(md: Metadata) -> None:
+            assert md.is_fresh("data/")
+            await md.ensure("data/")
+            assert names(md, "data/") == EXPECTED_DATA
+            assert md.count("data/") == 10
+
+        run_with_metadata(env2, store, body, clock=clock)
+        assert store.calls["list"] == lists
+    finally:
+        env2.close()
+
+
+def test_iter_entries_after_continues(env: LmdbEnv, store: MemoryStore) -> None:
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        await md.ensure("")
+        assert names(md, "data/", after=b"f3") == EXPECTED_DATA[4:]
+        assert names(md, "data/", after=b"sub2") == []
+        assert names(md, "data/", after=b"f3x") == EXPECTED_DATA[4:]  # a name not present
+        assert names(md, "data/", after=b"") == EXPECTED_DATA
+        assert names(md, "data/", after=b"a") == EXPECTED_DATA
+        # Continuation never leaks into another directory's entries.
+        assert names(md, "", after=b"data") == [b"top"]
+        # Reassemble the whole directory in chunks of two.
+        got: list[bytes] = []
+        after = None
+        while True:
+            chunk = [e.name for _, e in zip(range(2), md.iter_entries("data/", after=after), strict=False)]
+            if not chunk:
+                break
+            got += chunk
+            after = chunk[-1]
+        assert got == EXPECTED_DATA
+
+    run_with_metadata(env, store, body)
+
+
+def test_deep_prefixes_longer_than_lmdb_key_limit(env: LmdbEnv) -> None:
+    store = MemoryStore(page_size=2)
+    deep = "/".join(["d" * 200] * 4) + "/"  # 804 bytes: longer than LMDB's 511-byte keys
+    assert len(deep.encode()) > 511
+    store.put(deep + "x" * 255, b"long name")
+    store.put(deep + "b", b"b")
+    store.put(deep + "child/leaf", b"leaf")
+
+    async def body(md: Metadata) -> None:
+        await md.ensure(deep)
+        assert names(md, deep) == [b"b", b"child", b"x" * 255]
+        e = md.get(deep, b"x" * 255)
+        assert e is not None and e.size == len(b"long name")
+        assert names(md, deep, after=b"b") == [b"child", b"x" * 255]
+        await md.ensure(deep + "child/")
+        assert names(md, deep + "child/") == [b"leaf"]
+
+    run_with_metadata(env, store, body)
+
+
+def test_refresh_sync_counts_skipped_keys(env: LmdbEnv) -> None:
+    from cachefs import metrics
+
+    store = MemoryStore()
+    store.put("a", b"shadowed object")
+    store.put("a/b", b"in dir")
+    store.put("..", b"dot")
+    before = metrics.REGISTRY.get_sample_value("cachefs_skipped_keys_total", {"reason": "shadowed"}) or 0.0
+    md = Metadata(env, store, ttl=60, limiter=trio.CapacityLimiter(1))
+    assert md.refresh_sync("") == 1
+    after = metrics.REGISTRY.get_sample_value("cachefs_skipped_keys_total", {"reason": "shadowed"})
+    assert after == before + 1
+    assert names(md, "") == [b"a"]
+    got = md.get("", b"a")
+    assert got is not None and got.is_dir
+
+
+def test_invalidate_during_refresh_is_not_lost(env: LmdbEnv) -> None:
+    store = MemoryStore(page_size=1)
+    store.put("d/a", b"v1")
+    store.put("d/b", b"b")
+    holder: dict[str, Metadata] = {}
+    calls = {"n": 0}
+
+    def change_during_listing(op: str, key: str) -> None:
+        if op == "list":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                # Page 1 (with d/a v1) is already read: the object changes and a reader
+                # notices (ESTALE) while the listing is still running.
+                store.put("d/a", b"v2")
+                holder["md"].invalidate("d/")
+
+    store.fault = change_during_listing
+
+    async def body(md: Metadata) -> None:
+        holder["md"] = md
+        await md.ensure("d/")
+        entry = md.get("d/", b"a")
+        assert entry is not None
+        listing_is_current = entry.etag == store.head("d/a").etag
+        assert listing_is_current or not md.is_fresh("d/"), \
+            "an outdated listing is considered fresh despite invalidate()"
+
+    run_with_metadata(env, store, body)
+
+
+def test_failed_first_listing_is_shared_by_concurrent_callers(env: LmdbEnv, store: MemoryStore) -> None:
+    def fail(op: str, key: str) -> None:
+        time.sleep(0.01)
+        raise AccessDenied("access denied")
+
+    store.fault = fail
+
+    async def body(md: Metadata) -> None:
+        async def one() -> None:
+            with pytest.raises(AccessDenied):
+                await md.ensure("data/")
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(one)
+        assert store.calls["list"] == 1, f"{store.calls['list']} serial listings for one failure"
+
+    run_with_metadata(env, store, body)
