@@ -237,7 +237,7 @@ def test_missing_names_are_enoent_and_listing_is_cached(bucket, mount_factory):
 
 def test_big_directory_readdir_pages(bucket, mount_factory):
     client, name = bucket
-    names = {f"file-{i:05d}-{'x' * 40}" for i in range(1500)}  # > 1 ListObjects page
+    names = {f"file-{i:05d}-{'x' * 40}" for i in range(1050)}  # > 1 ListObjects page (1000 keys)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(16) as pool:

@@ -1,0 +1,189 @@
+"""The benchmark harness's quick mode, so it cannot rot.
+
+Runs ``python -m benchmarks.run --quick`` (tiny data, RTT 20 ms, 2 epochs)
+and checks real outcomes: every system/link/dataset produced a per-second
+series with samples, every epoch read exactly the dataset's bytes, the WAN
+emulator counted the GETs and the unique bytes, and the outputs have the
+expected keys. No wall-clock assertions.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.util import fuse_usable  # noqa: E402
+from benchmarks.wan import HttpTap, Stats, TokenBucket  # noqa: E402
+
+pytest.importorskip("torch", reason="the benchmark reader needs torch (pip install torch==2.13.0)")
+
+FUSE_OK, FUSE_WHY = fuse_usable()
+needs_fuse = pytest.mark.skipif(not FUSE_OK, reason=f"FUSE unusable: {FUSE_WHY}")
+
+
+# ---------------------------------------------------------------- helpers
+def _leftovers(marker: str) -> tuple[list[str], list[str]]:
+    """Mounts and processes whose paths contain ``marker`` (our tmp dir)."""
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1] for line in f if marker in line]
+    procs = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            procs.append(f"{pid}: {cmd[:200]}")
+    return mounts, procs
+
+
+def _run_quick(tmp_path: Path, systems: str) -> tuple[dict, dict, Path]:
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--systems", systems, "--workdir", str(work)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-4000:]}"
+    out = work / "quick"
+    summary = json.loads((out / "summary.json").read_text())
+    series = json.loads((out / "series.json").read_text())
+    mounts, procs = _leftovers(str(tmp_path))
+    assert not mounts and not procs, f"left behind: {mounts} {procs}"
+    return summary, series, out
+
+
+def _check(summary: dict, series: dict, out: Path, systems: list[str]) -> None:
+    for key in ("command", "machine", "versions", "params", "selfcheck", "runs", "failures", "skipped"):
+        assert key in summary, key
+    assert summary["failures"] == []
+    assert summary["selfcheck"]["origin_direct"]["MBps"] > 0
+    assert summary["selfcheck"]["through_remote"]["proxy_get_count"] > 0
+    runs = {(m["dataset"], m["link"], m["system"]): m for m in summary["runs"]}
+    expected = set()
+    for ds in ("images", "shards"):
+        for s in systems:
+            for link in ["local"] if s == "local" else ["colocated", "remote"]:
+                expected.add((ds, link, s))
+    assert expected <= set(runs), f"missing runs: {expected - set(runs)}"
+    for key in expected:
+        m = runs[key]
+        for k in ("first_epoch_s", "later_epoch_s", "steady", "warmup_s", "warmup_bound_s", "epochs", "dataset_bytes"):
+            assert k in m, (key, k)
+        # every epoch read exactly the dataset (bytes and samples)
+        assert len(m["epochs"]) == 2, key
+        assert all(e["complete"] for e in m["epochs"]), (key, m["epochs"])
+        s = series["/".join(key)]
+        assert sum(p["samples_per_s"] for p in s["series"]) == 2 * m["dataset_samples"], key
+        assert abs(sum(p["MBps"] for p in s["series"]) * 1e6 - 2 * m["dataset_bytes"]) < 1e3 * len(s["series"]), key
+        if key[2] != "local":
+            # the emulator saw the GETs, and every byte crossed the link at least once
+            assert m["get_count"] > 0, key
+            assert m["unique_bytes"] == m["dataset_bytes"], key
+            assert m["get_bytes"] >= m["unique_bytes"], key
+            assert m["daemon_cpu_s"] is not None and m["daemon_peak_rss"] > 0, key
+        if key[1] == "remote":
+            assert m["steady_ratio"] > 0, key
+            assert m["warmup_bound_s"] > 0, key
+        if key[2] == "cachefs":
+            cm = m.get("cachefs_metrics") or {}
+            assert cm.get("s3_get_requests"), f"cachefs /metrics had no GET count: {cm}"
+    text = (out / "RESULTS.md").read_text()
+    assert "| dataset | system | link |" in text
+    assert (out / "throughput.png").stat().st_size > 1000
+    assert (out / "series.csv").read_text().startswith("dataset,link,system,second,samples_per_s,MBps")
+
+
+# ---------------------------------------------------------------- tests
+@needs_fuse
+def test_quick_cachefs_and_local(tmp_path: Path) -> None:
+    summary, series, out = _run_quick(tmp_path, "cachefs,local")
+    _check(summary, series, out, ["cachefs", "local"])
+
+
+@pytest.mark.slow
+@needs_fuse
+def test_quick_all_peers(tmp_path: Path) -> None:
+    summary, series, out = _run_quick(tmp_path, "cachefs,rclone,s3fs,local")
+    systems = ["cachefs", "rclone", "s3fs", "local"]
+    for s, why in summary["skipped"].items():
+        pytest.fail(f"peer {s} not installed: {why}")
+    _check(summary, series, out, systems)
+
+
+@needs_fuse
+def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--systems", "cachefs", "--datasets", "images", "--workdir", str(work)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            mounts, _ = _leftovers(str(tmp_path))
+            if mounts:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, f"run ended before a mount appeared:\n{proc.stdout.read() if proc.stdout else ''}"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    mounts, procs = _leftovers(str(tmp_path))
+    assert not mounts and not procs, f"left behind after Ctrl-C: {mounts} {procs}"
+
+
+def test_http_tap_counts_gets_ranges_and_chunked_bodies() -> None:
+    st = Stats()
+    pending: collections.deque = collections.deque()
+    rq, rs = HttpTap(st, True, pending), HttpTap(st, False, pending)
+    reqs = (
+        b"GET /bkt/a/b.jpg HTTP/1.1\r\nHost: x\r\nRange: bytes=10-19\r\n\r\n"
+        b"HEAD /bkt/a/c.jpg HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"GET /bkt?list-type=2&prefix=a HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"GET /bkt/a/b.jpg HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    resps = (
+        b"HTTP/1.1 206 Partial\r\nContent-Range: bytes 10-19/100\r\nContent-Length: 10\r\n\r\n0123456789"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 555\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n3;x=1\r\nabc\r\n0\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
+    )
+    for data, tap in ((reqs, rq), (resps, rs)):
+        for i in range(0, len(data), 7):  # split headers and bodies across reads
+            tap.feed(data[i : i + 7])
+    s = st.snapshot()
+    assert s["requests"] == {"GET": 2, "HEAD": 1, "LIST": 1}
+    assert s["get_requested_bytes"] == 110 and s["get_transferred_bytes"] == 110
+    assert s["unique_bytes"] == 100  # bytes 10-19 were fetched twice
+    assert s["unparsed_connections"] == 0
+
+
+def test_token_bucket_serialises_at_rate() -> None:
+    b = TokenBucket(rate=1e6, burst=0)
+    done = [b.reserve(100_000, now=0.0) for _ in range(10)]
+    assert done[-1] == pytest.approx(1.0)
+
+
+def test_warmup_detection() -> None:
+    reader = {
+        "epochs": [{"start": 0, "end": 10}, {"start": 11, "end": 16}],
+        "series": [[s, 10 if s < 6 else 100, 0] for s in range(10)] + [[10, 0, 0]] + [[s, 100, 0] for s in range(11, 16)],
+    }
+    assert report.warmup_time(reader, 100.0) == 6.0
+    assert report.warmup_time(reader, 1000.0) is None
