@@ -8,7 +8,6 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage/configuration error.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import select
@@ -136,7 +135,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = _mount_config(args)
     ready_fd = os.environ.pop(READY_FD_ENV, None)
     if not args.foreground:
-        return _spawn_daemon(cfg)
+        return _spawn_daemon(cfg, args.argv)
     _setup_logging(cfg.log_level)
 
     def report(message: str) -> None:
@@ -158,7 +157,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spawn_daemon(cfg: MountConfig) -> int:
+def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
     """Start ``cachefs mount --foreground`` detached; return once it is live or failed."""
     from cachefs.daemon import check_mountpoint, prepare_cache_dir
 
@@ -167,7 +166,7 @@ def _spawn_daemon(cfg: MountConfig) -> int:
     log_path = Path(cfg.log_file) if cfg.log_file else cfg.cache_dir / "cachefs.log"
     read_end, write_end = os.pipe()
     env = dict(os.environ, **{READY_FD_ENV: str(write_end)})
-    argv = [sys.executable, "-m", "cachefs", *sys.argv[1:], "--foreground"]
+    argv = [sys.executable, "-m", "cachefs", *argv_in, "--foreground"]
     try:
         log_file = open(log_path, "ab")
     except OSError as exc:
@@ -269,9 +268,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status_main(args.mountpoint, as_json=args.json)
 
 
+SUBCOMMANDS = ("mount", "unmount", "umount", "status", "warm", "probe", "plan")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("s3://") and "-o" in argv:
+        # mount.fuse3 runs "cachefs SOURCE MOUNTPOINT -o OPTIONS" for fstab type fuse.cachefs.
+        from cachefs.mount_helper import main as mount_helper_main
+
+        return int(mount_helper_main(argv) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         if args.command == "mount":
             return cmd_mount(args)
@@ -298,8 +307,4 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _json_default(o: Any) -> Any:
-    return str(o)
-
-
-__all__ = ["build_parser", "json", "main"]
+__all__ = ["build_parser", "main"]

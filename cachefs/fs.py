@@ -218,9 +218,9 @@ class FileSystem:
             entries = self.metadata.iter_entries(parent.path, after=handle.last_name)
         else:
             entries = itertools.islice(self.metadata.iter_entries(parent.path), start, None)
-        return self._positions(handle, parent, entries, start)
+        return self._positions(parent, entries, start)
 
-    def _positions(self, handle: DirHandle, parent: Node, entries: Iterator[Entry],
+    def _positions(self, parent: Node, entries: Iterator[Entry],
                    start: int) -> Iterator[tuple[int, Node]]:
         pos = start
         for entry in entries:

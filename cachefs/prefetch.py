@@ -52,8 +52,6 @@ class ReadStream:
         if self.window <= 0 or end >= self.size:
             return range(0)
         first = (end + self.block_size - 1) // self.block_size  # first block not yet asked for
-        if end % self.block_size:
-            first = end // self.block_size + 1
         last_byte = min(self.size, end + self.window) - 1
         last = last_byte // self.block_size
         return range(first, last + 1)
