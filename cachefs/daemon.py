@@ -324,12 +324,15 @@ class Daemon:
         last_sync = time.monotonic()
         while True:
             await trio.sleep(STATUS_INTERVAL)
-            await trio.to_thread.run_sync(self._publish_status)
-            if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
-                last_sync = time.monotonic()
-                touched = cache.take_touches()
-                await trio.to_thread.run_sync(cache.flush_touches, touched)
-                await trio.to_thread.run_sync(env.sync)
+            try:  # housekeeping failures (disk full, runtime dir gone) never stop the mount
+                await trio.to_thread.run_sync(self._publish_status)
+                if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
+                    last_sync = time.monotonic()
+                    touched = cache.take_touches()
+                    await trio.to_thread.run_sync(cache.flush_touches, touched)
+                    await trio.to_thread.run_sync(env.sync)
+            except (OSError, CachefsError) as exc:
+                log.warning("cache maintenance failed: %s", exc)
 
     async def _remove_orphans(self, cache: BlockCache) -> None:
         try:
