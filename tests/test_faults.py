@@ -79,3 +79,56 @@ def test_credentials_never_reach_the_log(bucket, mount_factory):
     log = m.log()
     assert "mounted" in log
     assert SECRET_KEY not in log and ACCESS_KEY not in log
+
+
+def test_full_cache_disk_still_serves_correct_bytes(bucket, mount_factory, tmp_path):
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    client, name = bucket
+    data = random.Random(5).randbytes(3 << 20)
+    client.put_object(Bucket=name, Key="big.bin", Body=data)
+    small = tmp_path / "smallfs"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "3M",
+                          cache_dir=small / "cache")
+        (small / "filler").write_bytes(b"\0" * (3 << 20))  # leave well under one MiB free
+        assert (m.path / "big.bin").read_bytes() == data
+        assert (m.path / "big.bin").read_bytes() == data
+        assert m.metric("cachefs_cache_write_errors_total") > 0
+        assert "No space left on device" in m.log()
+        m.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_mount_refuses_a_cache_dir_on_a_full_disk(bucket, tmp_path, s3_endpoint):
+    import subprocess
+
+    from tests.conftest import is_mounted, run_cachefs
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    _, name = bucket
+    small = tmp_path / "fullfs"
+    small.mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        (small / "cache").mkdir()
+        try:
+            (small / "filler").write_bytes(b"\0" * (2 << 20))
+        except OSError:
+            pass  # the disk is now full
+        proc = run_cachefs("mount", f"s3://{name}", str(mnt), "--cache-dir", str(small / "cache"),
+                           "--cache-size", "512K", "--block-size", "64K", "--endpoint-url", s3_endpoint)
+        assert proc.returncode != 0
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "No space left on device" in lines[0], proc.stderr
+        assert not is_mounted(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
