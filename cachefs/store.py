@@ -119,6 +119,7 @@ class S3Store:
         from botocore import UNSIGNED
 
         self.bucket = bucket
+        self._anonymous = anonymous
         cfg_args: dict[str, Any] = dict(
             max_pool_connections=max_connections,
             connect_timeout=connect_timeout,
@@ -141,6 +142,15 @@ class S3Store:
             region_name=region or session.region_name or "us-east-1",
             config=botocore.config.Config(**cfg_args),
         )
+        # GETs take the lean data path (see cachefs.s3http for why and the numbers).
+        from cachefs.s3http import RangeClient
+
+        self._ranges = RangeClient(
+            bucket, endpoint_url=self._client.meta.endpoint_url,
+            region=self._client.meta.region_name,
+            credentials=None if anonymous else session.get_credentials(),
+            max_connections=max_connections, connect_timeout=connect_timeout,
+            read_timeout=read_timeout)
 
     # -- requests ------------------------------------------------------------
     def _call(self, op: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
@@ -189,6 +199,13 @@ class S3Store:
     def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
+        if self._ranges._credentials is None and not self._anonymous:
+            # No credentials at all: let boto3 raise its precise NoCredentialsError.
+            return self._get_range_boto3(key, etag, start, end)
+        return self._ranges.get_range(key, etag, start, end)
+
+    def _get_range_boto3(self, key: str, etag: str, start: int, end: int) -> bytes:
+        """The same request through boto3 (kept for comparison and error reporting)."""
         resp = self._call(
             "get", self._client.get_object, Bucket=self.bucket, Key=key,
             Range=f"bytes={start}-{end - 1}", IfMatch=f'"{etag}"' if etag else "*",
