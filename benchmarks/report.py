@@ -1,0 +1,413 @@
+"""Metrics, warm-up detection, plot and the RESULTS.md table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+WARM_TOLERANCE = 0.05  # "within 5% of the co-located steady state"
+SMOOTH_S = 3  # centred moving average (seconds) for warm-up detection
+
+
+# ---------------------------------------------------------------- helpers
+def _in_epoch_seconds(reader: dict[str, Any]) -> list[tuple[int, float, float, int]]:
+    """(second, samples, bytes, epoch) for seconds lying entirely inside an epoch."""
+    spans = [(e["start"], e["end"]) for e in reader["epochs"]]
+    out = []
+    for s, n, b in reader["series"]:
+        for i, (a, z) in enumerate(spans):
+            if a <= s and s + 1 <= z:
+                out.append((s, n, b, i))
+                break
+    return out
+
+
+def steady_state(reader: dict[str, Any]) -> dict[str, float] | None:
+    """Throughput over the epochs after the first (None with a single epoch)."""
+    later = [e for e in reader["epochs"][1:] if e["seconds"] > 0]
+    if not later:
+        return None
+    secs = sum(e["seconds"] for e in later)
+    return {
+        "samples_per_s": sum(e["samples"] for e in later) / secs,
+        "MBps": sum(e["bytes"] for e in later) / secs / 1e6,
+        "seconds_per_epoch": secs / len(later),
+    }
+
+
+def warmup_time(reader: dict[str, Any], reference_sps: float) -> float | None:
+    """Seconds from the first epoch's start until the (smoothed) per-second
+    samples/s stays >= (1 - 5%) of ``reference_sps`` for the rest of the run.
+    None when that never happens. Gaps between epochs are ignored."""
+    pts = _in_epoch_seconds(reader)
+    if not pts or reference_sps <= 0:
+        return None
+    thr = (1 - WARM_TOLERANCE) * reference_sps
+    half = SMOOTH_S // 2
+    smooth = []
+    for i, (_, _n, _, ep) in enumerate(pts):
+        # centred moving average that never reaches into another epoch
+        w = [p[1] for p in pts[max(0, i - half) : i + half + 1] if p[3] == ep]
+        smooth.append(sum(w) / len(w))
+    last_bad = -1
+    for i, v in enumerate(smooth):
+        if v < thr:
+            last_bad = i
+    if last_bad == len(smooth) - 1:
+        return None
+    if last_bad < 0:
+        return float(pts[0][0])
+    # report the left edge of the first good window (within its epoch)
+    j = last_bad + 1
+    k = max(j - half, 0)
+    while pts[k][3] != pts[j][3]:
+        k += 1
+    return float(max(pts[k][0], pts[j][0] - half))
+
+
+def _delta(snaps: list[dict[str, Any]], key: str, field: str, i: int, j: int) -> float | None:
+    try:
+        return snaps[j][key][field] - snaps[i][key][field]
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+_PROM = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
+
+
+def parse_prom(text: str, prefix: str = "cachefs_") -> dict[str, float]:
+    out: dict[str, float] = {}
+    if not isinstance(text, str):
+        return out
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        m = _PROM.match(line.strip())
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def prom_sum(metrics: dict[str, float], name: str, **labels: str) -> float | None:
+    hit = False
+    total = 0.0
+    for k, v in metrics.items():
+        base, _, lab = k.partition("{")
+        if base != name:
+            continue
+        if all(f'{lk}="{lv}"' in lab for lk, lv in labels.items()):
+            total += v
+            hit = True
+    return total if hit else None
+
+
+# ---------------------------------------------------------------- per run
+def run_metrics(run: dict[str, Any]) -> dict[str, Any]:
+    """Everything the table needs from one (dataset, link, system) run."""
+    r = run["reader"]
+    eps = r["epochs"]
+    m: dict[str, Any] = {
+        "system": run["system"],
+        "link": run["link"],
+        "dataset": run["dataset"],
+        "dataset_bytes": r["expected_bytes"],
+        "dataset_samples": r["expected_samples"],
+        "epochs": [
+            {
+                "seconds": e["seconds"],
+                "samples_per_s": e["samples"] / e["seconds"] if e["seconds"] else 0,
+                "MBps": e["bytes"] / e["seconds"] / 1e6 if e["seconds"] else 0,
+                "complete": e["complete"],
+                "truncated": e["truncated"],
+            }
+            for e in eps
+        ],
+        "first_epoch_s": eps[0]["seconds"] if eps else None,
+        "first_epoch_complete": eps[0]["complete"] if eps else False,
+        "later_epoch_s": (sum(e["seconds"] for e in eps[1:]) / len(eps[1:])) if len(eps) > 1 else None,
+        "steady": steady_state(r),
+        "list_seconds": r.get("list_seconds"),
+        "mount_seconds": run.get("mount_seconds"),
+    }
+    snaps = r.get("snapshots", [])
+    proxy_url = run.get("proxy_stats_url")
+    bw = run.get("link_params", {}).get("bandwidth_MBps") or 0
+    if proxy_url and snaps:
+        b0 = _delta(snaps, proxy_url, "bytes_to_client", 0, 1)
+        m["first_epoch_link_MBps"] = b0 / eps[0]["seconds"] / 1e6 if (b0 is not None and eps[0]["seconds"]) else None
+        m["first_epoch_link_util"] = (m["first_epoch_link_MBps"] / bw) if (bw and m["first_epoch_link_MBps"] is not None) else None
+        m["gets_per_epoch"] = [_delta(snaps, proxy_url, "get_count", 2 * i, 2 * i + 1) for i in range(len(eps))]
+        m["link_bytes_per_epoch"] = [_delta(snaps, proxy_url, "bytes_to_client", 2 * i, 2 * i + 1) for i in range(len(eps))]
+    mc = [s.get("machine_cpu") for s in snaps if s.get("machine_cpu")]
+    if len(mc) >= 2 and mc[-1]["total"] > mc[0]["total"]:
+        # whole-machine CPU use during the run (all processes, both cores)
+        m["machine_cpu_busy"] = (mc[-1]["busy"] - mc[0]["busy"]) / (mc[-1]["total"] - mc[0]["total"])
+    px = run.get("proxy_final") or {}
+    if px:
+        m.update(
+            {
+                "get_count": px.get("get_count"),
+                "head_count": px.get("head_count"),
+                "list_count": px.get("list_count"),
+                "get_bytes": px.get("get_transferred_bytes"),
+                "get_requested_bytes": px.get("get_requested_bytes"),
+                "unique_bytes": px.get("unique_bytes"),
+                "duplication": (px["get_transferred_bytes"] / px["unique_bytes"]) if px.get("unique_bytes") else None,
+                "connections": px.get("connections"),
+                "proxy_cpu_s": run.get("proxy_cpu_s"),
+            }
+        )
+    pid_key = next((k for k in (snaps[0] if snaps else {}) if k.startswith("pid:")), None)
+    if pid_key:
+        vals = [s.get(pid_key) for s in snaps if s.get(pid_key)]
+        if vals:
+            m["daemon_cpu_s"] = vals[-1]["cpu_s"] - vals[0]["cpu_s"]
+            m["daemon_peak_rss"] = max(v["peak_rss"] for v in vals)
+    if run.get("daemon_final"):
+        m["daemon_peak_rss"] = max(m.get("daemon_peak_rss", 0), run["daemon_final"]["peak_rss"])
+    m["origin_cpu_s"] = run.get("origin_cpu_s")
+    mu = run.get("metrics_url")
+    if mu and snaps:
+        first, last = parse_prom(snaps[0].get(mu, "")), parse_prom(snaps[-1].get(mu, ""))
+        g = prom_sum(last, "cachefs_s3_requests_total", op="get")
+        g0 = prom_sum(first, "cachefs_s3_requests_total", op="get") or 0
+        b = prom_sum(last, "cachefs_s3_bytes_total")
+        b0 = prom_sum(first, "cachefs_s3_bytes_total") or 0
+        m["cachefs_metrics"] = {
+            "s3_get_requests": None if g is None else g - g0,
+            "s3_bytes": None if b is None else b - b0,
+            "raw_last": {k: v for k, v in last.items() if "bucket" not in k},
+        }
+    return m
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-run metrics plus cross-run ones (warm-up vs co-located, ratio, bound)."""
+    ms = [run_metrics(r) for r in runs]
+    by = {(m["dataset"], m["link"], m["system"]): m for m in ms}
+    for m, run in zip(ms, runs, strict=True):
+        ref = by.get((m["dataset"], "colocated", m["system"])) or by.get((m["dataset"], "local", m["system"]))
+        ref_sps = ref["steady"]["samples_per_s"] if ref and ref.get("steady") else None
+        m["reference_sps"] = ref_sps
+        m["warmup_s"] = warmup_time(run["reader"], ref_sps) if ref_sps else None
+        bw = run.get("link_params", {}).get("bandwidth_MBps") or 0
+        m["warmup_bound_s"] = m["dataset_bytes"] / (bw * 1e6) if bw else None
+        if m["link"] == "remote" and ref and ref.get("steady") and m.get("steady"):
+            m["steady_ratio"] = m["steady"]["samples_per_s"] / ref["steady"]["samples_per_s"]
+    return ms
+
+
+# ---------------------------------------------------------------- outputs
+STYLE = {"cachefs": "tab:blue", "cachefs-hint": "tab:purple", "rclone": "tab:orange", "s3fs": "tab:green", "local": "black"}
+
+
+def write_series(runs: list[dict[str, Any]], out_dir: Path) -> None:
+    rows = []
+    js: dict[str, Any] = {}
+    for run in runs:
+        r = run["reader"]
+        key = f"{run['dataset']}/{run['link']}/{run['system']}"
+        js[key] = {
+            "epochs": [{"start": e["start"], "end": e["end"]} for e in r["epochs"]],
+            "series": [{"t": s, "samples_per_s": n, "MBps": round(b / 1e6, 3)} for s, n, b in r["series"]],
+        }
+        for s, n, b in r["series"]:
+            rows.append([run["dataset"], run["link"], run["system"], s, n, round(b / 1e6, 3)])
+    (out_dir / "series.json").write_text(json.dumps(js))
+    with open(out_dir / "series.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["dataset", "link", "system", "second", "samples_per_s", "MBps"])
+        w.writerows(rows)
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({r["dataset"] for r in runs})
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(13, 3.6 * len(datasets)), squeeze=False)
+    for row, ds in enumerate(datasets):
+        for col, (idx, label) in enumerate(((1, "samples/s"), (2, "MB/s"))):
+            ax = axes[row][col]
+            for run in runs:
+                if run["dataset"] != ds:
+                    continue
+                s = run["reader"]["series"]
+                xs = [p[0] for p in s]
+                ys = [p[idx] / (1e6 if idx == 2 else 1) for p in s]
+                ls = "-" if run["link"] == "remote" else "--"
+                if run["system"] == "local":
+                    ls = ":"
+                ax.plot(xs, ys, ls, color=STYLE.get(run["system"], None), lw=1.2, label=f"{run['system']} ({run['link']})")
+                if run["link"] == "remote":
+                    for e in run["reader"]["epochs"][1:]:
+                        ax.axvline(e["start"], color=STYLE.get(run["system"]), alpha=0.15, lw=0.8)
+            ax.set_title(f"{ds}: {label}", fontsize=9)
+            ax.set_xlabel("seconds since the first epoch started")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            if row == 0 and col == 1:
+                ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _f(v: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
+    if v is None:
+        return none
+    try:
+        return fmt.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def table(ms: list[dict[str, Any]]) -> str:
+    head = (
+        "| dataset | system | link | epoch 1 s | later epochs s | steady samples/s | steady MB/s | "
+        "warm-up s (bound s) | remote/co-loc | epoch 1 link MB/s (util) | GETs | GET MB | unique MB | dup x | "
+        "daemon CPU s | peak RSS MB | proxy CPU s |"
+    )
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    order = {"local": 0, "cachefs": 1, "cachefs-hint": 2, "rclone": 3, "s3fs": 4}
+    for m in sorted(ms, key=lambda m: (m["dataset"], order.get(m["system"], 9), m["link"])):
+        st = m.get("steady") or {}
+        ep1 = _f(m["first_epoch_s"]) + ("" if m["first_epoch_complete"] else " (cut)")
+        later = _f(m.get("later_epoch_s"))
+        if any(e["truncated"] for e in m["epochs"][1:]):
+            later += " (cut)"
+        warm = "-"
+        if m["link"] == "remote":
+            warm = (_f(m.get("warmup_s"), "{:.0f}", "not reached")) + f" ({_f(m.get('warmup_bound_s'), '{:.0f}')})"
+        util = "-"
+        if m.get("first_epoch_link_MBps") is not None:
+            util = _f(m["first_epoch_link_MBps"], "{:.0f}")
+            if m.get("first_epoch_link_util") is not None:
+                util += f" ({m['first_epoch_link_util'] * 100:.0f}%)"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    m["dataset"],
+                    m["system"],
+                    m["link"],
+                    ep1,
+                    later,
+                    _f(st.get("samples_per_s"), "{:.0f}"),
+                    _f(st.get("MBps"), "{:.0f}"),
+                    warm,
+                    _f(m.get("steady_ratio"), "{:.2f}"),
+                    util,
+                    _f(m.get("get_count"), "{:d}"),
+                    _f((m.get("get_bytes") or 0) / 1e6 if m.get("get_bytes") is not None else None, "{:.0f}"),
+                    _f((m.get("unique_bytes") or 0) / 1e6 if m.get("unique_bytes") is not None else None, "{:.0f}"),
+                    _f(m.get("duplication"), "{:.2f}"),
+                    _f(m.get("daemon_cpu_s"), "{:.1f}"),
+                    _f((m.get("daemon_peak_rss") or 0) / 2**20 if m.get("daemon_peak_rss") else None, "{:.0f}"),
+                    _f(m.get("proxy_cpu_s"), "{:.1f}"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+NOTES_BEGIN = "<!-- notes: kept across runs -->"
+NOTES_END = "<!-- /notes -->"
+
+
+def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, keep_notes_from: str = "") -> str:
+    """RESULTS.md: command, machine, parameters, self-check, table, plot.
+    A hand-written block between the notes markers survives re-runs."""
+    p = summary["params"]
+    mach = summary["machine"]
+    v = summary["versions"]
+    sc = summary.get("selfcheck") or {}
+    notes = ""
+    if NOTES_BEGIN in keep_notes_from and NOTES_END in keep_notes_from:
+        notes = keep_notes_from.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip("\n")
+    L: list[str] = []
+    L.append("# Benchmark results: remote region vs co-located, with peers\n")
+    L.append("Generated by `" + summary["command"].strip() + "` (started " + summary["started"] + f", took {summary['duration_s'] / 60:.1f} min).\n")
+    L.append("Reproduce: `make bench` (full run) or `python -m benchmarks.run --quick` (seconds). Every parameter is a flag: `python -m benchmarks.run --help`.\n")
+    L.append("## Machine and software\n")
+    L.append(
+        f"- {mach['cpus']} cores ({mach['cpu_model']}), {mach['mem_gib']} GiB RAM, kernel {mach['kernel']}, loopback only.\n"
+        f"- Python {v['python']}, torch {v['torch']}, SeaweedFS `{v['weed']}`, `{v['rclone']}`, `{v['s3fs']}`.\n"
+        "- All processes share the 2 cores: origin (weed), WAN emulator, the FUSE daemon and the DataLoader "
+        "(main process + workers). Absolute numbers are therefore CPU-bound well below what each part does alone; "
+        "compare systems with each other, not with hardware limits.\n"
+    )
+    L.append("## Parameters\n")
+    L.append(
+        f"- remote link: {p['rtt_ms']:g} ms RTT added per request (and one more RTT per new TCP connection), "
+        f"{p['bandwidth_MBps']:g} MB/s total per direction, {p['conn_bandwidth_MBps']:g} MB/s per connection "
+        f"(user-space emulator, kernel netem is not available here).\n"
+        f"- co-located link: {p['colocated_rtt_ms']:g} ms RTT, "
+        + (f"{p['colocated_bandwidth_MBps']:g} MB/s cap" if p["colocated_bandwidth_MBps"] else "no bandwidth cap")
+        + " (same emulator, so GETs are counted the same way).\n"
+        f"- datasets: images = {p['images']} files of ~{p['image_size'] / 1e3:.0f} KB in {p['classes']} class folders; "
+        f"shards = {p['shards']} WebDataset tar shards of {p['shard_size_mb']} MiB.\n"
+        f"- reader: PyTorch DataLoader, {p['workers']} workers, batch {p['batch_size']}, mode `{p['mode']}`"
+        + (f" ({p['cpu_ms']:g} ms CPU per sample)" if p["mode"] == "cpu" else "")
+        + f", {p['epochs']} epochs, reshuffled every epoch, page cache dropped before every epoch; "
+        f"an epoch is cut after {p['epoch_timeout']:g} s (`(cut)` in the table).\n"
+        f"- systems: {', '.join(p['systems'])}; every caching system starts with an empty cache (cap {p['cache_size']}).\n"
+    )
+    if summary.get("skipped"):
+        L.append("- skipped: " + "; ".join(f"{k}: {r}" for k, r in summary["skipped"].items()) + "\n")
+    if sc:
+        L.append("## Origin and link self-check (raw 8 MiB ranged GETs, no FUSE)\n")
+        od = sc.get("origin_direct", {})
+        L.append(f"- origin direct: **{od.get('MBps', 0):.0f} MB/s** ({od.get('conns')} connections, page cache warm).")
+        if "origin_direct_cold" in sc:
+            L.append(f"- origin direct, page cache just dropped: {sc['origin_direct_cold']['MBps']:.0f} MB/s.")
+        for k in ("through_colocated", "through_remote"):
+            if k in sc:
+                r = sc[k]
+                L.append(
+                    f"- {k.replace('_', ' ')}: {r['MBps']:.0f} MB/s ({r['conns']} connections); emulator CPU "
+                    f"{r['proxy_cpu_s']:.1f} s = {r['proxy_cpu_s_per_GB']:.2f} CPU s per GB relayed."
+                )
+        L.append("")
+    L.append("## Results\n")
+    L.append(
+        "Columns: epoch times (s); steady = epochs after the first; warm-up = seconds from the start until "
+        "throughput (centred 3 s moving average) stays within 5% of the same system's co-located steady state, next to "
+        "its physical bound dataset bytes / link bandwidth; remote/co-loc = steady-state samples/s ratio; "
+        "epoch 1 link = bytes the link carried during the first epoch per second (and % of the link cap); "
+        "GETs / GET MB / unique MB / dup x = object GETs through the link, their body bytes, the union of the "
+        "byte ranges fetched, and bytes/unique; daemon CPU and peak RSS of the FUSE daemon; proxy CPU = the "
+        "emulator's own CPU seconds during the run.\n"
+    )
+    L.append(table(ms))
+    L.append("")
+    cf = [m for m in ms if m.get("cachefs_metrics")]
+    if cf:
+        L.append("cachefs's own metrics (`cachefs_s3_requests_total{op=\"get\"}`, `cachefs_s3_bytes_total`) over each run:\n")
+        for m in cf:
+            c = m["cachefs_metrics"]
+            L.append(
+                f"- {m['dataset']} / {m['link']}: {c['s3_get_requests'] if c['s3_get_requests'] is not None else '-'} GETs, "
+                f"{(c['s3_bytes'] or 0) / 1e6:.0f} MB (proxy saw {m.get('get_count')} GETs, {(m.get('get_bytes') or 0) / 1e6:.0f} MB)"
+            )
+        L.append("")
+    if summary.get("failures"):
+        L.append("Failed runs:\n")
+        for f in summary["failures"]:
+            L.append(f"- {f['dataset']} / {f['system']} / {f['link']}: `{f['error'][-300:]}`")
+        L.append("")
+    L.append(f"![throughput over time]({plot_path})\n")
+    L.append("Raw series (one point per second, all systems and links): `series.json`, `series.csv`; all metrics: `summary.json` (next to the plot).\n")
+    L.append("## Notes\n")
+    L.append(NOTES_BEGIN)
+    L.append(notes or "(none yet)")
+    L.append(NOTES_END)
+    L.append("")
+    return "\n".join(L)

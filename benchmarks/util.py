@@ -1,0 +1,179 @@
+"""Small helpers shared by the harness: free ports, process accounting, waiting."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct TCP ports free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if pred():
+                return
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+@dataclass
+class ProcSample:
+    """CPU seconds (user+system, threads included) and memory of one process."""
+
+    pid: int
+    cpu_s: float
+    rss_bytes: int
+    peak_rss_bytes: int
+
+
+def proc_sample(pid: int) -> ProcSample | None:
+    """Read /proc/<pid>/stat and status; None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces: fields start after the last ')'.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    cutime, cstime = int(fields[13]), int(fields[14])
+    rss = hwm = 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+    return ProcSample(pid, (utime + stime + cutime + cstime) / CLK_TCK, rss, hwm)
+
+
+def pids_with_arg(arg: str) -> list[int]:
+    """PIDs whose command line contains ``arg`` as one exact argument."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if arg.encode() in argv:
+            out.append(int(name))
+    return out
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 10.0, group: bool = True) -> None:
+    """SIGTERM (the process group when ``group``), then SIGKILL after ``timeout``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def kill_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM one pid we started (found by exact command line), then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}") or _is_zombie(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+        return s[s.rindex(")") + 2] == "Z"
+    except OSError:
+        return True
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only). Returns False when not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def is_mounted(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 1 and parts[1].encode().decode("unicode_escape") == real:
+                return True
+    return False
+
+
+def fuse_usable() -> tuple[bool, str]:
+    """Whether a FUSE mount can be made here, with the exact reason when not."""
+    if not os.path.exists("/dev/fuse"):
+        return False, "/dev/fuse does not exist"
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+        os.close(fd)
+    except OSError as e:
+        return False, f"/dev/fuse cannot be opened: {e}"
+    import shutil
+
+    if shutil.which("fusermount3") is None:
+        return False, "fusermount3 is not installed (apt-get install fuse3)"
+    return True, ""
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    box = [time.monotonic()]
+    yield box
+    box.append(time.monotonic() - box[0])
