@@ -44,6 +44,9 @@ DB_NAMES = (b"blocks", b"lru", b"dirs", b"entries", b"meta")
 
 # Virtual size of the memory map. LMDB files are sparse; this only bounds growth.
 _MAP_SIZE = 64 << 30
+# Reader slots: one per open read transaction (py-lmdb uses MDB_NOTLS). Transactions
+# are short, so this only has to cover the concurrency of requests and threads.
+_MAX_READERS = 8192
 
 
 class LmdbEnv:
@@ -65,7 +68,7 @@ class LmdbEnv:
     def _open(path: Path, map_size: int) -> Any:
         def do_open() -> Any:
             return lmdb.open(
-                str(path), map_size=map_size, max_dbs=len(DB_NAMES) + 2, max_readers=1024,
+                str(path), map_size=map_size, max_dbs=len(DB_NAMES) + 2, max_readers=_MAX_READERS,
                 sync=False, metasync=False, readahead=False, subdir=True, lock=True,
             )
         try:
@@ -86,7 +89,13 @@ class LmdbEnv:
     @contextmanager
     def read(self) -> Iterator[Any]:
         """A read-only snapshot. Safe on the trio thread."""
-        with self.env.begin(write=False, buffers=False) as txn:
+        try:
+            txn = self.env.begin(write=False, buffers=False)
+        except lmdb.ReadersFullError as exc:
+            active = len(self.env.readers().splitlines()) - 1
+            raise CacheError(f"cache metadata: all {_MAX_READERS} reader slots in use "
+                             f"({active} listed)") from exc
+        with txn:
             yield txn
 
     @contextmanager
