@@ -217,6 +217,10 @@ class Fetcher:
         flight = self._flights.get(bid)
         if flight is None:
             flight = self._start_load(obj, index, bid, prefetch=False, reserved=0)
+        elif flight.event.is_set() and flight.data is not None:
+            # Loaded, still being written to disk: the bytes are in memory.
+            metrics.CACHE_HIT_REQUESTS.inc()
+            return flight.data, "memory"
         else:
             metrics.SINGLE_FLIGHT_JOINS.inc()
         await flight.event.wait()
@@ -311,10 +315,16 @@ class Fetcher:
             finally:
                 if flight.data is None and flight.error is None:  # cancelled at shutdown
                     flight.error = TransientStoreError("fetch cancelled: cachefs is stopping")
-                del self._flights[bid]
+                if flight.error is not None or flight.source != "s3":
+                    del self._flights[bid]
                 flight.event.set()
-            if data is not None and flight.source == "s3":
-                await self.cache.put(bid, data)
+            if flight.error is None and flight.source == "s3":
+                # The flight stays registered until the block is on disk: evicted from
+                # memory meanwhile, it must still not be fetched a second time.
+                try:
+                    await self.cache.put(bid, data)  # type: ignore[arg-type]
+                finally:
+                    del self._flights[bid]
         finally:
             if reserved:
                 self.budget.release(reserved)

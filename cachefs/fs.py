@@ -268,9 +268,11 @@ class FileSystem:
             handle.node.last_open_etag = None
         # Prefetch flights are started first but cannot starve this read: they may use
         # only a share of the S3 connections (see Fetcher), and never wait for budget.
-        for index in handle.stream.on_read(offset, size):
+        stream = handle.stream
+        for index in stream.on_read(offset, size):
             if not self.fetcher.prefetch(obj, index) and not self.fetcher.is_resident(obj, index):
-                break  # budget full: the next read tries again
+                break  # budget full: the next read tries again from here
+            stream.issued_until = index + 1
         try:
             return await self.fetcher.read(obj, offset, size)
         except ObjectChanged:

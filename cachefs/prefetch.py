@@ -31,6 +31,9 @@ class ReadStream:
         self._next = 0  # where the previous read ended
         self._block = -1  # the block the previous read ended in
         self._reads = 0
+        #: Blocks below this index were already handed to the prefetcher by this stream
+        #: (the caller advances it); reads re-issue nothing the stream already asked for.
+        self.issued_until = 0
 
     def on_read(self, offset: int, size: int) -> range:
         """Record a read; return the block indices worth fetching ahead of it."""
@@ -45,8 +48,10 @@ class ReadStream:
                                   max(self.window * 2, self.initial_window, self.block_size))
         elif offset == 0:
             self.window = self.initial_window
+            self.issued_until = 0
         else:
             self.window = 0
+            self.issued_until = 0
         self._next = end
         self._block = max(end - 1, 0) // self.block_size
         if self.window <= 0 or end >= self.size:
@@ -54,4 +59,4 @@ class ReadStream:
         first = (end + self.block_size - 1) // self.block_size  # first block not yet asked for
         last_byte = min(self.size, end + self.window) - 1
         last = last_byte // self.block_size
-        return range(first, last + 1)
+        return range(max(first, self.issued_until), last + 1)

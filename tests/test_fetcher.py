@@ -383,6 +383,32 @@ def test_drain_waits_for_cache_writes(rig: Rig, mem: MemoryStore, monkeypatch: p
     rig.run(body)
 
 
+def test_block_evicted_from_memory_while_written_is_not_fetched_again(
+        rig: Rig, mem: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = payload(3 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    real_put_sync = BlockCache.put_sync
+
+    def slow_put_sync(self: BlockCache, bid: bytes, block: bytes) -> bool:
+        time.sleep(0.1)
+        return real_put_sync(self, bid, block)
+
+    monkeypatch.setattr(BlockCache, "put_sync", slow_put_sync)
+
+    async def body(f: Fetcher) -> None:
+        assert f.hot.capacity == 0  # nothing stays in the hot set
+        assert await f.read(obj, 0, 3 * BS) == data
+        assert not f.cache.contains(f.block_id(obj, 0))  # still being written
+        assert await f.read(obj, 0, 3 * BS) == data  # served from the pending flight
+        assert mem.calls["get"] == 3
+        await f.drain()
+        assert await f.read(obj, 0, 3 * BS) == data  # now from disk
+        assert mem.calls["get"] == 3
+
+    rig.run(body)
+
+
 # -- failures ------------------------------------------------------------------------------------------
 def test_transient_failures_are_retried(tmp_path: Path, mem: MemoryStore) -> None:
     data = payload(2 * BS)
