@@ -22,12 +22,13 @@ and wake it (trio thread only).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import trio
 
 from cachefs.errors import StoreError
 from cachefs.fetcher import Fetcher, ObjectVersion
+from cachefs.metadata import Entry
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ class _Walk:
 class DirectoryLookahead:
     """Prefetch the next files of a directory when readers open its files in name order.
 
-    Each open of a file advances that directory's walk. After ``min_streak``
-    opens in increasing name order, up to ``window(streak)`` files after the
+    Each open of a file advances that directory's walk when the file is among
+    the ``adjacency`` entries after the previous one (or among the files already
+    requested ahead). After ``min_streak`` such opens, up to ``window(streak)`` files after the
     reader are requested (doubling with the streak, at most ``max_files``).
     Each open consumes one file of the window; only the shortfall is issued,
     continuing after the last file requested, so the cost per open is a few
@@ -144,21 +146,42 @@ class DirectoryLookahead:
     Blocks go through ``Fetcher.prefetch`` (never waits, bounded by budget).
     """
 
-    def __init__(self, fetcher: Fetcher, iter_after: Callable[[str, bytes], object], *,
-                 max_files: int = 256, min_streak: int = 2, max_dirs: int = 1024) -> None:
+    def __init__(self, fetcher: Fetcher, iter_after: Callable[[str, bytes], Iterator[Entry]], *,
+                 max_files: int = 256, min_streak: int = 3, max_dirs: int = 1024,
+                 adjacency: int = 8) -> None:
         self._fetcher = fetcher
         self._iter_after = iter_after
+        self.adjacency = adjacency
         self.max_files = max_files
         self.min_streak = min_streak
         self.max_dirs = max_dirs
         self._walks: dict[str, _Walk] = {}
+
+    def _follows(self, prefix: str, last: bytes, name: bytes, walk: _Walk) -> bool:
+        """Whether ``name`` is among the next few files after ``last`` (or among those
+        already requested ahead): readers walking the directory in order, possibly
+        several workers interleaved, but not a random order that happens to ascend."""
+        if walk.issued_until is not None and last < name <= walk.issued_until:
+            return True
+        entries = self._iter_after(prefix, last)
+        try:
+            for i, entry in enumerate(entries):
+                if entry.name == name:
+                    return True
+                if i + 1 >= self.adjacency or entry.name > name:
+                    return False
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
+        return False
 
     def on_open(self, prefix: str, name: bytes) -> int:
         """Record an open; returns how many files were newly requested."""
         walk = self._walks.pop(prefix, None)
         if walk is None:
             walk = _Walk(name)
-        elif name > walk.last:
+        elif name > walk.last and self._follows(prefix, walk.last, name, walk):
             walk.streak += 1
             walk.last = name
             walk.ahead = max(0, walk.ahead - 1)
@@ -178,7 +201,7 @@ class DirectoryLookahead:
             return 0
         entries = self._iter_after(prefix, walk.issued_until)
         try:
-            for entry in entries:  # type: ignore[attr-defined]
+            for entry in entries:
                 if entry.is_dir:
                     continue
                 obj = ObjectVersion(prefix + entry.name.decode(), entry.etag, entry.size)

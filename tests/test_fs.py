@@ -349,6 +349,7 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
         assert keep is True  # the listing does not know yet
         # Block 0 of the old version is still cached: it is served (consistently the old version).
         assert await fs.read(fh2, 0, 10) == b"xx"
+        await fs.fetcher.drain()  # the block is on disk, no load of it is pending
         fs.fetcher.hot = type(fs.fetcher.hot)(0)
         bid = fs.fetcher.block_id(fs._handles[fh2].obj, 0)  # type: ignore[union-attr]
         await trio.to_thread.run_sync(fs.fetcher.cache._remove, [bid])
