@@ -99,7 +99,10 @@ def _write_shard(path: Path, spec: DatasetSpec, shard: int) -> int:
         while f.tell() < spec.shard_size - spec.mean_size:
             key = f"{shard:05d}{n:06d}"
             size = int(spec.mean_size * rng.uniform(0.6, 1.4))
-            for name, body in ((f"{key}.jpg", _payload(f"{spec.seed}-{key}", size)), (f"{key}.cls", b"%d" % rng.randrange(spec.classes))):
+            for name, body in (
+                (f"{key}.jpg", _payload(f"{spec.seed}-{key}", size)),
+                (f"{key}.cls", b"%d" % rng.randrange(spec.classes)),
+            ):
                 info = tarfile.TarInfo(name)
                 info.size = len(body)
                 info.mtime = 1_700_000_000
@@ -184,7 +187,7 @@ def upload(ds: Dataset, s3: Any, bucket: str, threads: int = 16, log=print) -> b
 def verify_sample(ds: Dataset, s3: Any, bucket: str, n: int = 3) -> None:
     """Spot-check that a few objects on the origin equal the local files."""
     rng = random.Random(0)
-    for rel, size in rng.sample(ds.files, min(n, len(ds.files))):
+    for rel, _size in rng.sample(ds.files, min(n, len(ds.files))):
         body = s3.get_object(Bucket=bucket, Key=f"{ds.prefix}/{rel}", Range="bytes=0-4095")["Body"].read()
         with open(ds.local_root / rel, "rb") as f:
             if f.read(4096) != body:

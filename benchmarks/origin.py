@@ -232,8 +232,7 @@ def raw_get_throughput(
                         return
                     key, off, n = jobs.pop()
                 req = (
-                    f"GET /{bucket}/{key} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                    f"Range: bytes={off}-{off + n - 1}\r\n\r\n"
+                    f"GET /{bucket}/{key} HTTP/1.1\r\nHost: {host}:{port}\r\nRange: bytes={off}-{off + n - 1}\r\n\r\n"
                 ).encode()
                 sock.sendall(req)
                 head = b""

@@ -178,7 +178,7 @@ def build_loader(kind: str, root: Path, files: list[list[Any]], epoch: int, args
         try:
             send_hint(shards.order)
             HINTS.append("sent")
-        except Exception as e:  # noqa: BLE001 - reading goes on without the hint
+        except Exception as e:
             print(f"  hint not sent: {e}", flush=True)
     return DataLoader(
         shards,
@@ -234,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-ms", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epoch-timeout", type=float, default=0.0, help="stop an epoch after this many seconds (0 = never)")
-    p.add_argument("--run-timeout", type=float, default=0.0, help="start no epoch, and cut the current one, after this many seconds of the run")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=0.0,
+        help="start no epoch, and cut the current one, after this many seconds of the run",
+    )
     p.add_argument("--hint", action="store_true", help="send cachefs the read order every epoch (cachefs.torch.hinted)")
     p.add_argument("--no-drop-caches", action="store_true")
     p.add_argument("--stats-url", action="append", default=[], help="snapshot this URL at every epoch boundary")
@@ -286,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = per_sec.setdefault(int(now - t0), [0, 0])
                 row[0] += n
                 row[1] += b
-                if (args.epoch_timeout and now - start > args.epoch_timeout) or (args.run_timeout and now - t0 > args.run_timeout):
+                if (args.epoch_timeout and now - start > args.epoch_timeout) or (
+                    args.run_timeout and now - t0 > args.run_timeout
+                ):
                     truncated = True
                     break
         finally:

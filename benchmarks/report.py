@@ -75,7 +75,7 @@ def _delta(snaps: list[dict[str, Any]], key: str, field: str, i: int, j: int) ->
         return None
 
 
-_PROM = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
+_PROM = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 
 
 def parse_prom(text: str, prefix: str = "cachefs_") -> dict[str, float]:
@@ -138,9 +138,13 @@ def run_metrics(run: dict[str, Any]) -> dict[str, Any]:
     if proxy_url and snaps:
         b0 = _delta(snaps, proxy_url, "bytes_to_client", 0, 1)
         m["first_epoch_link_MBps"] = b0 / eps[0]["seconds"] / 1e6 if (b0 is not None and eps[0]["seconds"]) else None
-        m["first_epoch_link_util"] = (m["first_epoch_link_MBps"] / bw) if (bw and m["first_epoch_link_MBps"] is not None) else None
+        m["first_epoch_link_util"] = (
+            (m["first_epoch_link_MBps"] / bw) if (bw and m["first_epoch_link_MBps"] is not None) else None
+        )
         m["gets_per_epoch"] = [_delta(snaps, proxy_url, "get_count", 2 * i, 2 * i + 1) for i in range(len(eps))]
-        m["link_bytes_per_epoch"] = [_delta(snaps, proxy_url, "bytes_to_client", 2 * i, 2 * i + 1) for i in range(len(eps))]
+        m["link_bytes_per_epoch"] = [
+            _delta(snaps, proxy_url, "bytes_to_client", 2 * i, 2 * i + 1) for i in range(len(eps))
+        ]
     mc = [s.get("machine_cpu") for s in snaps if s.get("machine_cpu")]
     if len(mc) >= 2 and mc[-1]["total"] > mc[0]["total"]:
         # whole-machine CPU use during the run (all processes, both cores)
@@ -201,7 +205,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- outputs
-STYLE = {"cachefs": "tab:blue", "cachefs-hint": "tab:purple", "rclone": "tab:orange", "s3fs": "tab:green", "local": "black"}
+STYLE = {
+    "cachefs": "tab:blue",
+    "cachefs-hint": "tab:purple",
+    "rclone": "tab:orange",
+    "s3fs": "tab:green",
+    "local": "black",
+}
 
 
 def write_series(runs: list[dict[str, Any]], out_dir: Path) -> None:
@@ -223,6 +233,33 @@ def write_series(runs: list[dict[str, Any]], out_dir: Path) -> None:
         w.writerows(rows)
 
 
+PLOT_SMOOTH_S = 5  # DataLoader workers deliver whole batches in bursts: plot a moving average
+
+
+def _smoothed(reader: dict[str, Any], idx: int) -> tuple[list[int], list[float]]:
+    """Per-second values as a centred PLOT_SMOOTH_S moving average inside each epoch
+    (gaps between epochs stay at their raw value). The raw series is in series.json."""
+    spans = [(e["start"], e["end"]) for e in reader["epochs"]]
+    s = reader["series"]
+
+    def epoch_of(t: int) -> int:
+        for i, (a, z) in enumerate(spans):
+            if a <= t + 1 and t < z:
+                return i
+        return -1
+
+    eps = [epoch_of(p[0]) for p in s]
+    half = PLOT_SMOOTH_S // 2
+    xs, ys = [], []
+    for i, p in enumerate(s):
+        w = [
+            q[idx] for j, q in enumerate(s[max(0, i - half) : i + half + 1], start=max(0, i - half)) if eps[j] == eps[i]
+        ]
+        xs.append(p[0])
+        ys.append(sum(w) / len(w) if eps[i] >= 0 else p[idx])
+    return xs, ys
+
+
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -237,21 +274,22 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
             for run in runs:
                 if run["dataset"] != ds:
                     continue
-                s = run["reader"]["series"]
-                xs = [p[0] for p in s]
-                ys = [p[idx] / (1e6 if idx == 2 else 1) for p in s]
+                xs, ys = _smoothed(run["reader"], idx)
+                ys = [y / (1e6 if idx == 2 else 1) for y in ys]
                 ls = "-" if run["link"] == "remote" else "--"
                 if run["system"] == "local":
                     ls = ":"
-                ax.plot(xs, ys, ls, color=STYLE.get(run["system"], None), lw=1.2, label=f"{run['system']} ({run['link']})")
+                ax.plot(
+                    xs, ys, ls, color=STYLE.get(run["system"], None), lw=1.2, label=f"{run['system']} ({run['link']})"
+                )
                 if run["link"] == "remote":
                     for e in run["reader"]["epochs"][1:]:
                         ax.axvline(e["start"], color=STYLE.get(run["system"]), alpha=0.15, lw=0.8)
-            ax.set_title(f"{ds}: {label}", fontsize=9)
+            ax.set_title(f"{ds}: {label} ({PLOT_SMOOTH_S} s moving average)", fontsize=9)
             ax.set_xlabel("seconds since the first epoch started")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-            if row == 0 and col == 1:
+            if col == 1:
                 ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -334,11 +372,21 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
         notes = keep_notes_from.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip("\n")
     L: list[str] = []
     L.append("# Benchmark results: remote region vs co-located, with peers\n")
-    L.append("Generated by `" + summary["command"].strip() + "` (started " + summary["started"] + f", took {summary['duration_s'] / 60:.1f} min).\n")
-    L.append("Reproduce: `make bench` (full run) or `python -m benchmarks.run --quick` (seconds). Every parameter is a flag: `python -m benchmarks.run --help`.\n")
+    L.append(
+        "Generated by `"
+        + summary["command"].strip()
+        + "` (started "
+        + summary["started"]
+        + f", took {summary['duration_s'] / 60:.1f} min).\n"
+    )
+    L.append(
+        "Reproduce: `make bench` (full run) or `python -m benchmarks.run --quick` (seconds). "
+        "Every parameter is a flag: `python -m benchmarks.run --help`.\n"
+    )
     L.append("## Machine and software\n")
     L.append(
-        f"- {mach['cpus']} cores ({mach['cpu_model']}), {mach['mem_gib']} GiB RAM, kernel {mach['kernel']}, loopback only.\n"
+        f"- {mach['cpus']} cores ({mach['cpu_model']}), {mach['mem_gib']} GiB RAM, "
+        f"kernel {mach['kernel']}, loopback only.\n"
         f"- Python {v['python']}, torch {v['torch']}, SeaweedFS `{v['weed']}`, `{v['rclone']}`, `{v['s3fs']}`.\n"
         "- All processes share the 2 cores: origin (weed), WAN emulator, the FUSE daemon and the DataLoader "
         "(main process + workers). Absolute numbers are therefore CPU-bound well below what each part does alone; "
@@ -358,7 +406,8 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
         + (f" ({p['cpu_ms']:g} ms CPU per sample)" if p["mode"] == "cpu" else "")
         + f", {p['epochs']} epochs, reshuffled every epoch, page cache dropped before every epoch; "
         f"an epoch is cut after {p['epoch_timeout']:g} s (`(cut)` in the table).\n"
-        f"- systems: {', '.join(p['systems'])}; every caching system starts with an empty cache (cap {p['cache_size']}).\n"
+        f"- systems: {', '.join(p['systems'])}; every caching system starts with an empty cache "
+        f"(cap {p['cache_size']}).\n"
     )
     if summary.get("skipped"):
         L.append("- skipped: " + "; ".join(f"{k}: {r}" for k, r in summary["skipped"].items()) + "\n")
@@ -390,12 +439,16 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
     L.append("")
     cf = [m for m in ms if m.get("cachefs_metrics")]
     if cf:
-        L.append("cachefs's own metrics (`cachefs_s3_requests_total{op=\"get\"}`, `cachefs_s3_bytes_total`) over each run:\n")
+        L.append(
+            'cachefs\'s own metrics (`cachefs_s3_requests_total{op="get"}`, `cachefs_s3_bytes_total`) over each run:\n'
+        )
         for m in cf:
             c = m["cachefs_metrics"]
             L.append(
-                f"- {m['dataset']} / {m['link']}: {c['s3_get_requests'] if c['s3_get_requests'] is not None else '-'} GETs, "
-                f"{(c['s3_bytes'] or 0) / 1e6:.0f} MB (proxy saw {m.get('get_count')} GETs, {(m.get('get_bytes') or 0) / 1e6:.0f} MB)"
+                f"- {m['dataset']} / {m['system']} / {m['link']}: "
+                f"{c['s3_get_requests'] if c['s3_get_requests'] is not None else '-'} GETs, "
+                f"{(c['s3_bytes'] or 0) / 1e6:.0f} MB (proxy saw {m.get('get_count')} GETs, "
+                f"{(m.get('get_bytes') or 0) / 1e6:.0f} MB)"
             )
         L.append("")
     if summary.get("failures"):
@@ -404,7 +457,10 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
             L.append(f"- {f['dataset']} / {f['system']} / {f['link']}: `{f['error'][-300:]}`")
         L.append("")
     L.append(f"![throughput over time]({plot_path})\n")
-    L.append("Raw series (one point per second, all systems and links): `series.json`, `series.csv`; all metrics: `summary.json` (next to the plot).\n")
+    L.append(
+        "Raw series (one point per second, all systems and links): `series.json`, `series.csv`; "
+        "all metrics: `summary.json` (next to the plot).\n"
+    )
     L.append("## Notes\n")
     L.append(NOTES_BEGIN)
     L.append(notes or "(none yet)")

@@ -72,7 +72,11 @@ QUICK = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny data, RTT 20 ms, 2 epochs: seconds, for the test suite")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma list of cachefs,cachefs-hint,rclone,s3fs,local (cachefs-hint = cachefs + the sampler's read order)")
+    p.add_argument(
+        "--systems",
+        default=",".join(ALL_SYSTEMS),
+        help="comma list of cachefs,cachefs-hint,rclone,s3fs,local (cachefs-hint = cachefs + the sampler's read order)",
+    )
     p.add_argument("--datasets", default="images,shards", help="comma list of images,shards")
     p.add_argument("--links", default="colocated,remote", help="comma list of colocated,remote")
     g = p.add_argument_group("link (defaults: full run / --quick)")
@@ -96,7 +100,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--mode", choices=("io", "cpu"), default="io", help="io: read bytes; cpu: + fixed cost per sample")
     g.add_argument("--cpu-ms", type=float, default=2.0, help="per-sample CPU cost in --mode cpu")
     g.add_argument("--epoch-timeout", type=float, help="cut an epoch after this many seconds (120 / 60; 0 = never)")
-    g.add_argument("--run-timeout", type=float, help="per system and link: cut the epoch running and start no more after this many seconds (150 / 90; 0 = never)")
+    g.add_argument(
+        "--run-timeout",
+        type=float,
+        help="per system and link: cut the epoch running and start no more after this many seconds "
+        "(150 / 90; 0 = never)",
+    )
     g = p.add_argument_group("systems")
     g.add_argument("--cache-size", default="64G", help="cache cap given to every caching system")
     g.add_argument("--cachefs-arg", action="append", default=[], help="extra argument for cachefs mount (repeatable)")
@@ -137,7 +146,11 @@ def _versions() -> dict[str, str]:
         except Exception:
             return "?"
 
-    v = {"python": platform.python_version(), "weed": out([weed_binary(), "version"]), "s3fs": out(["s3fs", "--version"])}
+    v = {
+        "python": platform.python_version(),
+        "weed": out([weed_binary(), "version"]),
+        "s3fs": out(["s3fs", "--version"]),
+    }
     rc = Path(sys.executable).parent / "rclone"
     v["rclone"] = out([str(rc) if rc.exists() else "rclone", "version"])
     try:
@@ -168,7 +181,9 @@ def specs(args: argparse.Namespace) -> list[DatasetSpec]:
         if d == "images":
             out.append(DatasetSpec("images", args.images, args.image_size, args.classes, seed=args.seed))
         elif d == "shards":
-            out.append(DatasetSpec("shards", args.shards, args.image_size, args.classes, args.shard_size_mb << 20, args.seed))
+            out.append(
+                DatasetSpec("shards", args.shards, args.image_size, args.classes, args.shard_size_mb << 20, args.seed)
+            )
         else:
             raise SystemExit(f"unknown dataset {d}")
     return out
@@ -176,15 +191,31 @@ def specs(args: argparse.Namespace) -> list[DatasetSpec]:
 
 def link_params(args: argparse.Namespace, link: str) -> dict[str, float]:
     if link == "remote":
-        return {"rtt_ms": args.rtt_ms, "bandwidth_MBps": args.bandwidth_MBps, "conn_bandwidth_MBps": args.conn_bandwidth_MBps}
-    return {"rtt_ms": args.colocated_rtt_ms, "bandwidth_MBps": args.colocated_bandwidth_MBps, "conn_bandwidth_MBps": args.colocated_bandwidth_MBps}
+        return {
+            "rtt_ms": args.rtt_ms,
+            "bandwidth_MBps": args.bandwidth_MBps,
+            "conn_bandwidth_MBps": args.conn_bandwidth_MBps,
+        }
+    return {
+        "rtt_ms": args.colocated_rtt_ms,
+        "bandwidth_MBps": args.colocated_bandwidth_MBps,
+        "conn_bandwidth_MBps": args.colocated_bandwidth_MBps,
+    }
 
 
-def run_one(args: argparse.Namespace, origin: SeaweedOrigin, ds: Dataset, manifest: Path, system: str, link: str) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace, origin: SeaweedOrigin, ds: Dataset, manifest: Path, system: str, link: str
+) -> dict[str, Any]:
     run_dir = args.workdir / "runs" / ds.spec.id / link / system
     run_dir.mkdir(parents=True, exist_ok=True)
     lp = link_params(args, link) if system != "local" else {}
-    result: dict[str, Any] = {"system": system, "link": link, "dataset": ds.spec.kind, "dataset_id": ds.spec.id, "link_params": lp}
+    result: dict[str, Any] = {
+        "system": system,
+        "link": link,
+        "dataset": ds.spec.kind,
+        "dataset_id": ds.spec.id,
+        "link_params": lp,
+    }
     drop_caches()
     with contextlib.ExitStack() as stack:
         wan = None
@@ -203,7 +234,16 @@ def run_one(args: argparse.Namespace, origin: SeaweedOrigin, ds: Dataset, manife
             endpoint = wan.endpoint
         extra = args.cachefs_arg if system.startswith("cachefs") else None
         m = stack.enter_context(
-            mount(system, endpoint=endpoint, bucket=BUCKET, prefix=ds.prefix, run_dir=run_dir, local_root=ds.local_root, cache_size=args.cache_size, extra=extra)
+            mount(
+                system,
+                endpoint=endpoint,
+                bucket=BUCKET,
+                prefix=ds.prefix,
+                run_dir=run_dir,
+                local_root=ds.local_root,
+                cache_size=args.cache_size,
+                extra=extra,
+            )
         )
         result["mount_seconds"] = m.mount_seconds
         result["command"] = m.command
@@ -265,7 +305,13 @@ def link_selfcheck(args: argparse.Namespace, origin: SeaweedOrigin, objects: lis
     out["origin_direct"] = raw_get_throughput(origin.s3_port, BUCKET, objects, conns=4, max_bytes=cap)
     for link in args.links:
         lp = link_params(args, link)
-        with WanLink(origin.s3_port, lp["rtt_ms"], lp["bandwidth_MBps"], lp["conn_bandwidth_MBps"], window_bytes=args.window_bytes) as w:
+        with WanLink(
+            origin.s3_port,
+            lp["rtt_ms"],
+            lp["bandwidth_MBps"],
+            lp["conn_bandwidth_MBps"],
+            window_bytes=args.window_bytes,
+        ) as w:
             c0 = proc_sample(w.pid).cpu_s  # type: ignore[union-attr]
             r = raw_get_throughput(w.port, BUCKET, objects, conns=8, max_bytes=cap // (1 if link != "remote" else 2))
             c1 = proc_sample(w.pid).cpu_s  # type: ignore[union-attr]
@@ -282,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _sigterm)
     signal.signal(signal.SIGHUP, _sigterm)
     started = dt.datetime.now(dt.UTC)
-    command = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m benchmarks.run " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     skipped: dict[str, str] = {}
@@ -322,15 +370,13 @@ def main(argv: list[str] | None = None) -> int:
             objs = [(f"{biggest.prefix}/{p}", s) for p, s in biggest.files]
             info["selfcheck"] = link_selfcheck(args, origin, objs * max(1, (64 << 20) // max(1, biggest.total_bytes)))
             sc = info["selfcheck"]
+            rem = sc.get("through_remote", {})
             log(
-                "origin raw GET %.0f MB/s (%.0f MB/s from a cold page cache); through co-located link %.0f MB/s; through remote link %.0f MB/s (emulator %.2f CPU s/GB)"
-                % (
-                    sc["origin_direct"]["MBps"],
-                    sc["origin_direct_cold"]["MBps"],
-                    sc.get("through_colocated", {}).get("MBps", 0),
-                    sc.get("through_remote", {}).get("MBps", 0),
-                    sc.get("through_remote", {}).get("proxy_cpu_s_per_GB", 0),
-                )
+                f"origin raw GET {sc['origin_direct']['MBps']:.0f} MB/s "
+                f"({sc['origin_direct_cold']['MBps']:.0f} MB/s from a cold page cache); "
+                f"through co-located link {sc.get('through_colocated', {}).get('MBps', 0):.0f} MB/s; "
+                f"through remote link {rem.get('MBps', 0):.0f} MB/s "
+                f"(emulator {rem.get('proxy_cpu_s_per_GB', 0):.2f} CPU s/GB)"
             )
             for ds, mpath in datasets:
                 for system in systems:
@@ -343,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                             raise
                         except Exception as e:
                             log(f"  FAILED: {e}")
-                            failures.append({"system": system, "link": link, "dataset": ds.spec.kind, "error": str(e)[-2000:]})
+                            failures.append(
+                                {"system": system, "link": link, "dataset": ds.spec.kind, "error": str(e)[-2000:]}
+                            )
                             continue
                         runs.append(r)
                         raw = args.workdir / "runs" / f"{ds.spec.kind}__{link}__{system}.json"
@@ -360,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": (finished - started).total_seconds(),
         "machine": _machine(),
         "versions": _versions(),
-        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("workdir", "out", "results_md")},
+        "params": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("workdir", "out", "results_md")
+        },
         "skipped": skipped,
         "failures": failures,
         "selfcheck": info.get("selfcheck"),
@@ -368,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if runs:
-        report.plot(runs, args.out / "throughput.png", f"{'quick' if args.quick else 'full'} run: remote = {args.rtt_ms:g} ms RTT, {args.bandwidth_MBps:g} MB/s ({args.conn_bandwidth_MBps:g}/conn); co-located = {args.colocated_rtt_ms:g} ms")
+        report.plot(
+            runs,
+            args.out / "throughput.png",
+            f"{'quick' if args.quick else 'full'} run: remote = {args.rtt_ms:g} ms RTT, "
+            f"{args.bandwidth_MBps:g} MB/s ({args.conn_bandwidth_MBps:g}/conn); "
+            f"co-located = {args.colocated_rtt_ms:g} ms",
+        )
     write_results_md(args, summary, ms)
     log(f"results: {args.out} and {args.results_md}")
     print(report.table(ms))

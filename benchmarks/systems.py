@@ -90,13 +90,17 @@ def _daemon(
         _unmount(mnt)
     log = open(log_path, "ab")
     t0 = time.monotonic()
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
     log.close()
     try:
 
         def ready() -> bool:
             if proc.poll() is not None:
-                raise RuntimeError(f"{system} exited with {proc.returncode}: {log_path.read_text(errors='replace')[-1500:]}")
+                raise RuntimeError(
+                    f"{system} exited with {proc.returncode}: {log_path.read_text(errors='replace')[-1500:]}"
+                )
             return is_mounted(str(mnt)) and os.path.isdir(mnt)
 
         wait_for(ready, timeout, f"{system} mount at {mnt}")
@@ -115,7 +119,9 @@ def _base_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def mount_cachefs(endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None) -> Iterator[Mounted]:
+def mount_cachefs(
+    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None
+) -> Iterator[Mounted]:
     mnt, cache = run_dir / "mnt", run_dir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
@@ -141,7 +147,9 @@ def mount_cachefs(endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_
 
 
 @contextlib.contextmanager
-def mount_rclone(endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None) -> Iterator[Mounted]:
+def mount_rclone(
+    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None
+) -> Iterator[Mounted]:
     """rclone mount, VFS cache mode full, tuned per rclone's docs for a
     read-only dataset on a high-latency object store: parallel chunk streams,
     no HEAD before GET, server modtimes (no per-file HEAD), long dir/attr
@@ -191,7 +199,9 @@ def mount_rclone(endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_s
 
 
 @contextlib.contextmanager
-def mount_s3fs(endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None) -> Iterator[Mounted]:
+def mount_s3fs(
+    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None
+) -> Iterator[Mounted]:
     """s3fs-fuse with its local file cache (use_cache), tuned for reads:
     long stat cache, parallel multipart downloads."""
     mnt, cache = run_dir / "mnt", run_dir / "cache"
@@ -231,7 +241,17 @@ def mount_local(local_root: Path) -> Iterator[Mounted]:
     yield Mounted("local", local_root, None)
 
 
-def mount(system: str, *, endpoint: str, bucket: str, prefix: str, run_dir: Path, local_root: Path, cache_size: str, extra: list[str] | None = None):
+def mount(
+    system: str,
+    *,
+    endpoint: str,
+    bucket: str,
+    prefix: str,
+    run_dir: Path,
+    local_root: Path,
+    cache_size: str,
+    extra: list[str] | None = None,
+):
     run_dir.mkdir(parents=True, exist_ok=True)
     if system == "local":
         return mount_local(local_root)

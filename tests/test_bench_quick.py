@@ -97,7 +97,7 @@ def _check(summary: dict, series: dict, out: Path, systems: list[str]) -> None:
         if key[1] == "remote":
             assert m["steady_ratio"] > 0, key
             assert m["warmup_bound_s"] > 0, key
-        if key[2] == "cachefs":
+        if key[2].startswith("cachefs"):
             cm = m.get("cachefs_metrics") or {}
             assert cm.get("s3_get_requests"), f"cachefs /metrics had no GET count: {cm}"
     text = (out / "RESULTS.md").read_text()
@@ -116,8 +116,8 @@ def test_quick_cachefs_and_local(tmp_path: Path) -> None:
 @pytest.mark.slow
 @needs_fuse
 def test_quick_all_peers(tmp_path: Path) -> None:
-    summary, series, out = _run_quick(tmp_path, "cachefs,rclone,s3fs,local")
-    systems = ["cachefs", "rclone", "s3fs", "local"]
+    systems = ["cachefs", "cachefs-hint", "rclone", "s3fs", "local"]
+    summary, series, out = _run_quick(tmp_path, ",".join(systems))
     for s, why in summary["skipped"].items():
         pytest.fail(f"peer {s} not installed: {why}")
     _check(summary, series, out, systems)
@@ -126,7 +126,18 @@ def test_quick_all_peers(tmp_path: Path) -> None:
 @needs_fuse
 def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
     work = tmp_path / "work"
-    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--systems", "cachefs", "--datasets", "images", "--workdir", str(work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--quick",
+        "--systems",
+        "cachefs",
+        "--datasets",
+        "images",
+        "--workdir",
+        str(work),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -183,7 +194,9 @@ def test_token_bucket_serialises_at_rate() -> None:
 def test_warmup_detection() -> None:
     reader = {
         "epochs": [{"start": 0, "end": 10}, {"start": 11, "end": 16}],
-        "series": [[s, 10 if s < 6 else 100, 0] for s in range(10)] + [[10, 0, 0]] + [[s, 100, 0] for s in range(11, 16)],
+        "series": [[s, 10 if s < 6 else 100, 0] for s in range(10)]
+        + [[10, 0, 0]]
+        + [[s, 100, 0] for s in range(11, 16)],
     }
     assert report.warmup_time(reader, 100.0) == 6.0
     assert report.warmup_time(reader, 1000.0) is None
