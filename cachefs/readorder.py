@@ -8,8 +8,10 @@ and the link stays full even when the order is a random permutation (Little's
 law: in flight >= rate x latency; stock DataLoader workers only ever have one
 read each in flight).
 
-Bounds: at most ``lookahead_bytes`` of hinted files ahead of the cursor are
-requested, and each block needs room in the fetcher's memory budget
+Only blocks that are not in the disk cache are fetched (a cached block costs a
+demand read one local read; loading it into memory far ahead would only evict
+blocks needed sooner). Bounds: at most ``lookahead_bytes`` of hinted, uncached
+data ahead of the cursor is requested, and each block needs room in the fetcher's memory budget
 (``Fetcher.prefetch`` never waits; when it refuses, the loop sleeps until the
 next open or a short tick). Prefetched blocks land in the disk cache, so a
 reader that arrives later finds them there.
@@ -112,12 +114,18 @@ class ReadOrder:
                 obj = None
             if generation != self.generation:
                 return
+            size = 0
             if obj is not None:
                 for index in range(self._fetcher.block_count(obj)):
+                    if self._fetcher.is_cached(obj, index):
+                        # Already on disk: a demand read costs one local read. Loading it
+                        # into memory this far ahead would only push out blocks that are
+                        # needed sooner.
+                        continue
                     if (not self._fetcher.prefetch(obj, index)
                             and not self._fetcher.is_resident(obj, index)):
                         return  # memory budget full: try again on the next tick
-            size = obj.size if obj is not None else 0
+                    size += self._fetcher.block_len(obj, index)
             if len(self._cum) == self._next + 1:
                 self._cum.append(self._cum[-1] + size)
             self._next += 1
