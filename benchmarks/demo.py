@@ -19,12 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.origin import SeaweedOrigin, s3_env
-from benchmarks.util import drop_caches, free_ports, is_mounted
+from benchmarks.util import drop_caches, free_ports, is_mounted, scrape_metrics
 
 BUCKET = "demo"
 PREFIX = "sample-dataset"
@@ -67,15 +66,6 @@ def read_all(root: Path, workers: int) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
-def scrape(addr: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def mb(n: float) -> str:
@@ -116,10 +106,10 @@ def main() -> int:
         try:
             drop_caches()
             cold_bytes, cold_s = read_all(mnt, args.workers)
-            after_cold = scrape(metrics_addr)
+            after_cold = scrape_metrics(metrics_addr)
             drop_caches()  # the second pass must come from the block cache, not RAM
             warm_bytes, warm_s = read_all(mnt, args.workers)
-            after_warm = scrape(metrics_addr)
+            after_warm = scrape_metrics(metrics_addr)
         finally:
             subprocess.run([sys.executable, "-m", "cachefs", "unmount", str(mnt)], env=env)
             if is_mounted(str(mnt)):

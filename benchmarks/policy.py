@@ -23,13 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from benchmarks.origin import SeaweedOrigin, s3_env
-from benchmarks.util import drop_caches, free_ports, is_mounted
+from benchmarks.util import drop_caches, free_ports, is_mounted, scrape_metrics
 
 BUCKET = "policy"
 
@@ -40,15 +39,6 @@ def theory(policy: str, c: float) -> float:
     return c if policy == "keep" else c + (1 - c) * math.log(1 - c)
 
 
-def scrape(addr: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def run_policy(origin: SeaweedOrigin, work: Path, policy: str, keys: list[str], cache_bytes: int,
@@ -71,12 +61,12 @@ def run_policy(origin: SeaweedOrigin, work: Path, policy: str, keys: list[str], 
             order = keys[:]
             rnd.shuffle(order)
             drop_caches()
-            before = scrape(addr)
+            before = scrape_metrics(addr)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(workers) as pool:
                 total = sum(pool.map(lambda k: len((mnt / k).read_bytes()), order))
             seconds = time.perf_counter() - t0
-            after = scrape(addr)
+            after = scrape_metrics(addr)
             hit = after["cachefs_cache_hit_bytes_total"] - before.get("cachefs_cache_hit_bytes_total", 0)
             miss = after["cachefs_cache_miss_bytes_total"] - before.get("cachefs_cache_miss_bytes_total", 0)
             rows.append({"policy": policy, "epoch": epoch, "bytes": total, "seconds": seconds,

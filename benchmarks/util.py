@@ -177,3 +177,17 @@ def timed() -> Iterator[list[float]]:
     box = [time.monotonic()]
     yield box
     box.append(time.monotonic() - box[0])
+
+
+def scrape_metrics(addr: str) -> dict[str, float]:
+    """A cachefs /metrics endpoint as {sample name: value summed over labels}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out

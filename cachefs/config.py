@@ -45,6 +45,15 @@ def parse_size(value: str | int) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
+def format_size(n: float) -> str:
+    """Bytes for people, binary units: ``300 B``, ``1.5 MiB``, ``2.0 TiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -38,7 +38,7 @@ import trio
 from cachefs import metrics, runtime
 from cachefs.blockcache import BlockCache
 from cachefs.budget import MemoryBudget
-from cachefs.config import MountConfig
+from cachefs.config import MountConfig, format_size
 from cachefs.control import ControlServer
 from cachefs.errors import (
     CacheError,
@@ -101,16 +101,10 @@ def prepare_cache_dir(path: Path, cache_size: int) -> None:
     st = os.statvfs(path)
     total = st.f_blocks * st.f_frsize
     if cache_size > total:
-        raise ConfigError(f"--cache-size {_human(cache_size)} is larger than the file system "
-                          f"holding {path} ({_human(total)})")
+        raise ConfigError(f"--cache-size {format_size(cache_size)} is larger than the file system "
+                          f"holding {path} ({format_size(total)})")
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @contextlib.contextmanager

@@ -31,20 +31,10 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 
 from cachefs import metrics
-from cachefs.errors import (
-    AccessDenied,
-    CredentialsError,
-    EndpointUnreachable,
-    NoSuchBucket,
-    NoSuchKey,
-    ObjectChanged,
-    StoreError,
-    TransientStoreError,
-)
+from cachefs.errors import EndpointUnreachable, ObjectChanged, StoreError, TransientStoreError
+from cachefs.store import error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
-_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                     "InvalidToken", "TokenRefreshRequired"}
 
 
 class RangeClient:
@@ -163,19 +153,4 @@ class RangeClient:
     def _error(self, status: int, body: bytes, key: str) -> StoreError:
         m = _CODE_RE.search(body)
         code = m.group(1).decode(errors="replace") if m else ""
-        where = f"s3://{self.bucket}/{key}"
-        if status == 412 or code == "PreconditionFailed":
-            return ObjectChanged(f"{where} changed since it was opened")
-        if code == "NoSuchBucket":
-            return NoSuchBucket(f"bucket {self.bucket!r} does not exist")
-        if status == 404:
-            return NoSuchKey(f"{where} does not exist")
-        if code in _CREDENTIAL_CODES:
-            return CredentialsError(f"the S3 endpoint rejected the credentials ({code})")
-        if status == 403:
-            return AccessDenied(f"access denied to {where}")
-        if status in (429, 503) or code in ("SlowDown", "Throttling", "RequestLimitExceeded"):
-            return TransientStoreError(f"{where}: throttled ({code or status})", throttled=True)
-        if status >= 500 or code in ("InternalError", "RequestTimeout"):
-            return TransientStoreError(f"{where}: server error {status} {code}")
-        return StoreError(f"{where}: HTTP {status} {code}")
+        return error_for_response(status, code, self.bucket, key, f"HTTP {status}")

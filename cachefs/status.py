@@ -14,14 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import runtime
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from cachefs.config import format_size
 
 
 def _duration(seconds: float) -> str:
@@ -84,14 +77,14 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         ratio = "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}%"
         warm = ""
         if r["warm_target_bytes"]:
-            warm = (f"  warm {_human(r['warm_bytes'])} / {_human(r['warm_target_bytes'])}")
+            warm = (f"  warm {format_size(r['warm_bytes'])} / {format_size(r['warm_target_bytes'])}")
         print(f"{r['mountpoint']}  <-  {r['source']}  (pid {r['pid']}, up "
               f"{_duration(r['uptime_seconds'])})")
-        print(f"  cache   {_human(r['cache_used_bytes'])} / {_human(r['cache_capacity_bytes'])}"
+        print(f"  cache   {format_size(r['cache_used_bytes'])} / {format_size(r['cache_capacity_bytes'])}"
               f" in {r['cache_dir']} ({r['cache_policy']} policy, {r['cache_blocks']} blocks)")
-        print(f"  reads   {_human(r['read_bytes'])}, byte hit ratio {ratio}, "
-              f"{_human(r['s3_bytes'])} from S3 in {r['s3_requests']} requests "
+        print(f"  reads   {format_size(r['read_bytes'])}, byte hit ratio {ratio}, "
+              f"{format_size(r['s3_bytes'])} from S3 in {r['s3_requests']} requests "
               f"({r['s3_errors']} errors)")
         print(f"  now     {r['inflight_fetches']} fetches in flight, "
-              f"{_human(r['inflight_bytes'])} buffered{warm}")
+              f"{format_size(r['inflight_bytes'])} buffered{warm}")
     return 0

@@ -231,6 +231,32 @@ class S3Store:
         return data
 
 
+def error_for_response(status: int, code: str, bucket: str, key: str | None,
+                       message: str = "") -> StoreError:
+    """The cachefs error for an S3 error response (HTTP status and S3 error code).
+    The one mapping for both clients (boto3 here, the lean GET client in s3http)."""
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+    if code == "NoSuchBucket":
+        return NoSuchBucket(f"bucket {bucket!r} does not exist")
+    if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and key):
+        return NoSuchKey(f"{where} does not exist")
+    if status == 404:
+        return NoSuchBucket(f"bucket {bucket!r} does not exist")
+    if code in ("PreconditionFailed", "412") or status == 412:
+        return ObjectChanged(f"{where} changed since it was opened")
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                "InvalidToken", "TokenRefreshRequired"):
+        return CredentialsError(f"the S3 endpoint rejected the credentials ({code})")
+    if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+        return AccessDenied(f"access denied to {where}")
+    if code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                "TooManyRequests") or status in (429, 503):
+        return TransientStoreError(f"{where}: throttled ({code or status})", throttled=True)
+    if status >= 500 or code in ("InternalError", "ServiceUnavailable", "RequestTimeout"):
+        return TransientStoreError(f"{where}: server error {status} {code}")
+    return StoreError(f"{where}: {code or status}: {message or 'request failed'}")
+
+
 def _translate(exc: Exception, bucket: str, key: str | None) -> StoreError:
     """Map a botocore exception to the cachefs error hierarchy."""
     from botocore import exceptions as bex
@@ -250,27 +276,9 @@ def _translate(exc: Exception, bucket: str, key: str | None) -> StoreError:
         return TransientStoreError(f"{where}: connection problem: {exc}")
     if isinstance(exc, bex.ClientError):
         err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        if code == "NoSuchBucket":
-            return NoSuchBucket(f"bucket {bucket!r} does not exist")
-        if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and key):
-            return NoSuchKey(f"{where} does not exist")
-        if status == 404:
-            return NoSuchBucket(f"bucket {bucket!r} does not exist")
-        if code in ("PreconditionFailed", "412") or status == 412:
-            return ObjectChanged(f"{where} changed since it was opened")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                    "InvalidToken", "TokenRefreshRequired"):
-            return CredentialsError(f"the S3 endpoint rejected the credentials ({code})")
-        if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
-            return AccessDenied(f"access denied to {where}")
-        if code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                    "TooManyRequests") or status in (429, 503):
-            return TransientStoreError(f"{where}: throttled ({code or status})", throttled=True)
-        if status >= 500 or code in ("InternalError", "ServiceUnavailable", "RequestTimeout"):
-            return TransientStoreError(f"{where}: server error {status} {code}")
-        return StoreError(f"{where}: {code or status}: {err.get('Message', exc)}")
+        return error_for_response(status, str(err.get("Code", "")), bucket, key,
+                                  str(err.get("Message", exc)))
     if isinstance(exc, bex.BotoCoreError):
         return StoreError(f"{where}: {exc}")
     if isinstance(exc, (ConnectionError, TimeoutError)):

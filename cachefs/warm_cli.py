@@ -14,15 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.client import find_mount, relative_paths, request
+from cachefs.config import format_size
 from cachefs.errors import CachefsError, ConfigError
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _eta(seconds: float) -> str:
@@ -35,14 +28,14 @@ def _eta(seconds: float) -> str:
 def _line(p: dict[str, Any], elapsed: float, check: bool) -> str:
     done, total = p["bytes_done"], p["bytes_total"]
     if check:
-        return (f"{_human(done)} of {_human(total)} cached "
+        return (f"{format_size(done)} of {format_size(total)} cached "
                 f"({100 * done / total if total else 100:.1f}%), {p['objects_total']} objects")
     rate = p["bytes_fetched"] / elapsed if elapsed > 0 else 0.0
     left = total - done
     eta = left / rate if rate > 0 and p["listing_done"] else float("nan")
     pct = 100 * done / total if total else 0.0
-    return (f"{_human(done)} / {_human(total)}{'' if p['listing_done'] else '+'} ({pct:.1f}%)  "
-            f"{p['objects_done']}/{p['objects_total']} objects  {_human(rate)}/s  "
+    return (f"{format_size(done)} / {format_size(total)}{'' if p['listing_done'] else '+'} ({pct:.1f}%)  "
+            f"{p['objects_done']}/{p['objects_total']} objects  {format_size(rate)}/s  "
             f"ETA {_eta(eta)}")
 
 
@@ -91,7 +84,7 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
         print(_line(final, elapsed, True))
     else:
         print(f"warmed {final['objects_done']} of {final['objects_total']} objects, "
-              f"{_human(final['bytes_done'])} resident, {_human(final['bytes_fetched'])} "
+              f"{format_size(final['bytes_done'])} resident, {format_size(final['bytes_fetched'])} "
               f"fetched from S3 in {elapsed:.1f}s")
     for path, message in final["failed"]:
         print(f"failed: {path}: {message}", file=sys.stderr)
