@@ -128,8 +128,8 @@ def main() -> int:
     ratio = hit_w / (hit_w + miss_w) if hit_w + miss_w else 0.0
     print(f"{'warm':<6}{warm_s:>9.2f}{warm_bytes / warm_s / 1e6:>10.1f} MB/s{mb(s3_warm):>14}"
           f"{100 * ratio:>15.1f}%")
-    print(f"\nwarm/cold speed-up {cold_s / warm_s:.1f}x; every byte compared by size "
-          f"({mb(dataset)} each pass); unmounted and server stopped.")
+    print(f"\nwarm/cold speed-up {cold_s / warm_s:.1f}x; both passes read the whole dataset "
+          f"({mb(dataset)} each); unmounted and server stopped.")
     return 0
 
 
