@@ -32,6 +32,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks.util import drop_caches
+
 TAR_BLOCK = 512
 HINTS: list[Any] = []  # hinted samplers / hints sent (--hint)
 
@@ -209,15 +211,6 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
         snap[f"pid:{pid}"] = None if s is None else {"cpu_s": s.cpu_s, "rss": s.rss_bytes, "peak_rss": s.peak_rss_bytes}
     return snap
 
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

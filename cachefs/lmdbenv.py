@@ -26,7 +26,6 @@ Concurrency rules:
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,22 +118,9 @@ class LmdbEnv:
         finally:
             self.env.close()
 
-    def size_on_disk(self) -> int:
-        try:
-            return sum(f.stat().st_size for f in self.path.iterdir())
-        except OSError:
-            return 0
 
     def drop(self, name: str) -> None:
         """Empty one database (worker threads only)."""
         with self.write() as txn:
             txn.drop(self.dbs[name], delete=False)
 
-
-def remove_stale_lock(path: Path) -> None:
-    """LMDB's lock file holds reader slots of dead processes; it is safe to remove
-    when we hold the cache directory's exclusive lock (no other process uses it)."""
-    try:
-        os.unlink(path / "lock.mdb")
-    except FileNotFoundError:
-        pass

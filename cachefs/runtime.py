@@ -115,7 +115,7 @@ def _unescape(path: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
     out, i = [], 0
     while i < len(path):
-        if path[i] == "\\" and i + 3 < len(path) + 0 and path[i + 1:i + 4].isdigit():
+        if path[i] == "\\" and path[i + 1:i + 4].isdigit() and len(path[i + 1:i + 4]) == 3:
             out.append(chr(int(path[i + 1:i + 4], 8)))
             i += 4
         else:

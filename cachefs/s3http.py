@@ -31,8 +31,14 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 
 from cachefs import metrics
-from cachefs.errors import EndpointUnreachable, ObjectChanged, StoreError, TransientStoreError
-from cachefs.store import error_for_response
+from cachefs.errors import (
+    CredentialsError,
+    EndpointUnreachable,
+    ObjectChanged,
+    StoreError,
+    TransientStoreError,
+)
+from cachefs.store import NO_CREDENTIALS, error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
 
@@ -41,7 +47,8 @@ class RangeClient:
     """Signed ranged GETs of one bucket."""
 
     def __init__(self, bucket: str, *, endpoint_url: str, region: str, credentials: Any,
-                 max_connections: int, connect_timeout: float, read_timeout: float) -> None:
+                 anonymous: bool, max_connections: int, connect_timeout: float,
+                 read_timeout: float) -> None:
         self.bucket = bucket
         url = urllib.parse.urlsplit(endpoint_url)
         self._https = url.scheme == "https"
@@ -56,6 +63,7 @@ class RangeClient:
         self._path_prefix = "" if virtual else "/" + urllib.parse.quote(bucket)
         self._region = region
         self._credentials = credentials
+        self._anonymous = anonymous
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
@@ -94,6 +102,8 @@ class RangeClient:
     # -- requests -----------------------------------------------------------------
     def _headers(self, path: str, extra: dict[str, str]) -> dict[str, str]:
         request = AWSRequest("GET", self._base + path, headers=extra)
+        if self._credentials is None and not self._anonymous:
+            raise CredentialsError(NO_CREDENTIALS)
         if self._credentials is not None:
             frozen = self._credentials.get_frozen_credentials()
             S3SigV4Auth(frozen, "s3", self._region).add_auth(request)

@@ -96,6 +96,10 @@ class ObjectStore(Protocol):
         ...
 
 
+NO_CREDENTIALS = ("no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a "
+                  "profile, or an instance role; or use --no-sign-request for a public bucket)")
+
+
 def _strip_etag(etag: str) -> str:
     return etag.strip('"')
 
@@ -119,7 +123,6 @@ class S3Store:
         from botocore import UNSIGNED
 
         self.bucket = bucket
-        self._anonymous = anonymous
         cfg_args: dict[str, Any] = dict(
             max_pool_connections=max_connections,
             connect_timeout=connect_timeout,
@@ -148,7 +151,7 @@ class S3Store:
         self._ranges = RangeClient(
             bucket, endpoint_url=self._client.meta.endpoint_url,
             region=self._client.meta.region_name,
-            credentials=None if anonymous else session.get_credentials(),
+            credentials=None if anonymous else session.get_credentials(), anonymous=anonymous,
             max_connections=max_connections, connect_timeout=connect_timeout,
             read_timeout=read_timeout)
 
@@ -199,36 +202,7 @@ class S3Store:
     def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        if self._ranges._credentials is None and not self._anonymous:
-            # No credentials at all: let boto3 raise its precise NoCredentialsError.
-            return self._get_range_boto3(key, etag, start, end)
         return self._ranges.get_range(key, etag, start, end)
-
-    def _get_range_boto3(self, key: str, etag: str, start: int, end: int) -> bytes:
-        """The same request through boto3 (kept for comparison and error reporting)."""
-        resp = self._call(
-            "get", self._client.get_object, Bucket=self.bucket, Key=key,
-            Range=f"bytes={start}-{end - 1}", IfMatch=f'"{etag}"' if etag else "*",
-        )
-        got_etag = _strip_etag(resp.get("ETag", ""))
-        if etag and got_etag and got_etag != etag:
-            # Some S3-compatible servers ignore If-Match: check the answer ourselves.
-            resp["Body"].close()
-            metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
-            raise ObjectChanged(f"s3://{self.bucket}/{key} changed (ETag {got_etag}, "
-                                f"expected {etag})")
-        try:
-            data: bytes = resp["Body"].read()
-        except Exception as exc:
-            err = _translate(exc, self.bucket, key)
-            metrics.S3_ERRORS.labels("get", type(err).__name__).inc()
-            raise err from exc
-        if len(data) != end - start:
-            metrics.S3_ERRORS.labels("get", "ShortRead").inc()
-            raise TransientStoreError(f"s3://{self.bucket}/{key}: got {len(data)} bytes for "
-                                      f"range {start}-{end - 1}")
-        metrics.S3_BYTES.inc(len(data))
-        return data
 
 
 def error_for_response(status: int, code: str, bucket: str, key: str | None,
@@ -265,9 +239,7 @@ def _translate(exc: Exception, bucket: str, key: str | None) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
     if isinstance(exc, bex.NoCredentialsError):
-        return CredentialsError("no AWS credentials found (set AWS_ACCESS_KEY_ID/"
-                                "AWS_SECRET_ACCESS_KEY, a profile, or an instance role; or use "
-                                "--no-sign-request for a public bucket)")
+        return CredentialsError(NO_CREDENTIALS)
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return EndpointUnreachable(f"cannot connect to the S3 endpoint: {exc}")
     if isinstance(exc, (bex.ReadTimeoutError, bex.ConnectionClosedError,
