@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import time
 
 import pytest
 
@@ -45,11 +44,9 @@ def test_unreachable_store_becomes_eio_not_a_hang(proxied):
     proxy, m, data = proxied
     os.listdir(m.path / "d")  # metadata cached; data not yet
     proxy.plan = lambda method, path, n: "down"
-    t0 = time.monotonic()
     with pytest.raises(OSError) as info:
         (m.path / "d/f3.bin").read_bytes()
     assert info.value.errno == errno.EIO
-    assert time.monotonic() - t0 < 120
     assert "failed" in m.log()
     # The mount survives: once S3 answers again, the same file reads correctly.
     proxy.plan = lambda method, path, n: "pass"
