@@ -10,6 +10,9 @@ Run as a subprocess per (system, link, dataset)::
 * shards (iterable): shard order reshuffled every epoch and split across the
   workers; each worker streams its tars sequentially (WebDataset style) through
   a small shuffle buffer; one sample = one ``.jpg`` + ``.cls`` pair.
+* ``--order directory`` replaces the shuffles with the sorted path order (files
+  in directory order, shards in name order): the walk a directory-order
+  preprocessing job or an unshuffled loader does.
 * ``--mode io`` only reads bytes; ``--mode cpu`` adds a fixed CPU cost per
   sample (``--cpu-ms`` of thread CPU time spinning), standing in for decode.
 * The page cache is dropped before every epoch (root), so epochs after the
@@ -94,6 +97,7 @@ def build_loader(kind: str, root: Path, files: list[list[Any]], epoch: int, args
         Dataset,
         IterableDataset,
         RandomSampler,
+        SequentialSampler,
         get_worker_info,
     )
 
@@ -106,7 +110,7 @@ def build_loader(kind: str, root: Path, files: list[list[Any]], epoch: int, args
 
         class Files(Dataset):
             def __init__(self) -> None:
-                self.paths = [str(root / p) for p, _, _ in files]
+                self.paths = sorted(str(root / p) for p, _, _ in files)
 
             def __len__(self) -> int:
                 return len(self.paths)
@@ -119,7 +123,7 @@ def build_loader(kind: str, root: Path, files: list[list[Any]], epoch: int, args
         g = torch.Generator()
         g.manual_seed(args.seed * 1000 + epoch)
         ds = Files()
-        sampler: Any = RandomSampler(ds, generator=g)
+        sampler: Any = RandomSampler(ds, generator=g) if args.order == "shuffled" else SequentialSampler(ds)
         if args.hint:
             # cachefs's read-order hint: the daemon prefetches in sampler order
             from cachefs.torch import hinted
@@ -137,8 +141,9 @@ def build_loader(kind: str, root: Path, files: list[list[Any]], epoch: int, args
 
     class Shards(IterableDataset):
         def __init__(self) -> None:
-            order = [str(root / p) for p, _, _ in files]
-            random.Random(args.seed * 1000 + epoch).shuffle(order)
+            order = sorted(str(root / p) for p, _, _ in files)
+            if args.order == "shuffled":
+                random.Random(args.seed * 1000 + epoch).shuffle(order)
             self.order = order
 
         def __iter__(self):
@@ -224,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--shuffle-buffer", type=int, default=64)
     p.add_argument("--mode", choices=("io", "cpu"), default="io")
+    p.add_argument("--order", choices=("shuffled", "directory"), default="shuffled",
+                   help="sample order: reshuffled every epoch, or sorted paths (directory order)")
     p.add_argument("--cpu-ms", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epoch-timeout", type=float, default=0.0, help="stop an epoch after this many seconds (0 = never)")

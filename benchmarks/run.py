@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -77,7 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(ALL_SYSTEMS),
         help="comma list of cachefs,cachefs-hint,rclone,s3fs,local (cachefs-hint = cachefs + the sampler's read order)",
     )
-    p.add_argument("--datasets", default="images,shards", help="comma list of images,shards")
+    p.add_argument(
+        "--datasets",
+        default="images,images-inorder,shards",
+        help="comma list of images (shuffled), images-inorder (directory order), shards",
+    )
     p.add_argument("--links", default="colocated,remote", help="comma list of colocated,remote")
     g = p.add_argument_group("link (defaults: full run / --quick)")
     g.add_argument("--rtt-ms", type=float, help="remote round trip added per request (70 / 20)")
@@ -175,17 +180,28 @@ def _machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": round(mem / 2**30, 1), "kernel": platform.release()}
 
 
-def specs(args: argparse.Namespace) -> list[DatasetSpec]:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A dataset and the order it is read in; ``name`` labels the results."""
+
+    name: str
+    spec: DatasetSpec
+    order: str  # "shuffled" | "directory"
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    images = DatasetSpec("images", args.images, args.image_size, args.classes, seed=args.seed)
+    shards = DatasetSpec("shards", args.shards, args.image_size, args.classes, args.shard_size_mb << 20, args.seed)
+    known = {
+        "images": Workload("images", images, "shuffled"),
+        "images-inorder": Workload("images-inorder", images, "directory"),
+        "shards": Workload("shards", shards, "shuffled"),
+    }
     out = []
     for d in args.datasets:
-        if d == "images":
-            out.append(DatasetSpec("images", args.images, args.image_size, args.classes, seed=args.seed))
-        elif d == "shards":
-            out.append(
-                DatasetSpec("shards", args.shards, args.image_size, args.classes, args.shard_size_mb << 20, args.seed)
-            )
-        else:
-            raise SystemExit(f"unknown dataset {d}")
+        if d not in known:
+            raise SystemExit(f"unknown dataset {d}: expected one of {', '.join(known)}")
+        out.append(known[d])
     return out
 
 
@@ -204,16 +220,17 @@ def link_params(args: argparse.Namespace, link: str) -> dict[str, float]:
 
 
 def run_one(
-    args: argparse.Namespace, origin: SeaweedOrigin, ds: Dataset, manifest: Path, system: str, link: str
+    args: argparse.Namespace, origin: SeaweedOrigin, wl: Workload, ds: Dataset, manifest: Path, system: str, link: str
 ) -> dict[str, Any]:
-    run_dir = args.workdir / "runs" / ds.spec.id / link / system
+    run_dir = args.workdir / "runs" / f"{ds.spec.id}-{wl.order}" / link / system
     run_dir.mkdir(parents=True, exist_ok=True)
     lp = link_params(args, link) if system != "local" else {}
     result: dict[str, Any] = {
         "system": system,
         "link": link,
-        "dataset": ds.spec.kind,
+        "dataset": wl.name,
         "dataset_id": ds.spec.id,
+        "order": wl.order,
         "link_params": lp,
     }
     drop_caches()
@@ -254,7 +271,7 @@ def run_one(
             sys.executable, "-m", "benchmarks.reader",
             "--root", str(m.root), "--manifest", str(manifest), "--out", str(out),
             "--epochs", str(args.epochs), "--workers", str(args.workers), "--batch-size", str(args.batch_size),
-            "--mode", args.mode, "--cpu-ms", str(args.cpu_ms), "--seed", str(args.seed),
+            "--mode", args.mode, "--cpu-ms", str(args.cpu_ms), "--seed", str(args.seed), "--order", wl.order,
             "--epoch-timeout", str(args.epoch_timeout), "--run-timeout", str(args.run_timeout),
         ]  # fmt: skip
         if wan is not None:
@@ -282,7 +299,7 @@ def run_one(
         result["wall_seconds"] = time.monotonic() - t0
         result["origin_cpu_s"] = origin.cpu_seconds() - origin_cpu0
         if rc != 0 or not out.exists():
-            raise RuntimeError(f"reader failed (exit {rc}) for {system}/{link}/{ds.spec.kind}")
+            raise RuntimeError(f"reader failed (exit {rc}) for {system}/{link}/{wl.name}")
         result["reader"] = json.loads(out.read_text())
         if wan is not None:
             result["proxy_final"] = wan.stats()
@@ -356,17 +373,20 @@ def main(argv: list[str] | None = None) -> int:
         with SeaweedOrigin(args.workdir / "origin", bucket=BUCKET) as origin:
             log(f"origin: weed mini at {origin.endpoint} (pid {origin.pid})")
             s3 = origin.client()
-            datasets: list[tuple[Dataset, Path]] = []
-            for spec in specs(args):
-                ds = generate(spec, args.workdir, log=log)
-                if not upload(ds, s3, BUCKET, log=log):
-                    log(f"origin already holds {spec.id} (manifest matches): upload skipped")
-                verify_sample(ds, s3, BUCKET)
-                mpath = args.workdir / "manifests" / f"{spec.id}.json"
-                mpath.parent.mkdir(exist_ok=True)
-                mpath.write_text(json.dumps(ds.manifest()))
-                datasets.append((ds, mpath))
-            biggest = max(datasets, key=lambda d: d[0].total_bytes // len(d[0].files))[0]
+            loaded: dict[str, tuple[Dataset, Path]] = {}  # one generate/upload per spec
+            datasets: list[tuple[Workload, Dataset, Path]] = []
+            for wl in workloads(args):
+                if wl.spec.id not in loaded:
+                    ds = generate(wl.spec, args.workdir, log=log)
+                    if not upload(ds, s3, BUCKET, log=log):
+                        log(f"origin already holds {wl.spec.id} (manifest matches): upload skipped")
+                    verify_sample(ds, s3, BUCKET)
+                    mpath = args.workdir / "manifests" / f"{wl.spec.id}.json"
+                    mpath.parent.mkdir(exist_ok=True)
+                    mpath.write_text(json.dumps(ds.manifest()))
+                    loaded[wl.spec.id] = (ds, mpath)
+                datasets.append((wl, *loaded[wl.spec.id]))
+            biggest = max((d for d, _ in loaded.values()), key=lambda d: d.total_bytes // len(d.files))
             objs = [(f"{biggest.prefix}/{p}", s) for p, s in biggest.files]
             info["selfcheck"] = link_selfcheck(args, origin, objs * max(1, (64 << 20) // max(1, biggest.total_bytes)))
             sc = info["selfcheck"]
@@ -378,23 +398,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"through remote link {rem.get('MBps', 0):.0f} MB/s "
                 f"(emulator {rem.get('proxy_cpu_s_per_GB', 0):.2f} CPU s/GB)"
             )
-            for ds, mpath in datasets:
+            for wl, ds, mpath in datasets:
                 for system in systems:
                     links = ["local"] if system == "local" else args.links
                     for link in links:
-                        log(f"{ds.spec.kind} / {system} / {link}: {len(ds.files)} files, {ds.total_bytes / 1e6:.0f} MB")
+                        log(f"{wl.name} / {system} / {link}: {len(ds.files)} files, {ds.total_bytes / 1e6:.0f} MB")
                         try:
-                            r = run_one(args, origin, ds, mpath, system, link)
+                            r = run_one(args, origin, wl, ds, mpath, system, link)
                         except KeyboardInterrupt:
                             raise
                         except Exception as e:
                             log(f"  FAILED: {e}")
                             failures.append(
-                                {"system": system, "link": link, "dataset": ds.spec.kind, "error": str(e)[-2000:]}
+                                {"system": system, "link": link, "dataset": wl.name, "error": str(e)[-2000:]}
                             )
                             continue
                         runs.append(r)
-                        raw = args.workdir / "runs" / f"{ds.spec.kind}__{link}__{system}.json"
+                        raw = args.workdir / "runs" / f"{wl.name}__{link}__{system}.json"
                         raw.write_text(json.dumps(r))
     except KeyboardInterrupt:
         log("interrupted: everything started has been torn down")

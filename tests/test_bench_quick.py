@@ -73,7 +73,7 @@ def _check(summary: dict, series: dict, out: Path, systems: list[str]) -> None:
     assert summary["selfcheck"]["through_remote"]["proxy_get_count"] > 0
     runs = {(m["dataset"], m["link"], m["system"]): m for m in summary["runs"]}
     expected = set()
-    for ds in ("images", "shards"):
+    for ds in ("images", "images-inorder", "shards"):
         for s in systems:
             for link in ["local"] if s == "local" else ["colocated", "remote"]:
                 expected.add((ds, link, s))
@@ -100,8 +100,10 @@ def _check(summary: dict, series: dict, out: Path, systems: list[str]) -> None:
         if key[2].startswith("cachefs"):
             cm = m.get("cachefs_metrics") or {}
             assert cm.get("s3_get_requests"), f"cachefs /metrics had no GET count: {cm}"
+            assert cm.get("prefetch_unused_fraction") is not None or not cm.get("prefetch_issued_bytes"), cm
     text = (out / "RESULTS.md").read_text()
     assert "| dataset | system | link |" in text
+    assert "| target | measured on | value | |" in text and "GET bytes <= 1.02x unique bytes" in text
     assert (out / "throughput.png").stat().st_size > 1000
     assert (out / "series.csv").read_text().startswith("dataset,link,system,second,samples_per_s,MBps")
 
