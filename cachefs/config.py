@@ -199,6 +199,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_addr", _opt_str, None,
            "Serve Prometheus metrics at http://HOST:PORT/metrics (host defaults to 127.0.0.1; "
            "the conventional cachefs port is 9477).", metavar="HOST:PORT"),
+    Option("passthrough", _choice("auto", "off"), "auto",
+           "Let the kernel read fully cached files straight from the cache (FUSE passthrough: "
+           "needs the passthrough build of pyfuse3, Linux >= 6.9 and CAP_SYS_ADMIN); 'auto' "
+           "uses it when available.", metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
            "again ('inf' for immutable datasets).", metavar="DURATION"),
@@ -235,6 +239,7 @@ class MountConfig:
     cache_dir: Path
     cache_size: int
     cache_policy: str
+    passthrough: str
     block_size: int
     endpoint_url: str | None
     region: str | None

@@ -53,6 +53,7 @@ from cachefs.fs import FileSystem
 from cachefs.fuse_ops import Operations
 from cachefs.lmdbenv import LmdbEnv
 from cachefs.metadata import Metadata
+from cachefs.passthrough import Passthrough
 from cachefs.store import RetryingStore, S3Store
 
 log = logging.getLogger(__name__)
@@ -236,8 +237,14 @@ class Daemon:
         fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
                           s3_limiter=s3_limiter, hot_capacity=hot)
         metadata = Metadata(env, store, ttl=cfg.metadata_ttl, limiter=s3_limiter)
+        passthrough = Passthrough(fetcher, cache, enabled=cfg.passthrough == "auto",
+                                  limiter=disk_limiter)
+        if cfg.passthrough == "auto" and not passthrough.enabled:
+            log.info("FUSE passthrough unavailable (this pyfuse3 build lacks it): "
+                     "cachefs serves reads itself")
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
-                        max_readahead=max(cfg.block_size * 2, budget.limit // 8))
+                        max_readahead=max(cfg.block_size * 2, budget.limit // 8),
+                        passthrough=passthrough)
         ops = Operations(
             fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
             gid=os.getgid() if cfg.gid is None else cfg.gid,
@@ -288,8 +295,9 @@ class Daemon:
                 self._publish_status()
                 on_ready()
                 sd_notify("READY=1")
-                log.info("mounted %s at %s (cache %s, %s policy)", cfg.source, cfg.mountpoint,
-                         cfg.cache_dir, cfg.cache_policy)
+                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s)", cfg.source,
+                         cfg.mountpoint, cfg.cache_dir, cfg.cache_policy,
+                         "on" if fs.passthrough and fs.passthrough.enabled else "off")
             log.info("unmounted; finishing cache writes")
             with trio.move_on_after(DRAIN_TIMEOUT):
                 await fetcher.drain()

@@ -233,16 +233,18 @@ class Fetcher:
             metrics.CACHE_MISS_REQUESTS.inc()
         return flight.data, flight.source
 
-    def prefetch(self, obj: ObjectVersion, index: int) -> bool:
-        """Start loading a block ahead of readers: from disk into memory when it is cached,
-        else from S3 if the memory budget has room. Never waits; returns whether a load
-        was started."""
+    def prefetch(self, obj: ObjectVersion, index: int, *, cached: bool = True) -> bool:
+        """Start loading a block ahead of readers: from disk into memory when it is cached
+        (unless ``cached`` is False: the kernel will read such files itself), else from S3
+        if the memory budget has room. Never waits; returns whether a load was started."""
         if index * self.block_size >= obj.size:
             return False
         bid = self.block_id(obj, index)
         if bid in self.hot or bid in self._flights:
             return False
         if self.cache.contains(bid):
+            if not cached:
+                return False
             self._start_load(obj, index, bid, prefetch=True, reserved=0)
             return True
         length = self.block_len(obj, index)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from cachefs.errors import ObjectChanged
 from cachefs.fetcher import Fetcher, ObjectVersion
 from cachefs.metadata import Entry, Metadata
+from cachefs.passthrough import Passthrough
 from cachefs.prefetch import ReadStream
 from cachefs.readorder import DirectoryLookahead, ReadOrder
 
@@ -68,6 +69,7 @@ class FileHandle:
     node: Node
     obj: ObjectVersion
     stream: ReadStream
+    backing_id: int = 0  # > 0: the kernel reads the cache file itself (passthrough)
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,9 +82,10 @@ class DirHandle:
 
 class FileSystem:
     def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str,
-                 max_readahead: int) -> None:
+                 max_readahead: int, passthrough: Passthrough | None = None) -> None:
         self.metadata = metadata
         self.fetcher = fetcher
+        self.passthrough = passthrough
         self.root_prefix = root_prefix
         self.max_readahead = max_readahead
         root = Node(ROOT_INODE, True, root_prefix, "", b"", lookups=1)
@@ -94,6 +97,7 @@ class FileSystem:
         # Files that will be read next: the sampler's order (hints) and directory walks.
         self.read_order = ReadOrder(fetcher, self.resolve_key, lookahead_bytes=max_readahead * 4)
         self.lookahead = DirectoryLookahead(fetcher, self.metadata.iter_entries)
+        self.lookahead.prefetch_cached = lambda: passthrough is None or not passthrough.enabled
 
     async def resolve_key(self, key: str) -> ObjectVersion | None:
         """The current version of the object ``key`` (listing its directory if needed),
@@ -236,10 +240,12 @@ class FileSystem:
         self._handles.pop(fh, None)
 
     # -- files ------------------------------------------------------------------------------
-    async def open(self, ino: int) -> tuple[int, bool]:
-        """Open a file; returns (handle, keep_cache). keep_cache is True only when the
-        object's ETag is the one seen at the previous open, so the kernel's page cache
-        is reused across opens but never holds bytes of another version."""
+    async def open(self, ino: int) -> tuple[int, bool, int]:
+        """Open a file; returns (handle, keep_cache, backing_id). keep_cache is True only
+        when the object's ETag is the one seen at the previous open, so the kernel's page
+        cache is reused across opens but never holds bytes of another version. A
+        backing_id > 0 means the kernel reads the object's cache file itself
+        (see :mod:`cachefs.passthrough`)."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
@@ -250,12 +256,14 @@ class FileSystem:
         node.last_open_etag = node.etag
         self.read_order.on_open(node.path)
         self.lookahead.on_open(node.parent_prefix, node.name)
+        backing_id = await self.passthrough.open(ino, obj) if self.passthrough else 0
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(
             fh, node, obj,
             ReadStream(size=obj.size, block_size=self.fetcher.block_size,
-                       max_window=self.max_readahead))
-        return fh, keep_cache
+                       max_window=self.max_readahead),
+            backing_id)
+        return fh, keep_cache, backing_id
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles.get(fh)
@@ -280,7 +288,9 @@ class FileSystem:
             raise
 
     def release(self, fh: int) -> None:
-        self._handles.pop(fh, None)
+        handle = self._handles.pop(fh, None)
+        if isinstance(handle, FileHandle) and self.passthrough is not None:
+            self.passthrough.release(handle.node.ino, handle.backing_id)
 
     @property
     def open_handles(self) -> int:

@@ -107,6 +107,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
                  attr_timeout: float, statfs_bytes: Callable[[], tuple[int, int]]) -> None:
         super().__init__()
         self.fs = fs
+        # Read by the passthrough build of pyfuse3 at FUSE INIT (see third_party/).
+        self.enable_passthrough = fs.passthrough is not None and fs.passthrough.enabled
         self.uid = uid
         self.gid = gid
         self.file_mode = file_mode
@@ -190,8 +192,14 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def open(self, inode: int, flags: int, ctx: Any = None) -> Any:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT):
             raise FsError(errno.EROFS)
-        fh, keep_cache = await self.fs.open(inode)
+        fh, keep_cache, backing_id = await self.fs.open(inode)
         metrics.OPEN_HANDLES.inc()
+        if backing_id:
+            # The kernel reads the cache file itself; it refuses keep_cache with it.
+            # (Set as an attribute: only the passthrough build of pyfuse3 has it.)
+            info: Any = pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False)
+            info.backing_id = backing_id
+            return info
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False)
 
     @_handler("read")

@@ -51,7 +51,9 @@ BUILD_INFO.info({"version": __version__})
 
 # --- block cache -----------------------------------------------------------
 CACHE_HIT_BYTES = Counter(
-    "cachefs_cache_hit_bytes", "Bytes of file reads served from the block cache", registry=REGISTRY)
+    "cachefs_cache_hit_bytes",
+    "Bytes of file reads served from the block cache (passthrough: whole objects verified at open)",
+    registry=REGISTRY)
 CACHE_MISS_BYTES = Counter(
     "cachefs_cache_miss_bytes", "Bytes of file reads that had to be fetched from S3", registry=REGISTRY)
 CACHE_HIT_REQUESTS = Counter(
@@ -97,6 +99,19 @@ SKIPPED_KEYS = Counter(
     "shadowed by a directory of the same name", ["reason"], registry=REGISTRY)
 OPEN_HANDLES = Gauge(
     "cachefs_open_file_handles", "Open file handles", registry=REGISTRY)
+
+# --- FUSE passthrough (the kernel reads fully cached objects itself) ------------
+PASSTHROUGH_OPENS = Counter(
+    "cachefs_passthrough_opens", "Opens answered with passthrough to the cache file",
+    registry=REGISTRY)
+PASSTHROUGH_DECLINED = Counter(
+    "cachefs_passthrough_declined", "Opens served by the daemon instead, by reason",
+    ["reason"], registry=REGISTRY)
+PASSTHROUGH_BACKINGS = Gauge(
+    "cachefs_passthrough_backing_files", "Cache files the kernel currently reads directly",
+    registry=REGISTRY)
+PASSTHROUGH_ENABLED = Gauge(
+    "cachefs_passthrough_enabled", "1 while opens may use FUSE passthrough", registry=REGISTRY)
 
 # --- S3 --------------------------------------------------------------------
 S3_REQUESTS = Counter(

@@ -163,6 +163,9 @@ class DirectoryLookahead:
         self.max_files = max_files
         self.min_streak = min_streak
         self.max_dirs = max_dirs
+        # Returns False while opens of cached files are passed through to the kernel:
+        # loading their blocks into memory ahead of the readers would be wasted work.
+        self.prefetch_cached: Callable[[], bool] = lambda: True
         self._walks: dict[str, _Walk] = {}
 
     def _follows(self, prefix: str, last: bytes, name: bytes, walk: _Walk) -> bool:
@@ -215,7 +218,7 @@ class DirectoryLookahead:
                 obj = ObjectVersion(prefix + entry.name.decode(), entry.etag, entry.size)
                 full = False
                 for index in range(self._fetcher.block_count(obj)):
-                    if (not self._fetcher.prefetch(obj, index)
+                    if (not self._fetcher.prefetch(obj, index, cached=self.prefetch_cached())
                             and not self._fetcher.is_resident(obj, index)):
                         full = True
                         break

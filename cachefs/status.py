@@ -49,6 +49,9 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         "inflight_bytes": int(stats.get("cachefs_inflight_bytes", 0)),
         "corrupt_blocks": int(stats.get("cachefs_cache_corrupt_blocks_total", 0)),
         "warm_bytes": int(stats.get("cachefs_warm_bytes_total", 0)),
+        "passthrough_enabled": bool(stats.get("cachefs_passthrough_enabled", 0)),
+        "passthrough_files": int(stats.get("cachefs_passthrough_backing_files", 0)),
+        "passthrough_opens": int(stats.get("cachefs_passthrough_opens_total", 0)),
         "warm_target_bytes": int(stats.get("cachefs_warm_target_bytes", 0)),
         "metrics_addr": info.get("metrics_addr"),
         "uptime_seconds": max(0.0, now - float(info.get("started_at", now))),
@@ -87,4 +90,9 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
               f"({r['s3_errors']} errors)")
         print(f"  now     {r['inflight_fetches']} fetches in flight, "
               f"{format_size(r['inflight_bytes'])} buffered{warm}")
+        if r["passthrough_enabled"]:
+            print(f"  kernel  reads {r['passthrough_files']} cached files directly (passthrough; "
+                  f"{r['passthrough_opens']} opens so far)")
+        else:
+            print("  kernel  passthrough off: every read goes through cachefs")
     return 0

@@ -11,10 +11,10 @@ import pytest
 import trio
 
 from cachefs import metrics
-from cachefs.blockcache import BlockCache, block_id
+from cachefs.blockcache import BlockCache, block_id, object_id, split_block_id
 from cachefs.lmdbenv import LmdbEnv
 
-BLOCK = 1000
+BLOCK = 4096
 
 
 def bid(i: int, etag: str = "etag") -> bytes:
@@ -55,7 +55,27 @@ class Cache:
         self.cache = BlockCache(self.env, self.root, capacity=self.capacity, policy=self.policy)
 
     def files(self) -> list[Path]:
-        return sorted(p for p in self.cache.blocks_dir.rglob("*") if p.is_file())
+        return sorted(p for p in self.cache.objects_dir.rglob("*") if p.is_file())
+
+    def stored(self, b: bytes, n: int = BLOCK) -> bytes:
+        """The bytes at block ``b``'s place in its object file (b"" without a file)."""
+        path, offset = self.cache.location(b)
+        if not path.exists():
+            return b""
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
+
+    def damage(self, b: bytes, at: int) -> None:
+        path, offset = self.cache.location(b)
+        with open(path, "r+b") as f:
+            f.seek(offset + at)
+            byte = f.read(1)
+            f.seek(offset + at)
+            f.write(bytes([byte[0] ^ 0x01]))
+
+    def allocated(self) -> int:
+        return sum(p.stat().st_blocks * 512 for p in self.files())
 
 
 @pytest.fixture
@@ -74,12 +94,21 @@ def make_cache(tmp_path: Path) -> Iterator[type[Cache]]:
 
 def test_block_id_depends_on_every_component() -> None:
     base = block_id("b", "k", "e", 4096, 0)
-    assert len(base) == 16
+    assert len(base) == 24
     assert base == block_id("b", "k", "e", 4096, 0)
     others = {block_id("b2", "k", "e", 4096, 0), block_id("b", "k2", "e", 4096, 0),
               block_id("b", "k", "e2", 4096, 0), block_id("b", "k", "e", 8192, 0),
               block_id("b", "k", "e", 4096, 1)}
     assert base not in others and len(others) == 5
+
+
+def test_blocks_of_one_object_share_its_file_at_their_offsets() -> None:
+    b3 = block_id("b", "k", "e", 4096, 3)
+    assert split_block_id(b3) == (object_id("b", "k", "e", 4096), 3 * 4096)
+    assert split_block_id(block_id("b", "k", "e", 8192, 3))[0] != object_id("b", "k", "e", 4096)
+    # ids sort by object, then offset: an object's blocks are adjacent in the index
+    ids = [block_id("b", k, "e", 4096, i) for k in ("k1", "k2") for i in (0, 1, 256, 70000)]
+    assert sorted(ids) == sorted(ids, key=lambda b: (b[:16], split_block_id(b)[1]))
 
 
 def test_put_get_round_trip(make_cache) -> None:  # type: ignore[no-untyped-def]
@@ -91,26 +120,23 @@ def test_put_get_round_trip(make_cache) -> None:  # type: ignore[no-untyped-def]
     assert c.get(bid(1)) == data(1, 10)
     assert c.cache.contains(bid(0)) and c.cache.length_of(bid(1)) == 10
     assert c.cache.used == BLOCK + 10 and c.cache.block_count == 2
-    assert c.cache.path_of(bid(0)).read_bytes() == data(0)
+    assert c.stored(bid(0)) == data(0) and c.stored(bid(1), 10) == data(1, 10)
+    assert len(c.files()) == 1, "the blocks of one object share one file"
     # Putting the same block again is a no-op that reports success.
     assert c.put(bid(0), data(0))
     assert c.cache.used == BLOCK + 10 and c.cache.block_count == 2
-    assert not any(c.cache.tmp_dir.iterdir())
 
 
 def test_flipped_byte_is_detected_counted_and_dropped(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     assert c.put(bid(0), data(0))
     assert c.put(bid(1), data(1))
-    path = c.cache.path_of(bid(0))
-    raw = bytearray(path.read_bytes())
-    raw[123] ^= 0x01
-    path.write_bytes(bytes(raw))
+    c.damage(bid(0), 123)
     before = corrupt_count()
     assert c.get(bid(0)) is None
     assert corrupt_count() == before + 1
     assert not c.cache.contains(bid(0))
-    assert not path.exists()
+    assert c.stored(bid(0)) == bytes(BLOCK), "the dropped block's bytes are punched out"
     assert c.cache.used == BLOCK and c.cache.block_count == 1
     # The entry is gone: the next lookup is a plain miss, not another corruption.
     assert c.get(bid(0)) is None
@@ -120,15 +146,15 @@ def test_flipped_byte_is_detected_counted_and_dropped(make_cache) -> None:  # ty
     assert c.put(bid(0), data(0)) and c.get(bid(0)) == data(0)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "extend"])
-def test_wrong_length_is_corrupt(make_cache, damage: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("damage", ["truncate", "zeroed"])
+def test_short_or_lost_bytes_are_corrupt(make_cache, damage: str) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     assert c.put(bid(0), data(0))
-    path = c.cache.path_of(bid(0))
+    path, _ = c.cache.location(bid(0))
     if damage == "truncate":
-        path.write_bytes(data(0)[:-1])
+        os.truncate(path, BLOCK - 1)
     else:
-        path.write_bytes(data(0) + b"\0")
+        path.write_bytes(bytes(BLOCK))
     before = corrupt_count()
     assert c.get(bid(0)) is None
     assert corrupt_count() == before + 1
@@ -138,7 +164,7 @@ def test_wrong_length_is_corrupt(make_cache, damage: str) -> None:  # type: igno
 def test_missing_block_file_is_a_miss(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     assert c.put(bid(0), data(0))
-    os.unlink(c.cache.path_of(bid(0)))
+    os.unlink(c.cache.location(bid(0))[0])
     assert c.get(bid(0)) is None
     assert not c.cache.contains(bid(0))
     assert c.cache.used == 0 and c.cache.block_count == 0
@@ -154,9 +180,9 @@ def test_keep_policy_rejects_when_full_and_keeps_old_blocks(make_cache) -> None:
     assert (metrics.REGISTRY.get_sample_value("cachefs_cache_admission_rejected_total") or 0.0) >= rejects + 2
     for i in range(3):
         assert c.get(bid(i)) == data(i)
-    assert not c.cache.contains(bid(3)) and not c.cache.path_of(bid(3)).exists()
+    assert not c.cache.contains(bid(3)) and not c.stored(bid(3)).strip(b"\0")
     assert c.cache.used == 3 * BLOCK and c.cache.block_count == 3
-    assert len(c.files()) == 3
+    assert c.allocated() <= 3 * BLOCK, "a rejected block leaves no bytes behind"
 
 
 def test_keep_policy_rejection_inside_the_index_transaction(make_cache) -> None:  # type: ignore[no-untyped-def]
@@ -165,7 +191,7 @@ def test_keep_policy_rejection_inside_the_index_transaction(make_cache) -> None:
     assert c.cache.put_sync(bid(0), data(0))
     assert c.cache.put_sync(bid(1), data(1))
     assert not c.cache.put_sync(bid(2), data(2))
-    assert not c.cache.path_of(bid(2)).exists()
+    assert not c.stored(bid(2)).strip(b"\0")
     assert c.cache.used == 2 * BLOCK
 
 
@@ -185,7 +211,7 @@ def test_lru_evicts_least_recently_used(make_cache) -> None:  # type: ignore[no-
     c.touch_flush()
     assert c.put(bid(3), data(3))
     assert not c.cache.contains(bid(1)), "block 1 was least recently used"
-    assert not c.cache.path_of(bid(1)).exists()
+    assert c.stored(bid(1)) == bytes(BLOCK), "its bytes are punched out"
     assert all(c.cache.contains(bid(i)) for i in (0, 2, 3))
     assert c.cache.used == 3 * BLOCK and c.cache.block_count == 3
     assert (metrics.REGISTRY.get_sample_value("cachefs_cache_evictions_total") or 0.0) == evictions + 1
@@ -203,8 +229,8 @@ def test_lru_never_exceeds_capacity(make_cache) -> None:  # type: ignore[no-unty
     for i, n in enumerate(sizes):
         assert c.put(bid(i), data(i, n))
         assert c.cache.used <= c.capacity
-        on_disk = sum(p.stat().st_size for p in c.files())
-        assert on_disk == c.cache.used
+        # each block takes at most its page: evicted blocks' bytes are freed
+        assert c.allocated() <= BLOCK * c.cache.block_count
         indexed = sum(c.cache.length_of(bid(j)) or 0 for j in range(i + 1))
         assert indexed == c.cache.used
         if i % 4 == 0:
@@ -228,53 +254,68 @@ def test_used_bytes_and_count_persist_across_reopen(make_cache) -> None:  # type
 def test_remove_orphans(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     assert c.put(bid(0), data(0))
-    indexed = c.cache.path_of(bid(0))
+    indexed, _ = c.cache.location(bid(0))
     old = time.time() - 3600
-    orphan = c.cache.path_of(bid(1))
+    orphan, _ = c.cache.location(bid(0, etag="gone"))
     orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(b"orphan")
-    junk = c.cache.blocks_dir / "zz" / "not-hex"
+    junk = c.cache.objects_dir / "zz" / "not-hex"
     junk.parent.mkdir()
     junk.write_bytes(b"junk")
-    old_tmp = c.cache.tmp_dir / "deadbeef.1"
-    old_tmp.write_bytes(b"half")
-    for p in (orphan, junk, old_tmp, indexed):
+    legacy = c.root / "blocks" / "ab" / ("ab" * 16)
+    legacy.parent.mkdir(parents=True)
+    legacy.write_bytes(b"a block of the one-file-per-block layout")
+    for p in (orphan, junk, indexed):
         os.utime(p, (old, old))
-    young_orphan = c.cache.path_of(bid(2))
+    young_orphan, _ = c.cache.location(bid(0, etag="being-put"))
     young_orphan.parent.mkdir(exist_ok=True)
     young_orphan.write_bytes(b"being put")
-    young_tmp = c.cache.tmp_dir / "cafe.2"
-    young_tmp.write_bytes(b"being written")
 
     cutoff = time.time() - 60
     assert c.cache.remove_orphans(cutoff) == 3
-    assert not orphan.exists() and not junk.exists() and not old_tmp.exists()
-    assert indexed.exists() and young_orphan.exists() and young_tmp.exists()
+    assert not orphan.exists() and not junk.exists() and not (c.root / "blocks").exists()
+    assert indexed.exists() and young_orphan.exists()
     assert c.get(bid(0)) == data(0)
     assert c.cache.remove_orphans(cutoff) == 0
+
+
+def test_an_index_of_the_older_layout_is_dropped(make_cache) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache()
+    assert c.put(bid(0), data(0))
+    with c.env.write() as txn:  # as an earlier version left it: no layout mark
+        txn.delete(b"layout", db=c.env.db("meta"))
+    c.reopen()
+    assert c.cache.used == 0 and c.cache.block_count == 0 and not c.cache.contains(bid(0))
+    assert c.put(bid(0), data(0)) and c.get(bid(0)) == data(0)
+    c.reopen()
+    assert c.cache.block_count == 1, "the current layout is kept"
 
 
 def test_write_failure_returns_false(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     errors = metrics.REGISTRY.get_sample_value("cachefs_cache_write_errors_total") or 0.0
-    c.cache.tmp_dir.rmdir()
-    c.cache.tmp_dir.write_bytes(b"not a directory")
+    path, _ = c.cache.location(bid(0))
+    path.parent.mkdir()
+    path.mkdir()  # the object file's name is taken by a directory
     assert c.put(bid(0), data(0)) is False
     assert (metrics.REGISTRY.get_sample_value("cachefs_cache_write_errors_total") or 0.0) == errors + 1
     assert not c.cache.contains(bid(0)) and c.cache.used == 0
     assert c.get(bid(0)) is None
 
 
-def test_rename_failure_returns_false_and_cleans_up(make_cache, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_disk_full_returns_false_and_frees_the_block(make_cache, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
+    assert c.put(bid(0), data(0))
+    real_pwrite = os.pwrite
 
-    def no_space(src: object, dst: object) -> None:
+    def no_space(fd: int, buf: bytes, offset: int) -> int:
+        real_pwrite(fd, bytes(buf)[:100], offset)  # a torn write, then the disk is full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("cachefs.blockcache.os.rename", no_space)
-    assert c.put(bid(0), data(0)) is False
-    assert list(c.cache.tmp_dir.iterdir()) == []
-    assert not c.cache.contains(bid(0))
+    monkeypatch.setattr("cachefs.blockcache.os.pwrite", no_space)
+    assert c.put(bid(1), data(1)) is False
+    assert not c.cache.contains(bid(1)) and not c.stored(bid(1)).strip(b"\0")
+    assert c.get(bid(0)) == data(0)
 
 
 def test_index_failure_returns_false_and_removes_file(make_cache, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -287,7 +328,7 @@ def test_index_failure_returns_false_and_removes_file(make_cache, monkeypatch: p
 
     monkeypatch.setattr(c.cache, "_index_put", full)
     assert c.put(bid(0), data(0)) is False
-    assert not c.cache.path_of(bid(0)).exists()
+    assert not c.cache.location(bid(0))[0].exists(), "no block of the object is indexed"
     assert c.cache.used == 0
 
 
@@ -298,3 +339,39 @@ def test_unknown_policy_is_rejected(tmp_path: Path) -> None:
             BlockCache(env, tmp_path, capacity=BLOCK, policy="fifo")
     finally:
         env.close()
+
+
+def test_lru_never_evicts_a_pinned_object(make_cache) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache(capacity=3 * BLOCK, policy="lru")
+    pinned = [block_id("bucket", "pinned", "e", BLOCK, i) for i in range(2)]
+    for b in pinned:
+        assert c.put(b, data(1))
+        time.sleep(0.002)
+    oid = object_id("bucket", "pinned", "e", BLOCK)
+    c.cache.pin(oid)
+    assert c.put(bid(0), data(0))
+    time.sleep(0.002)
+    assert c.put(bid(1), data(1)), "the unpinned block 0 makes room"
+    assert not c.cache.contains(bid(0))
+    other = object_id("bucket", "key", "etag", BLOCK)  # the object of bid(i)
+    c.cache.pin(other)
+    assert not c.put(bid(2), data(2)), "only pinned blocks are left: not admitted"
+    assert all(c.cache.contains(b) for b in pinned) and c.cache.contains(bid(1))
+    assert c.cache.verify_object(pinned) == 2 * BLOCK
+    c.cache.unpin(other)
+    c.cache.unpin(oid)
+    assert c.put(bid(2), data(2))
+    assert not c.cache.contains(pinned[0]), "unpinned, the oldest goes first"
+
+
+def test_verify_object_checks_every_block(make_cache) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache()
+    blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(3)]
+    for i, b in enumerate(blocks):
+        assert c.put(b, data(i, BLOCK if i < 2 else 100))
+    assert c.cache.verify_object(blocks) == 2 * BLOCK + 100
+    assert c.cache.verify_object([*blocks, block_id("bucket", "obj", "e", BLOCK, 3)]) is None
+    c.damage(blocks[1], 5)
+    before = corrupt_count()
+    assert c.cache.verify_object(blocks) is None
+    assert corrupt_count() == before + 1 and not c.cache.contains(blocks[1])

@@ -195,13 +195,13 @@ def test_corrupt_cached_block_is_fetched_again(rig: Rig, mem: MemoryStore) -> No
     mem.put("k", data)
     obj = version(mem, "k")
 
-    async def fill(f: Fetcher) -> Path:
+    async def fill(f: Fetcher) -> tuple[Path, int]:
         assert await f.read(obj, 0, 2 * BS) == data
-        return f.cache.path_of(f.block_id(obj, 1))
+        return f.cache.location(f.block_id(obj, 1))
 
-    path = rig.run(fill)
+    path, offset = rig.run(fill)
     raw = bytearray(path.read_bytes())
-    raw[0] ^= 0xFF
+    raw[offset] ^= 0xFF
     path.write_bytes(bytes(raw))
 
     async def reread(f: Fetcher) -> None:

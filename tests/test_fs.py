@@ -258,7 +258,7 @@ def test_read_returns_object_bytes(world: World) -> None:
 
     async def body(fs: FileSystem) -> None:
         b = await fs.lookup(ROOT_INODE, b"b.bin")
-        fh, _ = await fs.open(b.ino)
+        fh, _, _bk = await fs.open(b.ino)
         assert await fs.read(fh, 0, 1000) == data
         assert await fs.read(fh, 63, 3) == data[63:66]
         assert await fs.read(fh, 190, 50) == data[190:]
@@ -278,7 +278,7 @@ def test_sequential_reads_prefetch_ahead(world: World) -> None:
 
     async def body(fs: FileSystem) -> None:
         node = await fs.lookup(ROOT_INODE, b"big")
-        fh, _ = await fs.open(node.ino)
+        fh, _, _bk = await fs.open(node.ino)
         obj = fs._handles[fh].obj  # type: ignore[union-attr]
         gets = world.store.calls["get"]
         assert await fs.read(fh, 0, BS) == bytes(i % 256 for i in range(BS))  # + block 1 ahead
@@ -292,7 +292,7 @@ def test_sequential_reads_prefetch_ahead(world: World) -> None:
         assert world.store.calls["get"] == gets + 7
         assert not fs.fetcher.is_resident(obj, 7)
         # A random reader of another handle gets no readahead.
-        fh2, _ = await fs.open(node.ino)
+        fh2, _, _bk = await fs.open(node.ino)
         await fs.read(fh2, 15 * BS, 10)
         await fs.fetcher.drain()
         assert world.store.calls["get"] == gets + 8
@@ -303,21 +303,21 @@ def test_sequential_reads_prefetch_ahead(world: World) -> None:
 def test_keep_cache_across_opens(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
-        fh1, keep1 = await fs.open(c.ino)
+        fh1, keep1, _bk = await fs.open(c.ino)
         assert keep1 is False  # first open: nothing in the page cache can be trusted
         fs.release(fh1)
-        fh2, keep2 = await fs.open(c.ino)
+        fh2, keep2, _bk = await fs.open(c.ino)
         assert keep2 is True  # same ETag as at the previous open
         fs.release(fh2)
         # The object changes; once the listing is refreshed the next open drops the cache.
         world.store.put("ds/c.txt", b"HELLO, world")
         world.clock.now += 301
-        fh3, keep3 = await fs.open(c.ino)
+        fh3, keep3, _bk = await fs.open(c.ino)
         assert keep3 is False
         assert c.size == 12
         assert await fs.read(fh3, 0, 100) == b"HELLO, world"
         fs.release(fh3)
-        fh4, keep4 = await fs.open(c.ino)
+        fh4, keep4, _bk = await fs.open(c.ino)
         assert keep4 is True
         fs.release(fh4)
 
@@ -329,7 +329,7 @@ def test_open_within_ttl_keeps_the_listed_version(world: World) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
         old_etag = c.etag
         world.store.put("ds/c.txt", b"changed")
-        fh, _ = await fs.open(c.ino)  # listing still fresh: the listed version is pinned
+        fh, _, _bk = await fs.open(c.ino)  # listing still fresh: the listed version is pinned
         assert c.etag == old_etag
         with pytest.raises(ObjectChanged):
             await fs.read(fh, 0, 10)
@@ -341,11 +341,11 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
     async def body(fs: FileSystem) -> None:
         sub = await fs.lookup(ROOT_INODE, b"sub")
         x = await fs.lookup(sub.ino, b"x")
-        fh, _ = await fs.open(x.ino)
+        fh, _, _bk = await fs.open(x.ino)
         assert await fs.read(fh, 0, 10) == b"xx"
         world.store.put("ds/sub/x", b"new x!")
         assert fs.metadata.is_fresh("ds/sub/")
-        fh2, keep = await fs.open(x.ino)
+        fh2, keep, _bk = await fs.open(x.ino)
         assert keep is True  # the listing does not know yet
         # Block 0 of the old version is still cached: it is served (consistently the old version).
         assert await fs.read(fh2, 0, 10) == b"xx"
@@ -358,7 +358,7 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
         assert not fs.metadata.is_fresh("ds/sub/")
         assert fs.metadata.is_fresh("ds/")  # only the file's directory
         lists = world.store.calls["list"]
-        fh3, keep3 = await fs.open(x.ino)
+        fh3, keep3, _bk = await fs.open(x.ino)
         assert world.store.calls["list"] > lists  # the next open listed the directory again
         assert keep3 is False
         assert x.size == 6
@@ -391,7 +391,7 @@ def test_root_prefix_empty_mounts_the_whole_bucket(tmp_path: Path) -> None:
             assert await read_all(fs, fh) == [(1, b"dir"), (2, b"top")]
             d = await fs.lookup(ROOT_INODE, b"dir")
             f = await fs.lookup(d.ino, b"f")
-            ofh, _ = await fs.open(f.ino)
+            ofh, _, _bk = await fs.open(f.ino)
             assert await fs.read(ofh, 0, 10) == b"f"
 
         w.run(body)
@@ -402,16 +402,16 @@ def test_root_prefix_empty_mounts_the_whole_bucket(tmp_path: Path) -> None:
 def test_keep_cache_false_when_an_old_version_handle_read_after_the_last_open(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
-        old_fh, _ = await fs.open(c.ino)
+        old_fh, _, _bk = await fs.open(c.ino)
         assert await fs.read(old_fh, 0, 100) == b"hello"  # v1 block now cached
         world.store.put("ds/c.txt", b"HELLO")  # same size, new version
         world.clock.now += 301
-        _new_fh, keep = await fs.open(c.ino)
+        _new_fh, keep, _bk = await fs.open(c.ino)
         assert keep is False  # the kernel drops its pages of v1 here
         # The old handle keeps reading v1 (served from the block cache): through the same inode
         # these bytes land in the kernel page cache again.
         assert await fs.read(old_fh, 0, 100) == b"hello"
-        _, keep_again = await fs.open(c.ino)
+        _, keep_again, _bk = await fs.open(c.ino)
         assert keep_again is False, "the page cache may hold v1 bytes for a v2 reader"
 
     world.run(body)

@@ -149,13 +149,13 @@ def test_corrupt_cached_block_is_refetched(bucket, mount_factory):
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
     assert (m.path / "c.bin").read_bytes() == data
     m.stop()
-    blocks = sorted((m.cache_dir / "blocks").rglob("*"))
-    block_files = [b for b in blocks if b.is_file()]
-    assert len(block_files) == 4
-    for b in block_files:  # flip a byte in every cached block
-        raw = bytearray(b.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        b.write_bytes(bytes(raw))
+    files = [f for f in (m.cache_dir / "objects").rglob("*") if f.is_file()]
+    assert len(files) == 1, "the blocks of one object share one file"
+    raw = bytearray(files[0].read_bytes())
+    assert bytes(raw) == data
+    for i in range(4):  # flip a byte in every cached block
+        raw[i * BLOCK + 2] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
     m.start()
     assert (m.path / "c.bin").read_bytes() == data
     metrics = m.metrics()

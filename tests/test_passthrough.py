@@ -1,0 +1,171 @@
+"""FUSE passthrough on real mounts: the kernel reads fully cached files from the cache file.
+
+What is checked: a cached file's open is passed through and its reads never reach
+the daemon, yet return the object's exact bytes; a corrupt cache file is never
+handed to the kernel; concurrent opens share one backing, released with the last
+handle; an inode with a handle served by the daemon is not switched to
+passthrough (the kernel would fail the open); ``--passthrough off`` is honoured.
+These tests need the passthrough build of pyfuse3 (``make deps`` builds it) and
+are skipped, saying why, without it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefs import passthrough
+
+pytestmark = [
+    pytest.mark.fuse,
+    pytest.mark.skipif(not passthrough.supported(),
+                       reason="pyfuse3 lacks passthrough (build it with `make deps`)"),
+]
+
+BLOCK = 64 * 1024
+
+
+def _payload(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _drop_page_cache() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _counter(m: Any, name: str) -> float:
+    return m.metric(name)
+
+
+@pytest.fixture
+def shard(bucket: Any) -> tuple[Any, str, bytes]:
+    client, name = bucket
+    data = _payload(7, 5 * BLOCK + 777)
+    client.put_object(Bucket=name, Key="shards/s0.tar", Body=data)
+    return client, name, data
+
+
+def test_cached_file_is_read_by_the_kernel_with_exact_bytes(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data  # cold: through the daemon, fills the cache
+    assert _counter(m, "cachefs_passthrough_opens_total") == 0
+    assert m.metric("cachefs_passthrough_enabled") == 1
+    read_before = m.metric("cachefs_read_bytes_total")
+    gets_before = m.gets()
+    for _ in range(2):
+        _drop_page_cache()
+        assert _read(path) == data
+        with open(path, "rb", buffering=0) as f:  # random offsets, not only sequential
+            for off in (0, BLOCK - 3, 3 * BLOCK + 5, len(data) - 10):
+                assert os.pread(f.fileno(), 100, off) == data[off:off + 100]
+    assert _counter(m, "cachefs_passthrough_opens_total") == 4
+    assert m.metric("cachefs_read_bytes_total") == read_before, "reads reached the daemon"
+    assert m.gets() == gets_before
+    assert m.metric("cachefs_passthrough_backing_files") == 0, "backings closed with their files"
+    m.stop()
+    m.start()  # a new daemon: the cache file is verified again before use
+    assert _read(path) == data
+    assert _counter(m, "cachefs_passthrough_opens_total") == 1 and m.gets() == 0
+
+
+def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data
+    m.stop()
+    (cache_file,) = [f for f in (m.cache_dir / "objects").rglob("*") if f.is_file()]
+    raw = bytearray(cache_file.read_bytes())
+    raw[2 * BLOCK + 9] ^= 0x40  # one flipped bit in the third block
+    cache_file.write_bytes(bytes(raw))
+    m.start()
+    _drop_page_cache()
+    assert _read(path) == data
+    metrics = m.metrics()
+    assert metrics["cachefs_cache_corrupt_blocks_total"] == 1
+    assert metrics.get('cachefs_passthrough_declined_total{reason="unverified"}') == 1
+    assert metrics['cachefs_s3_requests_total{op="get"}'] == 1, "only the bad block is fetched"
+    assert metrics.get("cachefs_passthrough_opens_total", 0) == 0
+    # Repaired by that read: the next open is passed through.
+    assert _read(path) == data
+    assert m.metric("cachefs_passthrough_opens_total") == 1
+
+
+def test_concurrent_opens_share_one_backing(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data
+    _drop_page_cache()
+    files = [open(path, "rb", buffering=0) for _ in range(3)]
+    try:
+        assert m.metric("cachefs_passthrough_backing_files") == 1
+        errors: list[BaseException] = []
+
+        def reader(f: Any) -> None:
+            try:
+                for off in range(0, len(data), 10_000):
+                    assert os.pread(f.fileno(), 10_000, off) == data[off:off + 10_000]
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(f,)) for f in files]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    finally:
+        for f in files:
+            f.close()
+    assert m.metric("cachefs_passthrough_opens_total") == 3
+    # RELEASE reaches the daemon just after close() returns.
+    for _ in range(100):
+        if m.metric("cachefs_passthrough_backing_files") == 0:
+            break
+        threading.Event().wait(0.05)
+    assert m.metric("cachefs_passthrough_backing_files") == 0
+
+
+def test_a_handle_served_by_the_daemon_keeps_the_inode_out_of_passthrough(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    with open(path, "rb", buffering=0) as cold:
+        assert cold.read() == data  # cached now, and this handle is still open
+        with open(path, "rb", buffering=0) as second:  # the kernel would refuse passthrough
+            assert second.read() == data
+        assert m.metric('cachefs_passthrough_declined_total{reason="open_direct"}') == 1
+        assert m.metric("cachefs_passthrough_opens_total") == 0
+    for _ in range(100):  # wait for the RELEASE of both handles
+        if m.metric("cachefs_open_file_handles") == 0:
+            break
+        threading.Event().wait(0.05)
+    assert _read(path) == data
+    assert m.metric("cachefs_passthrough_opens_total") == 1
+
+
+def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data
+    _drop_page_cache()
+    before = m.metric("cachefs_read_bytes_total")
+    assert _read(path) == data
+    assert m.metric("cachefs_passthrough_enabled") == 0
+    assert m.metric("cachefs_passthrough_opens_total") == 0
+    assert m.metric("cachefs_read_bytes_total") == before + len(data)
