@@ -467,7 +467,8 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
         f"shards = {p['shards']} WebDataset tar shards of {p['shard_size_mb']} MiB.\n"
         f"- reader: PyTorch DataLoader, {p['workers']} workers, batch {p['batch_size']}, mode `{p['mode']}`"
         + (f" ({p['cpu_ms']:g} ms CPU per sample)" if p["mode"] == "cpu" else "")
-        + f", {p['epochs']} epochs, reshuffled every epoch (`images-inorder`: directory order, no shuffle), page cache dropped before every epoch; "
+        + f", {p['epochs']} epochs, reshuffled every epoch (`images-inorder`: directory order, no shuffle), "
+        "page cache dropped before every epoch; "
         f"an epoch is cut after {p['epoch_timeout']:g} s (`(cut)` in the table).\n"
         f"- systems: {', '.join(p['systems'])}; every caching system starts with an empty cache "
         f"(cap {p['cache_size']}).\n"
