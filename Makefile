@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck
+PT_STAMP := $(VENV)/.passthrough
+# gcc, libc6-dev, patch, curl, python3-dev: building libfuse and the patched pyfuse3
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev patch curl python3-dev
 
 .PHONY: demo test check lint typecheck test-fast bench bench-quick deps clean
 
@@ -39,7 +41,7 @@ bench: deps
 bench-quick: deps
 	$(BIN)/python -m benchmarks.run --quick
 
-deps: $(STAMP)
+deps: $(STAMP) $(PT_STAMP)
 
 $(STAMP): pyproject.toml
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -51,6 +53,13 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	@touch $@
+
+# FUSE passthrough: libfuse 3.17.2 in $(VENV)/opt/libfuse and a patched pyfuse3
+# (third_party/README.md). Never fails; if unavailable it says so once and cachefs
+# serves reads itself. To retry: rm $(PT_STAMP) and make deps again.
+$(PT_STAMP): $(STAMP) scripts/build-passthrough.sh third_party/pyfuse3-passthrough.patch
+	@scripts/build-passthrough.sh $(VENV)
 	@touch $@
 
 clean:
