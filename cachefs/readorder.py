@@ -144,29 +144,34 @@ class _Walk:
 class DirectoryLookahead:
     """Prefetch the next files of a directory when readers open its files in name order.
 
-    Each open of a file advances that directory's walk when the file is among
-    the ``adjacency`` entries after the previous one (or among the files already
-    requested ahead). After ``min_streak`` such opens, up to ``window(streak)`` files after the
-    reader are requested (doubling with the streak, at most ``max_files``).
-    Each open consumes one file of the window; only the shortfall is issued,
-    continuing after the last file requested, so the cost per open is a few
-    index lookups however large the window. Random opens reset the walk.
-    Blocks go through ``Fetcher.prefetch`` (never waits, bounded by budget).
+    A directory may be walked by several readers at once, each in order but
+    interleaved with the others (DataLoader workers taking consecutive batches
+    of an unshuffled dataset), so each directory keeps up to ``max_streams``
+    walks. An open advances the walk nearest before it when the file is among
+    the ``adjacency`` entries after that walk's last file (or among the files
+    it already requested ahead); otherwise it starts a new walk, replacing the
+    least recently advanced. After ``min_streak`` advances, up to
+    ``window(streak)`` files after the walk are requested (doubling with the
+    streak, at most ``max_files``). Each open consumes one file of the window;
+    only the shortfall is issued, continuing after the last file requested, so
+    the cost per open is a few index lookups however large the window. Blocks
+    go through ``Fetcher.prefetch`` (never waits, bounded by budget).
     """
 
     def __init__(self, fetcher: Fetcher, iter_after: Callable[[str, bytes], Iterator[Entry]], *,
                  max_files: int = 256, min_streak: int = 3, max_dirs: int = 1024,
-                 adjacency: int = 8) -> None:
+                 adjacency: int = 8, max_streams: int = 16) -> None:
         self._fetcher = fetcher
         self._iter_after = iter_after
         self.adjacency = adjacency
         self.max_files = max_files
         self.min_streak = min_streak
         self.max_dirs = max_dirs
+        self.max_streams = max_streams
         # Returns False while opens of cached files are passed through to the kernel:
         # loading their blocks into memory ahead of the readers would be wasted work.
         self.prefetch_cached: Callable[[], bool] = lambda: True
-        self._walks: dict[str, _Walk] = {}
+        self._walks: dict[str, list[_Walk]] = {}  # per directory, least recently advanced first
 
     def _follows(self, prefix: str, last: bytes, name: bytes, walk: _Walk) -> bool:
         """Whether ``name`` is among the next few files after ``last`` (or among those
@@ -187,18 +192,38 @@ class DirectoryLookahead:
                 close()
         return False
 
-    def on_open(self, prefix: str, name: bytes) -> int:
-        """Record an open; returns how many files were newly requested."""
-        walk = self._walks.pop(prefix, None)
-        if walk is None:
-            walk = _Walk(name)
-        elif name > walk.last and self._follows(prefix, walk.last, name, walk):
+    def _advance(self, prefix: str, walks: list[_Walk], name: bytes) -> _Walk:
+        """The walk this open belongs to (advanced, or new), moved to the end of ``walks``."""
+        # Only the walk nearest before ``name`` can have it among its next entries.
+        nearest: _Walk | None = None
+        for w in walks:
+            if w.last == name:
+                nearest = w  # the same file again: no advance
+                break
+            if w.last < name and (nearest is None or w.last > nearest.last):
+                nearest = w
+        if nearest is not None and nearest.last == name:
+            walk = nearest
+        elif nearest is not None and self._follows(prefix, nearest.last, name, nearest):
+            walk = nearest
             walk.streak += 1
             walk.last = name
             walk.ahead = max(0, walk.ahead - 1)
-        elif name != walk.last:
+        else:
             walk = _Walk(name)
-        self._walks[prefix] = walk  # most recently used last
+            if len(walks) >= self.max_streams:
+                walks.pop(0)
+            walks.append(walk)
+            return walk
+        walks.remove(walk)
+        walks.append(walk)
+        return walk
+
+    def on_open(self, prefix: str, name: bytes) -> int:
+        """Record an open; returns how many files were newly requested."""
+        walks = self._walks.pop(prefix, [])
+        walk = self._advance(prefix, walks, name)
+        self._walks[prefix] = walks  # most recently used directory last
         if len(self._walks) > self.max_dirs:
             self._walks.pop(next(iter(self._walks)))
         if walk.streak < self.min_streak:

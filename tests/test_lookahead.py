@@ -1,0 +1,87 @@
+"""Unit tests of cachefs.readorder.DirectoryLookahead: which opens start prefetch, and how much."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+from cachefs.fetcher import ObjectVersion
+from cachefs.metadata import Entry
+from cachefs.readorder import DirectoryLookahead
+
+NAMES = [f"img{i:05d}.jpg".encode() for i in range(2000)]
+DIR = "train/c000/"
+
+
+class FakeFetcher:
+    """Records prefetched keys; every object is one block, resident once prefetched."""
+
+    block_size = 1 << 20
+
+    def __init__(self) -> None:
+        self.prefetched: list[str] = []
+
+    def block_count(self, obj: ObjectVersion) -> int:
+        return 1
+
+    def prefetch(self, obj: ObjectVersion, index: int, *, cached: bool = True) -> bool:
+        if obj.key in self.prefetched:
+            return False  # in flight already, as Fetcher.prefetch answers
+        self.prefetched.append(obj.key)
+        return True
+
+    def is_resident(self, obj: ObjectVersion, index: int) -> bool:
+        return obj.key in self.prefetched
+
+
+def iter_after(prefix: str, after: bytes) -> Iterator[Entry]:
+    for name in NAMES:
+        if name > after:
+            yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
+
+
+def make() -> tuple[DirectoryLookahead, FakeFetcher]:
+    f = FakeFetcher()
+    return DirectoryLookahead(f, iter_after), f  # type: ignore[arg-type]
+
+
+def test_one_reader_in_order_prefetches_ahead_and_not_behind() -> None:
+    la, f = make()
+    for name in NAMES[:40]:
+        la.on_open(DIR, name)
+    assert f.prefetched, "an in-order walk starts prefetch"
+    keys = [DIR + n.decode() for n in NAMES]
+    assert all(keys.index(k) >= 3 for k in f.prefetched), "nothing before the walk"
+    assert keys.index(f.prefetched[-1]) > 40 + 16, "the window grows ahead of the reader"
+
+
+def test_interleaved_readers_each_walking_in_order_are_detected() -> None:
+    # 8 DataLoader workers, batches of 32 consecutive files, opens interleaved.
+    la, f = make()
+    workers, batch = 8, 32
+    for step in range(batch):
+        for w in range(workers):
+            la.on_open(DIR, NAMES[w * batch + step])
+    keys = {DIR + n.decode() for n in NAMES}
+    assert len(f.prefetched) >= workers * 8, f"only {len(f.prefetched)} files prefetched"
+    assert set(f.prefetched) <= keys
+    # the next round of batches (worker 0 goes on at file 256) is requested ahead
+    assert DIR + NAMES[workers * batch].decode() in f.prefetched
+
+
+def test_random_opens_prefetch_nothing() -> None:
+    la, f = make()
+    order = list(range(len(NAMES)))
+    random.Random(5).shuffle(order)
+    for i in order[:500]:
+        la.on_open(DIR, NAMES[i])
+    # A random order ascends by an adjacent step now and then, never three times running
+    # for long: at most a handful of small windows.
+    assert len(f.prefetched) < 25, len(f.prefetched)
+
+
+def test_streams_per_directory_are_bounded() -> None:
+    la, _ = make()
+    for i in range(0, 2000, 20):  # 100 unrelated starts
+        la.on_open(DIR, NAMES[i])
+    assert len(la._walks[DIR]) == la.max_streams
