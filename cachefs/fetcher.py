@@ -200,6 +200,13 @@ class Fetcher:
             _, wasted = self._prefetched.popitem(last=False)
             metrics.PREFETCH_WASTED_BYTES.inc(wasted)
 
+    def mark_used(self, bids: list[bytes]) -> None:
+        """These blocks are read without passing through here (the kernel reads their
+        file itself, see cachefs.passthrough): prefetched ones count as used."""
+        if self._prefetched:
+            for bid in bids:
+                self._note_read(bid)
+
     def _note_read(self, bid: bytes) -> None:
         n = self._prefetched.pop(bid, None)
         if n is not None:

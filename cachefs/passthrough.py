@@ -118,6 +118,7 @@ class Passthrough:
             backing.ready.set()
         if backing.backing_id:
             metrics.PASSTHROUGH_OPENS.inc()
+            self.fetcher.mark_used(bids)
             return backing.backing_id
         if error is not None:
             self._switch_off(error)

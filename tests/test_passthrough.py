@@ -169,3 +169,17 @@ def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyp
     assert m.metric("cachefs_passthrough_enabled") == 0
     assert m.metric("cachefs_passthrough_opens_total") == 0
     assert m.metric("cachefs_read_bytes_total") == before + len(data)
+
+
+def test_readahead_read_by_the_kernel_counts_as_used(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    client, name = bucket
+    files = {f"walk/f{i:03d}.bin": _payload(100 + i, 20_000 + i) for i in range(24)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    for key in sorted(files):  # a directory-order walk: the lookahead fetches ahead
+        assert _read(m.path / key) == files[key]
+    issued = m.metric("cachefs_prefetch_issued_bytes_total")
+    assert issued > 0, "the in-order walk was not prefetched"
+    assert m.metric("cachefs_prefetch_used_bytes_total") == issued, "every prefetched file was read"
+    assert m.metric("cachefs_passthrough_opens_total") > 0, "prefetched files were opened cached"
