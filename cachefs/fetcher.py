@@ -37,7 +37,7 @@ from collections import OrderedDict
 import trio
 
 from cachefs import metrics
-from cachefs.blockcache import BlockCache, block_id
+from cachefs.blockcache import BlockCache, block_id, object_id
 from cachefs.budget import MemoryBudget
 from cachefs.errors import TransientStoreError
 from cachefs.store import ObjectStore
@@ -147,6 +147,9 @@ class Fetcher:
     # -- block addressing -----------------------------------------------------------------
     def block_id(self, obj: ObjectVersion, index: int) -> bytes:
         return block_id(self.store.bucket, obj.key, obj.etag, self.block_size, index)
+
+    def object_id(self, obj: ObjectVersion) -> bytes:
+        return object_id(self.store.bucket, obj.key, obj.etag, self.block_size)
 
     def block_count(self, obj: ObjectVersion) -> int:
         return (obj.size + self.block_size - 1) // self.block_size

@@ -10,27 +10,28 @@ daemon sees no read request for it: warm reads cost what local disk reads cost.
 Contracts:
 
 * A cache file is handed to the kernel only after every block of the object
-  passed its length and checksum test in this open (the test every daemon
-  read makes). Verifying reads the whole file, which also leaves it in the
-  page cache, where the kernel's reads then find it. Objects larger than
-  :data:`MAX_OBJECT_BYTES` are never passed through: verifying them at open
-  would cost more than a reader of a few samples reads.
-* While a backing is open its object is pinned in the block cache: its
-  blocks are not evicted (an evicted block's hole would read as zeros).
-* The kernel allows one I/O mode per inode at a time: while an inode has
-  handles served by the daemon, no passthrough is granted; while it has a
-  backing, every new open shares it (one backing per inode, counted by opens,
-  closed at the last release). A new version of the object seen while the
-  old one is passed through is served to new opens only after the old
-  handles close (the kernel cannot mix the modes).
+  passed its length and checksum test (the test every daemon read makes), when
+  it is registered. Verifying reads the whole file, which also leaves it in the
+  page cache, where the kernel's reads then find it. A registered file stays
+  registered while handles use it and, idle, until it is among the least
+  recently used beyond :data:`MAX_IDLE_BACKINGS` files or a quarter of the
+  cache size; reopening it meanwhile needs no verification. Objects larger than
+  :data:`MAX_OBJECT_BYTES` are never passed through.
+* While registered, an object is pinned in the block cache: its blocks are not
+  evicted (an evicted block's hole would read as zeros), and nothing else
+  writes to its file (blocks are written once, before they are indexed).
+* The kernel allows one I/O mode and one backing file per inode at a time:
+  while an inode has handles served by the daemon, no passthrough is granted;
+  while it has passed-through handles, every new open shares their file, even
+  if the object changed meanwhile (the new version is served once they close).
 * If the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not
   negotiated), passthrough is switched off for the mount, logged once, and
   reads go through the daemon as before.
 
-Concurrency: methods run on the trio thread, which alone touches ``_by_ino``
-and ``_direct``. Verification and the backing ioctl run in a worker thread;
-concurrent opens of one inode wait for the first one's verification, so an
-object is verified once per burst of opens.
+Concurrency: methods run on the trio thread, which alone touches
+``_backings``, ``_active``, ``_direct`` and ``_idle``. Verification and the
+backing ioctl run in a worker thread; concurrent opens of one object wait for
+the first one's verification (one registration per object at a time).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections import OrderedDict
 from typing import Any
 
 import pyfuse3
@@ -49,9 +51,11 @@ from cachefs.fetcher import Fetcher, ObjectVersion
 
 log = logging.getLogger(__name__)
 
-#: Larger objects are served by the daemon: verifying them whole at every open
+#: Larger objects are served by the daemon: verifying one whole at its first open
 #: would cost a random reader more than it reads.
 MAX_OBJECT_BYTES = 1 << 30
+#: Idle backings kept registered (each holds one open file in the kernel).
+MAX_IDLE_BACKINGS = 4096
 
 
 # Only the passthrough build of pyfuse3 (third_party/) has these functions.
@@ -65,24 +69,36 @@ def supported() -> bool:
 
 @dataclasses.dataclass(slots=True)
 class _Backing:
+    """One object's cache file registered with the kernel."""
+
     oid: bytes
+    size: int
     ready: trio.Event
     backing_id: int = 0
-    opens: int = 0
+    opens: int = 0  # open handles using it, over all inodes
 
 
 class Passthrough:
     """Decides per open whether the kernel reads the cache file itself, and keeps the
-    backing files of passed-through inodes."""
+    registered backing files (in use, and recently used idle ones)."""
 
     def __init__(self, fetcher: Fetcher, cache: BlockCache, *, enabled: bool,
-                 limiter: trio.CapacityLimiter | None = None) -> None:
+                 limiter: trio.CapacityLimiter | None = None,
+                 max_idle: int = MAX_IDLE_BACKINGS, max_idle_bytes: int | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
         self.enabled = enabled and supported()
         self._limiter = limiter
-        self._by_ino: dict[int, _Backing] = {}
+        self._backings: dict[bytes, _Backing] = {}  # by object id
+        self._active: dict[int, tuple[bytes, int]] = {}  # inode -> (object id, handles)
         self._direct: dict[int, int] = {}  # handles served by the daemon, per inode
+        # Backings with no open handle, least recently used first. They stay registered
+        # (and their objects pinned) so the next open of the object needs no verification
+        # and no thread hop; bounded in number and in pinned bytes (a quarter of the cache).
+        self._idle: OrderedDict[bytes, None] = OrderedDict()
+        self._idle_bytes = 0
+        self.max_idle = max_idle
+        self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
         metrics.PASSTHROUGH_ENABLED.set(1 if self.enabled else 0)
 
     async def open(self, ino: int, obj: ObjectVersion) -> int:
@@ -90,36 +106,45 @@ class Passthrough:
         daemon serves its reads). Every open must be matched by :meth:`release` with
         the same answer."""
         while True:
-            held = self._by_ino.get(ino)
-            if held is None:
+            active = self._active.get(ino)
+            if active is not None:
+                # Handles of this inode are passed through: the new one must be too, on
+                # the same file (the kernel refuses two modes or two files per inode),
+                # even if the object changed meanwhile.
+                return self._use(ino, self._backings[active[0]])
+            if self._direct.get(ino):
+                return self._direct_open(ino, "open_direct")
+            oid = self.fetcher.object_id(obj)
+            backing = self._backings.get(oid)
+            if backing is None:
                 break
-            await held.ready.wait()
-            if self._by_ino.get(ino) is held and held.backing_id:
-                held.opens += 1
-                metrics.PASSTHROUGH_OPENS.inc()
-                return held.backing_id
-            # The backing failed or was closed meanwhile: decide afresh.
-        reason = self._decline_reason(ino, obj)
+            await backing.ready.wait()
+            if self._backings.get(oid) is backing and backing.backing_id:
+                if self._active.get(ino) is None and not self._direct.get(ino):
+                    return self._use(ino, backing)
+            # Failed, closed or the inode changed mode meanwhile: decide afresh.
+        reason = self._decline_reason(obj)
         if reason is not None:
             return self._direct_open(ino, reason)
         bids = [self.fetcher.block_id(obj, i) for i in range(self.fetcher.block_count(obj))]
-        oid = bids[0][:16]
-        backing = _Backing(oid, trio.Event())
-        self._by_ino[ino] = backing
+        backing = _Backing(oid, obj.size, trio.Event())
+        self._backings[oid] = backing
+        error: OSError | None = None
         try:
             backing.backing_id, error = await trio.to_thread.run_sync(
                 self._attach, oid, bids, limiter=self._limiter)
         finally:
             if backing.backing_id:
-                backing.opens = 1
                 metrics.PASSTHROUGH_BACKINGS.inc()
             else:
-                del self._by_ino[ino]
+                del self._backings[oid]
             backing.ready.set()
         if backing.backing_id:
-            metrics.PASSTHROUGH_OPENS.inc()
             self.fetcher.mark_used(bids)
-            return backing.backing_id
+            if self._active.get(ino) is None and not self._direct.get(ino):
+                return self._use(ino, backing)
+            self._idle_or_keep(backing)  # the inode changed mode while we verified
+            return await self.open(ino, obj)
         if error is not None:
             self._switch_off(error)
             return self._direct_open(ino, "refused")
@@ -134,32 +159,59 @@ class Passthrough:
             else:
                 self._direct.pop(ino, None)
             return
-        backing = self._by_ino.get(ino)
-        if backing is None or backing.backing_id != backing_id:
+        active = self._active.get(ino)
+        backing = self._backings.get(active[0]) if active else None
+        if active is None or backing is None or backing.backing_id != backing_id:
             log.warning("release of unknown passthrough backing %d (inode %d)", backing_id, ino)
             return
+        if active[1] > 1:
+            self._active[ino] = (active[0], active[1] - 1)
+        else:
+            del self._active[ino]
         backing.opens -= 1
-        if backing.opens > 0:
+        self._idle_or_keep(backing)
+
+    def _use(self, ino: int, backing: _Backing) -> int:
+        if backing.opens == 0 and backing.oid in self._idle:
+            del self._idle[backing.oid]
+            self._idle_bytes -= backing.size
+        backing.opens += 1
+        oid, n = self._active.get(ino, (backing.oid, 0))
+        self._active[ino] = (oid, n + 1)
+        metrics.PASSTHROUGH_OPENS.inc()
+        return backing.backing_id
+
+    def _idle_or_keep(self, backing: _Backing) -> None:
+        if backing.opens > 0 or backing.oid in self._idle:
             return
-        del self._by_ino[ino]
+        self._idle[backing.oid] = None
+        self._idle_bytes += backing.size
+        while self._idle and (len(self._idle) > self.max_idle
+                              or self._idle_bytes > self.max_idle_bytes):
+            self._close(next(iter(self._idle)))
+
+    def _close(self, oid: bytes) -> None:
+        """Drop an idle backing: an ioctl that only drops the kernel's reference to the
+        file (no I/O, no wait), so it runs on the trio thread."""
+        backing = self._backings.pop(oid)
+        del self._idle[oid]
+        self._idle_bytes -= backing.size
         metrics.PASSTHROUGH_BACKINGS.dec()
         try:
-            # An ioctl that drops the kernel's reference to the file: no I/O, no wait.
-            _pyfuse3.passthrough_close(backing_id)
+            _pyfuse3.passthrough_close(backing.backing_id)
         except OSError as exc:
-            log.warning("cannot close passthrough backing %d: %s", backing_id, exc.strerror)
-        self.cache.unpin(backing.oid)
+            log.warning("cannot close passthrough backing %d: %s", backing.backing_id,
+                        exc.strerror)
+        self.cache.unpin(oid)
 
     @property
     def backings(self) -> int:
-        return len(self._by_ino)
+        return len(self._backings)
 
     # -- internals -------------------------------------------------------------------------
-    def _decline_reason(self, ino: int, obj: ObjectVersion) -> str | None:
+    def _decline_reason(self, obj: ObjectVersion) -> str | None:
         if not self.enabled:
             return "off"
-        if self._direct.get(ino):
-            return "open_direct"  # the kernel would refuse the other mode
         if obj.size == 0 or obj.size > MAX_OBJECT_BYTES:
             return "size"
         bids = [self.fetcher.block_id(obj, i) for i in range(self.fetcher.block_count(obj))]
