@@ -240,12 +240,13 @@ class FileSystem:
         self._handles.pop(fh, None)
 
     # -- files ------------------------------------------------------------------------------
-    async def open(self, ino: int) -> tuple[int, bool, int]:
+    async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
         """Open a file; returns (handle, keep_cache, backing_id). keep_cache is True only
         when the object's ETag is the one seen at the previous open, so the kernel's page
         cache is reused across opens but never holds bytes of another version. A
         backing_id > 0 means the kernel reads the object's cache file itself
-        (see :mod:`cachefs.passthrough`)."""
+        (see :mod:`cachefs.passthrough`). ``reader`` (the opening thread's id, 0 if
+        unknown) lets directory lookahead follow each reader's walk."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
@@ -255,7 +256,7 @@ class FileSystem:
         keep_cache = node.last_open_etag == node.etag
         node.last_open_etag = node.etag
         self.read_order.on_open(node.path)
-        self.lookahead.on_open(node.parent_prefix, node.name)
+        self.lookahead.on_open(node.parent_prefix, node.name, reader)
         backing_id = await self.passthrough.open(ino, obj) if self.passthrough else 0
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(

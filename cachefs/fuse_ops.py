@@ -192,7 +192,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     async def open(self, inode: int, flags: int, ctx: Any = None) -> Any:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT):
             raise FsError(errno.EROFS)
-        fh, keep_cache, backing_id = await self.fs.open(inode)
+        fh, keep_cache, backing_id = await self.fs.open(inode, reader=getattr(ctx, "pid", 0))
         metrics.OPEN_HANDLES.inc()
         if backing_id:
             # The kernel reads the cache file itself; it refuses keep_cache with it.

@@ -144,39 +144,40 @@ class _Walk:
 class DirectoryLookahead:
     """Prefetch the next files of a directory when readers open its files in name order.
 
-    A directory may be walked by several readers at once, each in order but
-    interleaved with the others (DataLoader workers taking consecutive batches
-    of an unshuffled dataset), so each directory keeps up to ``max_streams``
-    walks. An open advances the walk nearest before it when the file is among
-    the ``adjacency`` entries after that walk's last file (or among the files
-    it already requested ahead); otherwise it starts a new walk, replacing the
-    least recently advanced. After ``min_streak`` advances, up to
-    ``window(streak)`` files after the walk are requested (doubling with the
-    streak, at most ``max_files``). Each open consumes one file of the window;
-    only the shortfall is issued, continuing after the last file requested, so
-    the cost per open is a few index lookups however large the window. Blocks
-    go through ``Fetcher.prefetch`` (never waits, bounded by budget).
+    Walks are followed per reader and per directory: each open steps both the
+    walk of its reader (the FUSE request's thread id: one DataLoader worker,
+    one thread) and the directory's shared walk (readers taking turns over one
+    in-order sequence, such as a thread pool). A walk advances when the file is
+    among the ``adjacency`` entries after its previous file (or among the files
+    it already requested ahead); any other open restarts it. After
+    ``min_streak`` advances, up to ``window(streak)`` files after the walk are
+    requested (doubling with the streak, at most ``max_files``). Each open
+    consumes one file of the window; only the shortfall is issued, continuing
+    after the last file requested, so the cost per open is a few index lookups
+    however large the window. A random order does not advance a walk three
+    times running, so random readers pay nothing. Blocks go through
+    ``Fetcher.prefetch`` (never waits, bounded by budget).
     """
 
     def __init__(self, fetcher: Fetcher, iter_after: Callable[[str, bytes], Iterator[Entry]], *,
-                 max_files: int = 256, min_streak: int = 3, max_dirs: int = 1024,
-                 adjacency: int = 8, max_streams: int = 16) -> None:
+                 max_files: int = 256, min_streak: int = 3, max_walks: int = 4096,
+                 adjacency: int = 8) -> None:
         self._fetcher = fetcher
         self._iter_after = iter_after
         self.adjacency = adjacency
         self.max_files = max_files
         self.min_streak = min_streak
-        self.max_dirs = max_dirs
-        self.max_streams = max_streams
+        self.max_walks = max_walks
         # Returns False while opens of cached files are passed through to the kernel:
         # loading their blocks into memory ahead of the readers would be wasted work.
         self.prefetch_cached: Callable[[], bool] = lambda: True
-        self._walks: dict[str, list[_Walk]] = {}  # per directory, least recently advanced first
+        # (directory, reader) -> walk, least recently used first; reader 0 = shared walk
+        self._walks: dict[tuple[str, int], _Walk] = {}
 
     def _follows(self, prefix: str, last: bytes, name: bytes, walk: _Walk) -> bool:
         """Whether ``name`` is among the next few files after ``last`` (or among those
-        already requested ahead): readers walking the directory in order, possibly
-        several workers interleaved, but not a random order that happens to ascend."""
+        already requested ahead): a reader walking the directory in order, but not a
+        random order that happens to ascend."""
         if walk.issued_until is not None and last < name <= walk.issued_until:
             return True
         entries = self._iter_after(prefix, last)
@@ -192,40 +193,32 @@ class DirectoryLookahead:
                 close()
         return False
 
-    def _advance(self, prefix: str, walks: list[_Walk], name: bytes) -> _Walk:
-        """The walk this open belongs to (advanced, or new), moved to the end of ``walks``."""
-        # Only the walk nearest before ``name`` can have it among its next entries.
-        nearest: _Walk | None = None
-        for w in walks:
-            if w.last == name:
-                nearest = w  # the same file again: no advance
-                break
-            if w.last < name and (nearest is None or w.last > nearest.last):
-                nearest = w
-        if nearest is not None and nearest.last == name:
-            walk = nearest
-        elif nearest is not None and self._follows(prefix, nearest.last, name, nearest):
-            walk = nearest
+    def on_open(self, prefix: str, name: bytes, reader: int = 0) -> int:
+        """Record an open by ``reader`` (a thread id; 0 if unknown); returns how many
+        files were newly requested."""
+        issued = self._on_open(prefix, name, (prefix, 0))
+        if reader:
+            issued += self._on_open(prefix, name, (prefix, reader))
+        return issued
+
+    def _step(self, key: tuple[str, int], name: bytes) -> _Walk:
+        prefix = key[0]
+        walk = self._walks.pop(key, None)
+        if walk is None:
+            walk = _Walk(name)
+        elif name > walk.last and self._follows(prefix, walk.last, name, walk):
             walk.streak += 1
             walk.last = name
             walk.ahead = max(0, walk.ahead - 1)
-        else:
+        elif name != walk.last:
             walk = _Walk(name)
-            if len(walks) >= self.max_streams:
-                walks.pop(0)
-            walks.append(walk)
-            return walk
-        walks.remove(walk)
-        walks.append(walk)
+        self._walks[key] = walk  # most recently used last
+        if len(self._walks) > self.max_walks:
+            self._walks.pop(next(iter(self._walks)))
         return walk
 
-    def on_open(self, prefix: str, name: bytes) -> int:
-        """Record an open; returns how many files were newly requested."""
-        walks = self._walks.pop(prefix, [])
-        walk = self._advance(prefix, walks, name)
-        self._walks[prefix] = walks  # most recently used directory last
-        if len(self._walks) > self.max_dirs:
-            self._walks.pop(next(iter(self._walks)))
+    def _on_open(self, prefix: str, name: bytes, key: tuple[str, int]) -> int:
+        walk = self._step(key, name)
         if walk.streak < self.min_streak:
             return 0
         window = min(self.max_files, 2 ** (walk.streak - self.min_streak + 2))

@@ -61,7 +61,7 @@ def test_interleaved_readers_each_walking_in_order_are_detected() -> None:
     workers, batch = 8, 32
     for step in range(batch):
         for w in range(workers):
-            la.on_open(DIR, NAMES[w * batch + step])
+            la.on_open(DIR, NAMES[w * batch + step], reader=1000 + w)
     keys = {DIR + n.decode() for n in NAMES}
     assert len(f.prefetched) >= workers * 8, f"only {len(f.prefetched)} files prefetched"
     assert set(f.prefetched) <= keys
@@ -80,8 +80,34 @@ def test_random_opens_prefetch_nothing() -> None:
     assert len(f.prefetched) < 25, len(f.prefetched)
 
 
-def test_streams_per_directory_are_bounded() -> None:
+def test_a_thread_pool_taking_turns_over_one_sequence_is_detected() -> None:
+    la, f = make()
+    for i in range(64):  # 8 threads, file i opened by thread i % 8
+        la.on_open(DIR, NAMES[i], reader=2000 + i % 8)
+    assert DIR + NAMES[80].decode() in f.prefetched
+
+
+def test_walks_are_bounded() -> None:
     la, _ = make()
-    for i in range(0, 2000, 20):  # 100 unrelated starts
-        la.on_open(DIR, NAMES[i])
-    assert len(la._walks[DIR]) == la.max_streams
+    for r in range(la.max_walks + 100):
+        la.on_open(f"d{r}/", NAMES[0], reader=r + 1)
+    assert len(la._walks) == la.max_walks
+
+
+def test_a_shuffled_epoch_over_small_directories_prefetches_little() -> None:
+    # 100 class folders of 50 files, a random permutation of all of them (a shuffled
+    # DataLoader epoch): some walk is always a few names before the next open.
+    dirs = [f"train/c{c:03d}/" for c in range(100)]
+    files = [(d, n) for d in dirs for n in NAMES[:50]]
+
+    def small_dir(prefix: str, after: bytes) -> Iterator[Entry]:
+        for name in NAMES[:50]:
+            if name > after:
+                yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
+
+    f = FakeFetcher()
+    la = DirectoryLookahead(f, small_dir)  # type: ignore[arg-type]
+    random.Random(11).shuffle(files)
+    for i, (d, n) in enumerate(files):
+        la.on_open(d, n, reader=3000 + i % 8)  # 8 workers
+    assert len(f.prefetched) < 0.02 * len(files), f"{len(f.prefetched)} of {len(files)} prefetched"
