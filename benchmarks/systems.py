@@ -119,31 +119,39 @@ def _base_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def _empty_cache(run_dir: Path) -> Iterator[Path]:
+    """RUN_DIR/cache, emptied for the run and removed after it."""
+    cache = run_dir / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    yield cache
+    with contextlib.suppress(OSError):
+        shutil.rmtree(cache)
+
+
+@contextlib.contextmanager
 def mount_cachefs(
     endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None
 ) -> Iterator[Mounted]:
-    mnt, cache = run_dir / "mnt", run_dir / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True)
-    (mport,) = free_ports(1)
-    args = [
-        sys.executable, "-m", "cachefs", "mount", f"s3://{bucket}/{prefix}", str(mnt),
-        "--foreground",
-        "--cache-dir", str(cache),
-        "--cache-size", cache_size,
-        "--endpoint-url", endpoint,
-        "--region", REGION,
-        "--metrics-addr", f"127.0.0.1:{mport}",
-        "--log-file", str(run_dir / "cachefs-daemon.log"),
-    ] + (extra or [])  # fmt: skip
-    env = _base_env()
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    with _daemon("cachefs", args, mnt, run_dir / "cachefs.log", env) as m:
-        m.metrics_url = f"http://127.0.0.1:{mport}/metrics"
-        yield m
-    with contextlib.suppress(OSError):
-        shutil.rmtree(cache)
+    mnt = run_dir / "mnt"
+    with _empty_cache(run_dir) as cache:
+        (mport,) = free_ports(1)
+        args = [
+            sys.executable, "-m", "cachefs", "mount", f"s3://{bucket}/{prefix}", str(mnt),
+            "--foreground",
+            "--cache-dir", str(cache),
+            "--cache-size", cache_size,
+            "--endpoint-url", endpoint,
+            "--region", REGION,
+            "--metrics-addr", f"127.0.0.1:{mport}",
+            "--log-file", str(run_dir / "cachefs-daemon.log"),
+        ] + (extra or [])  # fmt: skip
+        env = _base_env()
+        repo = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+        with _daemon("cachefs", args, mnt, run_dir / "cachefs.log", env) as m:
+            m.metrics_url = f"http://127.0.0.1:{mport}/metrics"
+            yield m
 
 
 @contextlib.contextmanager
@@ -156,46 +164,43 @@ def mount_rclone(
     caches."""
     rclone = _rclone()
     assert rclone
-    mnt, cache = run_dir / "mnt", run_dir / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True)
-    args = [
-        rclone, "mount", f":s3:{bucket}/{prefix}", str(mnt),
-        "--config", str(run_dir / "rclone.conf"),
-        "--cache-dir", str(cache),
-        "--read-only",
-        "--vfs-cache-mode", "full",
-        "--vfs-cache-max-size", cache_size,
-        "--vfs-cache-max-age", "24h",
-        "--vfs-read-chunk-size", "4M",
-        "--vfs-read-chunk-streams", "16",
-        "--vfs-read-ahead", "64M",
-        "--buffer-size", "16M",
-        "--vfs-fast-fingerprint",
-        "--use-server-modtime",
-        "--no-checksum",
-        "--dir-cache-time", "1h",
-        "--attr-timeout", "1h",
-        "--s3-no-head-object",
-        "--s3-no-check-bucket",
-        "--log-level", "NOTICE",
-    ] + (extra or [])  # fmt: skip
-    (run_dir / "rclone.conf").write_text("")
-    env = _base_env()
-    env.update(
-        {
-            "RCLONE_S3_PROVIDER": "Other",
-            "RCLONE_S3_ENDPOINT": endpoint,
-            "RCLONE_S3_ACCESS_KEY_ID": ACCESS_KEY,
-            "RCLONE_S3_SECRET_ACCESS_KEY": SECRET_KEY,
-            "RCLONE_S3_REGION": REGION,
-            "RCLONE_S3_FORCE_PATH_STYLE": "true",
-        }
-    )
-    with _daemon("rclone", args, mnt, run_dir / "rclone.log", env) as m:
-        yield m
-    with contextlib.suppress(OSError):
-        shutil.rmtree(cache)
+    mnt = run_dir / "mnt"
+    with _empty_cache(run_dir) as cache:
+        args = [
+            rclone, "mount", f":s3:{bucket}/{prefix}", str(mnt),
+            "--config", str(run_dir / "rclone.conf"),
+            "--cache-dir", str(cache),
+            "--read-only",
+            "--vfs-cache-mode", "full",
+            "--vfs-cache-max-size", cache_size,
+            "--vfs-cache-max-age", "24h",
+            "--vfs-read-chunk-size", "4M",
+            "--vfs-read-chunk-streams", "16",
+            "--vfs-read-ahead", "64M",
+            "--buffer-size", "16M",
+            "--vfs-fast-fingerprint",
+            "--use-server-modtime",
+            "--no-checksum",
+            "--dir-cache-time", "1h",
+            "--attr-timeout", "1h",
+            "--s3-no-head-object",
+            "--s3-no-check-bucket",
+            "--log-level", "NOTICE",
+        ] + (extra or [])  # fmt: skip
+        (run_dir / "rclone.conf").write_text("")
+        env = _base_env()
+        env.update(
+            {
+                "RCLONE_S3_PROVIDER": "Other",
+                "RCLONE_S3_ENDPOINT": endpoint,
+                "RCLONE_S3_ACCESS_KEY_ID": ACCESS_KEY,
+                "RCLONE_S3_SECRET_ACCESS_KEY": SECRET_KEY,
+                "RCLONE_S3_REGION": REGION,
+                "RCLONE_S3_FORCE_PATH_STYLE": "true",
+            }
+        )
+        with _daemon("rclone", args, mnt, run_dir / "rclone.log", env) as m:
+            yield m
 
 
 @contextlib.contextmanager
@@ -204,36 +209,33 @@ def mount_s3fs(
 ) -> Iterator[Mounted]:
     """s3fs-fuse with its local file cache (use_cache), tuned for reads:
     long stat cache, parallel multipart downloads."""
-    mnt, cache = run_dir / "mnt", run_dir / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True)
-    pw = run_dir / "passwd-s3fs"
-    pw.write_text(f"{ACCESS_KEY}:{SECRET_KEY}\n")
-    pw.chmod(0o600)
-    opts = [
-        f"url={endpoint}",
-        "use_path_request_style",
-        f"passwd_file={pw}",
-        f"use_cache={cache}",
-        "endpoint=" + REGION,
-        "sigv4",
-        "ro",
-        "stat_cache_expire=3600",
-        "max_stat_cache_size=1000000",
-        "enable_noobj_cache",
-        "parallel_count=8",
-        "multipart_size=16",
-        "multireq_max=32",
-        "max_background=64",
-        "dbglevel=warn",
-    ]
-    args = ["s3fs", f"{bucket}:/{prefix}", str(mnt), "-f"]
-    for o in opts + (extra or []):
-        args += ["-o", o]
-    with _daemon("s3fs", args, mnt, run_dir / "s3fs.log", _base_env()) as m:
-        yield m
-    with contextlib.suppress(OSError):
-        shutil.rmtree(cache)
+    mnt = run_dir / "mnt"
+    with _empty_cache(run_dir) as cache:
+        pw = run_dir / "passwd-s3fs"
+        pw.write_text(f"{ACCESS_KEY}:{SECRET_KEY}\n")
+        pw.chmod(0o600)
+        opts = [
+            f"url={endpoint}",
+            "use_path_request_style",
+            f"passwd_file={pw}",
+            f"use_cache={cache}",
+            "endpoint=" + REGION,
+            "sigv4",
+            "ro",
+            "stat_cache_expire=3600",
+            "max_stat_cache_size=1000000",
+            "enable_noobj_cache",
+            "parallel_count=8",
+            "multipart_size=16",
+            "multireq_max=32",
+            "max_background=64",
+            "dbglevel=warn",
+        ]
+        args = ["s3fs", f"{bucket}:/{prefix}", str(mnt), "-f"]
+        for o in opts + (extra or []):
+            args += ["-o", o]
+        with _daemon("s3fs", args, mnt, run_dir / "s3fs.log", _base_env()) as m:
+            yield m
 
 
 @contextlib.contextmanager

@@ -90,7 +90,12 @@ def object_id(bucket: str, key: str, etag: str, block_size: int) -> bytes:
 
 def block_id(bucket: str, key: str, etag: str, block_size: int, index: int) -> bytes:
     """The 24-byte id of block ``index``: its object id, then its byte offset."""
-    return object_id(bucket, key, etag, block_size) + _OFFSET.pack(index * block_size)
+    return block_id_at(object_id(bucket, key, etag, block_size), index * block_size)
+
+
+def block_id_at(oid: bytes, offset: int) -> bytes:
+    """The id of the block at byte ``offset`` of object ``oid``."""
+    return oid + _OFFSET.pack(offset)
 
 
 def split_block_id(bid: bytes) -> tuple[bytes, int]:

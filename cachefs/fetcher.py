@@ -37,7 +37,7 @@ from collections import OrderedDict
 import trio
 
 from cachefs import metrics
-from cachefs.blockcache import BlockCache, block_id, object_id
+from cachefs.blockcache import BlockCache, block_id, block_id_at, object_id
 from cachefs.budget import MemoryBudget
 from cachefs.errors import TransientStoreError
 from cachefs.store import ObjectStore
@@ -150,6 +150,11 @@ class Fetcher:
 
     def object_id(self, obj: ObjectVersion) -> bytes:
         return object_id(self.store.bucket, obj.key, obj.etag, self.block_size)
+
+    def block_ids(self, obj: ObjectVersion) -> list[bytes]:
+        """The ids of every block of ``obj``, in order (its object id hashed once)."""
+        oid = self.object_id(obj)
+        return [block_id_at(oid, i * self.block_size) for i in range(self.block_count(obj))]
 
     def block_count(self, obj: ObjectVersion) -> int:
         return (obj.size + self.block_size - 1) // self.block_size

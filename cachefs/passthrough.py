@@ -123,10 +123,10 @@ class Passthrough:
                 if self._active.get(ino) is None and not self._direct.get(ino):
                     return self._use(ino, backing)
             # Failed, closed or the inode changed mode meanwhile: decide afresh.
-        reason = self._decline_reason(obj)
+        bids = self.fetcher.block_ids(obj)
+        reason = self._decline_reason(obj, bids)
         if reason is not None:
             return self._direct_open(ino, reason)
-        bids = [self.fetcher.block_id(obj, i) for i in range(self.fetcher.block_count(obj))]
         backing = _Backing(oid, obj.size, trio.Event())
         self._backings[oid] = backing
         error: OSError | None = None
@@ -204,17 +204,12 @@ class Passthrough:
                         exc.strerror)
         self.cache.unpin(oid)
 
-    @property
-    def backings(self) -> int:
-        return len(self._backings)
-
     # -- internals -------------------------------------------------------------------------
-    def _decline_reason(self, obj: ObjectVersion) -> str | None:
+    def _decline_reason(self, obj: ObjectVersion, bids: list[bytes]) -> str | None:
         if not self.enabled:
             return "off"
         if obj.size == 0 or obj.size > MAX_OBJECT_BYTES:
             return "size"
-        bids = [self.fetcher.block_id(obj, i) for i in range(self.fetcher.block_count(obj))]
         if not self.cache.contains_all(bids):
             return "not_cached"
         return None
@@ -228,10 +223,10 @@ class Passthrough:
     def _attach(self, oid: bytes, bids: list[bytes]) -> tuple[int, OSError | None]:
         """Pin, verify and register the object's file with the kernel (worker thread)."""
         self.cache.pin(oid)  # before verifying: no eviction may punch a verified block
+        backing_id = 0
         try:
             verified = self.cache.verify_object(bids)
             if verified is None:
-                self.cache.unpin(oid)
                 return 0, None
             try:
                 fd = os.open(self.cache.object_path(oid), os.O_RDONLY)
@@ -240,11 +235,10 @@ class Passthrough:
                 finally:
                     os.close(fd)  # the kernel holds its own reference to the file
             except OSError as exc:
-                self.cache.unpin(oid)
                 return 0, exc
-        except BaseException:
-            self.cache.unpin(oid)
-            raise
+        finally:
+            if not backing_id:
+                self.cache.unpin(oid)
         metrics.CACHE_HIT_BYTES.inc(verified)
         return backing_id, None
 
@@ -255,9 +249,3 @@ class Passthrough:
             log.warning("FUSE passthrough unavailable (%s): cachefs serves reads itself",
                         error.strerror or error)
 
-
-def status(pt: Passthrough | None) -> dict[str, Any]:
-    """What ``cachefs status`` shows about passthrough."""
-    if pt is None:
-        return {"enabled": False, "backing_files": 0}
-    return {"enabled": pt.enabled, "backing_files": pt.backings}

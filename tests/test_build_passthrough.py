@@ -1,4 +1,4 @@
-"""scripts/build-passthrough.sh: shellcheck-clean, and its fallback never breaks `make deps`.
+"""scripts/build-passthrough.sh: its fallback never breaks `make deps` (shellcheck: test_deploy).
 
 The full build (libfuse + patched pyfuse3, a minute or two) is what `make deps` runs; here
 only the failure path is exercised, in a throwaway venv-shaped directory.
@@ -16,16 +16,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "build-passthrough.sh"
-SHELLCHECK = shutil.which("shellcheck")
-
-
-@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (Debian package: shellcheck)")
-def test_script_is_shellcheck_clean() -> None:
-    assert SHELLCHECK is not None
-    proc = subprocess.run(
-        [SHELLCHECK, "--severity=style", str(SCRIPT)],
-        check=False, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")

@@ -121,10 +121,12 @@ def test_install_script_rejects_bad_arguments_in_one_line(tmp_path: Path) -> Non
 
 
 @needs_shellcheck
-def test_install_script_is_shellcheck_clean() -> None:
+@pytest.mark.parametrize("script", [INSTALL_SH, REPO / "scripts" / "build-passthrough.sh"],
+                         ids=["install_cachefs", "build-passthrough"])
+def test_shell_scripts_are_shellcheck_clean(script: Path) -> None:
     assert SHELLCHECK is not None
     proc = subprocess.run(
-        [SHELLCHECK, "--severity=style", str(INSTALL_SH)],
+        [SHELLCHECK, "--severity=style", str(script)],
         check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
