@@ -180,7 +180,7 @@ def build_loader(kind: str, root: Path, files: list[list[Any]], epoch: int, args
     shards = Shards()
     if args.hint:
         # the shard order of this epoch (workers take every n-th shard of it)
-        from cachefs.client import send_hint
+        from cachefs.control.client import send_hint
 
         try:
             send_hint(shards.order)

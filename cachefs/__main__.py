@@ -1,6 +1,6 @@
 """``python -m cachefs`` runs the command line."""
 
-from cachefs.cli import main
+from cachefs.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -35,11 +35,13 @@ from typing import Any
 import pyfuse3
 import trio
 
-from cachefs import metrics, runtime
-from cachefs.blockcache import BlockCache
-from cachefs.budget import MemoryBudget
+from cachefs import metrics
+from cachefs.cache.blocks import BlockCache
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.metadata import Metadata
 from cachefs.config import MountConfig, format_size
-from cachefs.control import ControlServer
+from cachefs.control import registry
+from cachefs.control.server import ControlServer
 from cachefs.errors import (
     CacheError,
     CachefsError,
@@ -48,13 +50,12 @@ from cachefs.errors import (
     EndpointUnreachable,
     StoreError,
 )
-from cachefs.fetcher import Fetcher
 from cachefs.fs import FileSystem
 from cachefs.fuse_ops import Operations
-from cachefs.lmdbenv import LmdbEnv
-from cachefs.metadata import Metadata
 from cachefs.passthrough import Passthrough
-from cachefs.store import RetryingStore, S3Store
+from cachefs.read.budget import MemoryBudget
+from cachefs.read.fetcher import Fetcher
+from cachefs.s3.store import RetryingStore, S3Store
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def set_kernel_readahead(mountpoint: Path, read_ahead: int) -> None:
     # The device number comes from mountinfo: stat() on the mount point would send a
     # FUSE request before the request loop runs, and wait for ever.
     try:
-        dev = runtime.mount_device(mountpoint)
+        dev = registry.mount_device(mountpoint)
         if dev is None:
             log.info("could not find %s in mountinfo to set its readahead", mountpoint)
             return
@@ -265,11 +266,11 @@ class Daemon:
             trio.run(self._serve, fs, fetcher, cache, env, on_ready)
             unmounted = True
         finally:
-            runtime.unregister(cfg.mountpoint)
+            registry.unregister(cfg.mountpoint)
             sd_notify("STOPPING=1")
             try:
                 pyfuse3.close(
-                    unmount=not unmounted or str(cfg.mountpoint) in runtime.cachefs_mounts())
+                    unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
             except Exception:  # the mount may already be gone
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
@@ -283,7 +284,7 @@ class Daemon:
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals)
             await nursery.start(fs.read_order.run)
-            await nursery.start(ControlServer(fs, runtime.control_socket(cfg.mountpoint),
+            await nursery.start(ControlServer(fs, registry.control_socket(cfg.mountpoint),
                                               allow_other=cfg.allow_other).serve)
             async with trio.open_nursery() as fuse_nursery:
                 fuse_nursery.start_soon(pyfuse3.main)
@@ -305,7 +306,7 @@ class Daemon:
 
     def _publish_status(self) -> None:
         cfg = self.cfg
-        runtime.register(cfg.mountpoint, {
+        registry.register(cfg.mountpoint, {
             "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
             "source": str(cfg.source), "cache_dir": str(cfg.cache_dir),
             "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,

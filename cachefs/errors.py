@@ -4,7 +4,7 @@
 
     CachefsError                  base of everything cachefs raises on purpose
     +-- ConfigError               bad user input: URL, flag, config file, size...
-    +-- StoreError                the object store failed (raised by cachefs.store)
+    +-- StoreError                the object store failed (raised by cachefs.s3.store)
     |   +-- NoSuchBucket
     |   +-- NoSuchKey
     |   +-- ObjectChanged         If-Match failed: the object is not the version we pinned

@@ -24,12 +24,12 @@ import itertools
 import logging
 from collections.abc import Iterator
 
+from cachefs.cache.metadata import Entry, Metadata
 from cachefs.errors import ObjectChanged
-from cachefs.fetcher import Fetcher, ObjectVersion
-from cachefs.metadata import Entry, Metadata
 from cachefs.passthrough import Passthrough
-from cachefs.prefetch import ReadStream
-from cachefs.readorder import DirectoryLookahead, ReadOrder
+from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.hints import DirectoryLookahead, ReadOrder
+from cachefs.read.sequential import ReadStream
 
 log = logging.getLogger(__name__)
 

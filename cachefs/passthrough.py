@@ -46,8 +46,8 @@ import pyfuse3
 import trio
 
 from cachefs import metrics
-from cachefs.blockcache import BlockCache
-from cachefs.fetcher import Fetcher, ObjectVersion
+from cachefs.cache.blocks import BlockCache
+from cachefs.read.fetcher import Fetcher, ObjectVersion
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from cachefs.client import send_hint
+from cachefs.control.client import send_hint
 from cachefs.errors import CachefsError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Unit tests of cachefs.blockcache: verified reads, admission policies, persistence, orphans."""
+"""Unit tests of cachefs.cache.blocks: verified reads, admission policies, persistence, orphans."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from cachefs import metrics
-from cachefs.blockcache import BlockCache, block_id, object_id, split_block_id
-from cachefs.lmdbenv import LmdbEnv
+from cachefs.cache.blocks import BlockCache, block_id, object_id, split_block_id
+from cachefs.cache.lmdbenv import LmdbEnv
 
 BLOCK = 4096
 
@@ -312,7 +312,7 @@ def test_disk_full_returns_false_and_frees_the_block(make_cache, monkeypatch: py
         real_pwrite(fd, bytes(buf)[:100], offset)  # a torn write, then the disk is full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("cachefs.blockcache.os.pwrite", no_space)
+    monkeypatch.setattr("cachefs.cache.blocks.os.pwrite", no_space)
     assert c.put(bid(1), data(1)) is False
     assert not c.cache.contains(bid(1)) and not c.stored(bid(1)).strip(b"\0")
     assert c.get(bid(0)) == data(0)

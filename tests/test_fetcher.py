@@ -1,4 +1,4 @@
-"""Component tests of cachefs.fetcher over MemoryStore + BlockCache + MemoryBudget (no FUSE)."""
+"""Component tests of cachefs.read.fetcher over MemoryStore + BlockCache + MemoryBudget (no FUSE)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefs.blockcache import BlockCache
-from cachefs.budget import MemoryBudget
+from cachefs.cache.blocks import BlockCache
+from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import AccessDenied, NoSuchKey, ObjectChanged, TransientStoreError
-from cachefs.fetcher import Fetcher, ObjectVersion
-from cachefs.lmdbenv import LmdbEnv
-from cachefs.store import MemoryStore, ObjectStore, RetryingStore, RetryPolicy
+from cachefs.read.budget import MemoryBudget
+from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.s3.store import MemoryStore, ObjectStore, RetryingStore, RetryPolicy
 
 BS = 64  # tiny blocks: many block boundaries with little data
 

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import trio
 
-from cachefs.blockcache import BlockCache
-from cachefs.budget import MemoryBudget
+from cachefs.cache.blocks import BlockCache
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.metadata import Metadata
 from cachefs.errors import NoSuchBucket, ObjectChanged
-from cachefs.fetcher import Fetcher
 from cachefs.fs import ROOT_INODE, FileSystem, FsError
-from cachefs.lmdbenv import LmdbEnv
-from cachefs.metadata import Metadata
-from cachefs.store import MemoryStore
+from cachefs.read.budget import MemoryBudget
+from cachefs.read.fetcher import Fetcher
+from cachefs.s3.store import MemoryStore
 
 BS = 64
 

@@ -1,13 +1,13 @@
-"""Unit tests of cachefs.readorder.DirectoryLookahead: which opens start prefetch, and how much."""
+"""Unit tests of cachefs.read.hints.DirectoryLookahead: which opens start prefetch, and how much."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
 
-from cachefs.fetcher import ObjectVersion
-from cachefs.metadata import Entry
-from cachefs.readorder import DirectoryLookahead
+from cachefs.cache.metadata import Entry
+from cachefs.read.fetcher import ObjectVersion
+from cachefs.read.hints import DirectoryLookahead
 
 NAMES = [f"img{i:05d}.jpg".encode() for i in range(2000)]
 DIR = "train/c000/"

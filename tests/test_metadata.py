@@ -1,4 +1,4 @@
-"""Unit tests of cachefs.metadata: listing rules, LMDB persistence, TTL, single flight."""
+"""Unit tests of cachefs.cache.metadata: listing rules, LMDB persistence, TTL, single flight."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
 from cachefs.errors import AccessDenied, NoSuchBucket, TransientStoreError
-from cachefs.lmdbenv import LmdbEnv
-from cachefs.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
-from cachefs.store import MemoryStore, ObjectInfo
+from cachefs.s3.store import MemoryStore, ObjectInfo
 
 
 def obj(key: str, size: int = 1, etag: str = "e", mtime: float = 1.0) -> ObjectInfo:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cachefs import mount_helper
+from cachefs.cli import mount_helper
+from cachefs.cli.mount_helper import fstab_options_to_argv, main
 from cachefs.errors import ConfigError
-from cachefs.mount_helper import fstab_options_to_argv, main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ def test_helper_knows_the_contract_options() -> None:
 
 
 def test_translated_options_parse_with_the_cachefs_cli() -> None:
-    cli = pytest.importorskip("cachefs.cli", reason="cachefs.cli not written yet")
+    cli = pytest.importorskip("cachefs.cli.main", reason="cachefs.cli.main not written yet")
     values = sorted(mount_helper.VALUE_OPTIONS)
     flags = sorted(mount_helper.FLAG_OPTIONS)
     options = ",".join([f"{name}=v-{name}" for name in values] + flags + ["_netdev", "rw"])
@@ -149,7 +149,7 @@ def test_main_reports_exec_failure_in_one_line(
 
 def run_helper(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachefs.mount_helper", *args],
+        [sys.executable, "-m", "cachefs.cli.mount_helper", *args],
         check=False, capture_output=True, text=True, timeout=30, cwd=REPO)
 
 

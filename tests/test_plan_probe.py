@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from cachefs.plan import Inputs, hit_ratio, plan
+from cachefs.cli.plan import Inputs, hit_ratio, plan
 from tests.conftest import run_cachefs
 
 

@@ -1,11 +1,11 @@
-"""Unit tests of cachefs.prefetch.ReadStream (pure logic: which blocks to fetch ahead)."""
+"""Unit tests of cachefs.read.sequential.ReadStream (pure logic: which blocks to fetch ahead)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.prefetch import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, ReadStream
+from cachefs.read.sequential import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, ReadStream
 
 MiB = 1 << 20
 BS = MiB

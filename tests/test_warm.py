@@ -77,7 +77,7 @@ def test_warm_rejects_paths_outside_the_mount(bucket, mount_factory, tmp_path):
 
 
 def test_read_order_hint_prefetches_the_hinted_files(bucket, mount_factory):
-    from cachefs.client import send_hint
+    from cachefs.control.client import send_hint
 
     client, name = bucket
     files = _populate(client, name)

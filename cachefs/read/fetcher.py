@@ -4,7 +4,7 @@
 Each block it needs comes from, in order:
 
 1. the hot set: recently used, already verified blocks in memory (bounded);
-2. the disk cache (verified on every read, see :mod:`cachefs.blockcache`);
+2. the disk cache (verified on every read, see :mod:`cachefs.cache.blocks`);
 3. S3.
 
 2+3 run as one *load* per block (a ``_Flight``), shared by every reader and
@@ -16,7 +16,7 @@ Tasks and ownership:
 
 * Loads run in the fetcher's own nursery (:meth:`Fetcher.run`), not in the
   reader's task, so an interrupted reader does not abort a GET others wait on.
-  A flight holds a :class:`~cachefs.budget.MemoryBudget` reservation until its
+  A flight holds a :class:`~cachefs.read.budget.MemoryBudget` reservation until its
   block has been written to the disk cache.
 * S3 calls run in worker threads under ``s3_limiter`` (bounded connections).
   Prefetch flights additionally take ``prefetch_limiter`` (a share of the
@@ -37,10 +37,10 @@ from collections import OrderedDict
 import trio
 
 from cachefs import metrics
-from cachefs.blockcache import BlockCache, block_id, block_id_at, object_id
-from cachefs.budget import MemoryBudget
+from cachefs.cache.blocks import BlockCache, block_id, block_id_at, object_id
 from cachefs.errors import TransientStoreError
-from cachefs.store import ObjectStore
+from cachefs.read.budget import MemoryBudget
+from cachefs.s3.store import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``cachefs status``: what every cachefs mount on this node is doing.
 
 Daemons publish a snapshot of their counters into the runtime registry
-(:mod:`cachefs.runtime`) every few seconds; this command reads those files,
+(:mod:`cachefs.control.registry`) every few seconds; this command reads those files,
 so it needs no network access and works for mounts without a metrics port.
 """
 
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachefs import runtime
 from cachefs.config import format_size
+from cachefs.control import registry
 
 
 def _duration(seconds: float) -> str:
@@ -60,8 +60,8 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
 
 
 def status_main(mountpoint: str | None, *, as_json: bool) -> int:
-    mounted = runtime.cachefs_mounts()
-    infos = [i for i in runtime.all_mounts() if i.get("mountpoint") in mounted]
+    mounted = registry.cachefs_mounts()
+    infos = [i for i in registry.all_mounts() if i.get("mountpoint") in mounted]
     if mountpoint is not None:
         want = str(Path(mountpoint).absolute())
         infos = [i for i in infos if i.get("mountpoint") == want]

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachefs.client import find_mount, relative_paths, request
 from cachefs.config import format_size
+from cachefs.control.client import find_mount, relative_paths, request
 from cachefs.errors import CachefsError, ConfigError
 
 

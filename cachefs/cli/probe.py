@@ -18,7 +18,7 @@ from typing import Any
 
 from cachefs.config import parse_s3_url
 from cachefs.errors import ConfigError, StoreError
-from cachefs.store import ObjectInfo, S3Store
+from cachefs.s3.store import ObjectInfo, S3Store
 
 PART = 8 << 20
 

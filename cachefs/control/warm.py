@@ -22,8 +22,8 @@ import trio
 
 from cachefs import metrics
 from cachefs.errors import CachefsError
-from cachefs.fetcher import ObjectVersion
 from cachefs.fs import FileSystem
+from cachefs.read.fetcher import ObjectVersion
 
 log = logging.getLogger(__name__)
 

@@ -215,7 +215,7 @@ def _read_line(fd: int, timeout: float) -> str:
 
 
 def cmd_unmount(args: argparse.Namespace) -> int:
-    from cachefs import runtime
+    from cachefs.control import registry
 
     if args.mountpoint:
         mp = Path(args.mountpoint).absolute()
@@ -226,12 +226,12 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         mp = Path(str(values["mountpoint"])).absolute()
     else:
         raise ConfigError("give the mount point (or --config FILE)")
-    mounted = runtime.cachefs_mounts()
+    mounted = registry.cachefs_mounts()
     if str(mp) not in mounted:
         if args.quiet:
             return 0
         raise ConfigError(f"{mp} is not a cachefs mount")
-    info = runtime.lookup(mp)
+    info = registry.lookup(mp)
     cmd = ["fusermount3", "-u", *(["-z"] if args.lazy else []), str(mp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -244,7 +244,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
 
 
 def _wait_for_exit(pid: int, timeout: float) -> None:
-    from cachefs.runtime import pid_alive
+    from cachefs.control.registry import pid_alive
 
     deadline = time.monotonic() + timeout
     while pid_alive(pid) and time.monotonic() < deadline:
@@ -256,14 +256,14 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from cachefs.warm_cli import warm_main
+    from cachefs.cli.warm import warm_main
 
     return warm_main(args.mountpoint, args.paths, manifest=args.manifest,
                      parallel=args.parallel, check=args.check)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cachefs.status import status_main
+    from cachefs.cli.status import status_main
 
     return status_main(args.mountpoint, as_json=args.json)
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("s3://") and "-o" in argv:
         # mount.fuse3 runs "cachefs SOURCE MOUNTPOINT -o OPTIONS" for fstab type fuse.cachefs.
-        from cachefs.mount_helper import main as mount_helper_main
+        from cachefs.cli.mount_helper import main as mount_helper_main
 
         return int(mount_helper_main(argv) or 0)
     parser = build_parser()
@@ -291,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "warm":
             return cmd_warm(args)
         if args.command == "probe":
-            from cachefs.probe import probe_main
+            from cachefs.cli.probe import probe_main
 
             return probe_main(args)
         if args.command == "plan":
-            from cachefs.plan import plan_main
+            from cachefs.cli.plan import plan_main
 
             return plan_main(args)
     except CachefsError as exc:

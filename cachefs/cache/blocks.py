@@ -4,7 +4,7 @@ Layout of the cache directory::
 
     DIR/objects/ab/ab12...ef     one sparse file per object version, named by its
                                  object id (hex); block i lives at its own offset
-    DIR/meta.lmdb/               the index (see cachefs.lmdbenv)
+    DIR/meta.lmdb/               the index (see cachefs.cache.lmdbenv)
 
 An object version's id is ``xxh3_128(bucket, key, etag, block_size)``; a
 block's id is that object id followed by the block's byte offset (8 bytes,
@@ -63,8 +63,8 @@ import trio
 import xxhash
 
 from cachefs import metrics
+from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import CacheError
-from cachefs.lmdbenv import LmdbEnv
 
 log = logging.getLogger(__name__)
 

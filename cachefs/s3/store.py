@@ -1,8 +1,8 @@
 """Object stores: the one interface cachefs reads S3 through.
 
 :class:`ObjectStore` is a *blocking* protocol: implementations are called from
-worker threads (never from the trio thread; see :mod:`cachefs.fetcher` and
-:mod:`cachefs.metadata`). Every method raises only :mod:`cachefs.errors`
+worker threads (never from the trio thread; see :mod:`cachefs.read.fetcher` and
+:mod:`cachefs.cache.metadata`). Every method raises only :mod:`cachefs.errors`
 types; boto3/botocore stays inside this module.
 
 Implementations:
@@ -145,8 +145,8 @@ class S3Store:
             region_name=region or session.region_name or "us-east-1",
             config=botocore.config.Config(**cfg_args),
         )
-        # GETs take the lean data path (see cachefs.s3http for why and the numbers).
-        from cachefs.s3http import RangeClient
+        # GETs take the lean data path (see cachefs.s3.ranges for why and the numbers).
+        from cachefs.s3.ranges import RangeClient
 
         self._ranges = RangeClient(
             bucket, endpoint_url=self._client.meta.endpoint_url,

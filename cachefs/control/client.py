@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cachefs import runtime
+from cachefs.control import registry
 from cachefs.errors import CachefsError
 
 
@@ -24,13 +24,13 @@ def find_mount(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """The (mountpoint, control socket) of the live cachefs mount holding ``path``."""
     target = Path(os.path.abspath(path))
     best: Path | None = None
-    for mp in runtime.cachefs_mounts():
+    for mp in registry.cachefs_mounts():
         m = Path(mp)
         if (target == m or m in target.parents) and (best is None or len(str(m)) > len(str(best))):
             best = m
     if best is None:
         raise NotACachefsPath(f"{target} is not inside a cachefs mount")
-    sock = runtime.control_socket(best)
+    sock = registry.control_socket(best)
     if not sock.exists():
         raise NotACachefsPath(f"the cachefs daemon of {best} has no control socket (is it "
                               "running on this node?)")

@@ -10,7 +10,7 @@ never pays for readahead beyond ``initial_window`` at offset 0 (whole-file
 readers such as DataLoader workers start there).
 
 Pure logic, no I/O: :meth:`ReadStream.on_read` returns the block indices to
-prefetch; the caller hands them to :meth:`cachefs.fetcher.Fetcher.prefetch`,
+prefetch; the caller hands them to :meth:`cachefs.read.fetcher.Fetcher.prefetch`,
 which skips resident blocks and respects the memory budget.
 """
 

@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import trio
 
+from cachefs.cache.metadata import Entry
 from cachefs.errors import StoreError
-from cachefs.fetcher import Fetcher, ObjectVersion
-from cachefs.metadata import Entry
+from cachefs.read.fetcher import Fetcher, ObjectVersion
 
 log = logging.getLogger(__name__)
 

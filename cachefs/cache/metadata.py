@@ -34,8 +34,8 @@ import trio
 import xxhash
 
 from cachefs import metrics
-from cachefs.lmdbenv import LmdbEnv
-from cachefs.store import ObjectInfo, ObjectStore, list_dir
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 
 log = logging.getLogger(__name__)
 

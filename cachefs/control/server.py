@@ -1,7 +1,7 @@
 """The daemon's control socket: warm, read-order hints and status for local clients.
 
 Protocol: a client connects to the AF_UNIX stream socket
-(``runtime.control_socket(mountpoint)``), sends one JSON object on one line,
+(``registry.control_socket(mountpoint)``), sends one JSON object on one line,
 and reads JSON lines until the server closes the connection. Requests:
 
 * ``{"op": "status"}`` -> ``{"event": "status", ...}``
@@ -93,7 +93,7 @@ class ControlServer:
             accepted = self.fs.read_order.set_order(keys)
             await _send(stream, {"event": "ok", "accepted": accepted})
         elif op == "warm":
-            from cachefs.warm import WarmProgress, warm
+            from cachefs.control.warm import WarmProgress, warm
 
             paths = request.get("paths") or [""]
             if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
