@@ -42,6 +42,7 @@ from cachefs.cache.metadata import Metadata
 from cachefs.config import MountConfig, format_size
 from cachefs.control import registry
 from cachefs.control.server import ControlServer
+from cachefs.control.warm import Warmer
 from cachefs.errors import (
     CacheError,
     CachefsError,
@@ -55,7 +56,10 @@ from cachefs.fuse_ops import Operations
 from cachefs.passthrough import Passthrough
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher
-from cachefs.s3.store import RetryingStore, S3Store
+from cachefs.read.hints import ReadOrder, metadata_resolver
+from cachefs.read.lookahead import DirectoryLookahead
+from cachefs.s3.boto import S3Store
+from cachefs.s3.retry import RetryingStore
 
 log = logging.getLogger(__name__)
 
@@ -243,15 +247,26 @@ class Daemon:
         if cfg.passthrough == "auto" and not passthrough.enabled:
             log.info("FUSE passthrough unavailable (this pyfuse3 build lacks it): "
                      "cachefs serves reads itself")
+        max_readahead = max(cfg.block_size * 2, budget.limit // 8)
+        # Files that will be read next: the sampler's order (hints) and directory walks.
+        read_order = ReadOrder(fetcher, metadata_resolver(metadata),
+                               lookahead_bytes=max_readahead * 4)
+        lookahead = DirectoryLookahead(fetcher, metadata.iter_entries,
+                                       prefetch_cached=lambda: not passthrough.enabled)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
-                        max_readahead=max(cfg.block_size * 2, budget.limit // 8),
-                        passthrough=passthrough)
+                        max_readahead=max_readahead, read_order=read_order,
+                        lookahead=lookahead, backing=passthrough)
+        warmer = Warmer(metadata, fetcher, root_prefix=cfg.source.prefix)
+        control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
+                                warmer=warmer, root_prefix=cfg.source.prefix,
+                                allow_other=cfg.allow_other)
         ops = Operations(
             fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
             gid=os.getgid() if cfg.gid is None else cfg.gid,
             file_mode=cfg.file_mode, dir_mode=cfg.dir_mode,
             attr_timeout=min(cfg.metadata_ttl, 86400.0),
-            statfs_bytes=lambda: (cache.capacity, cache.used))
+            statfs_bytes=lambda: (cache.capacity, cache.used),
+            enable_passthrough=passthrough.enabled)
 
         options = set(pyfuse3.default_options)
         options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}
@@ -263,7 +278,8 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            trio.run(self._serve, fs, fetcher, cache, env, on_ready)
+            trio.run(self._serve, fetcher, read_order, control, passthrough, cache, env,
+                     on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -275,7 +291,8 @@ class Daemon:
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, fs: FileSystem, fetcher: Fetcher, cache: BlockCache, env: LmdbEnv,
+    async def _serve(self, fetcher: Fetcher, read_order: ReadOrder, control: ControlServer,
+                     passthrough: Passthrough, cache: BlockCache, env: LmdbEnv,
                      on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
@@ -283,9 +300,8 @@ class Daemon:
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals)
-            await nursery.start(fs.read_order.run)
-            await nursery.start(ControlServer(fs, registry.control_socket(cfg.mountpoint),
-                                              allow_other=cfg.allow_other).serve)
+            await nursery.start(read_order.run)
+            await nursery.start(control.serve)
             async with trio.open_nursery() as fuse_nursery:
                 fuse_nursery.start_soon(pyfuse3.main)
                 # The kernel applies the file system's INIT reply to the mount's readahead,
@@ -298,7 +314,7 @@ class Daemon:
                 sd_notify("READY=1")
                 log.info("mounted %s at %s (cache %s, %s policy, passthrough %s)", cfg.source,
                          cfg.mountpoint, cfg.cache_dir, cfg.cache_policy,
-                         "on" if fs.passthrough and fs.passthrough.enabled else "off")
+                         "on" if passthrough.enabled else "off")
             log.info("unmounted; finishing cache writes")
             with trio.move_on_after(DRAIN_TIMEOUT):
                 await fetcher.drain()

@@ -23,17 +23,34 @@ import errno
 import itertools
 import logging
 from collections.abc import Iterator
+from typing import Protocol
 
 from cachefs.cache.metadata import Entry, Metadata
 from cachefs.errors import ObjectChanged
-from cachefs.passthrough import Passthrough
 from cachefs.read.fetcher import Fetcher, ObjectVersion
-from cachefs.read.hints import DirectoryLookahead, ReadOrder
+from cachefs.read.hints import ReadOrder
+from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.sequential import ReadStream
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
+
+
+class BackingFiles(Protocol):
+    """Hands fully cached objects' files to the kernel (FUSE passthrough).
+
+    Implemented by :class:`cachefs.passthrough.Passthrough`; the file system
+    only needs these two calls, so it stays free of pyfuse3.
+    """
+
+    async def open(self, ino: int, obj: ObjectVersion) -> int:
+        """A backing id for a new handle of ``ino`` (the kernel reads the file), or 0."""
+        ...
+
+    def release(self, ino: int, backing_id: int) -> None:
+        """The handle opened with answer ``backing_id`` is closed."""
+        ...
 
 
 class FsError(Exception):
@@ -82,10 +99,11 @@ class DirHandle:
 
 class FileSystem:
     def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str,
-                 max_readahead: int, passthrough: Passthrough | None = None) -> None:
+                 max_readahead: int, read_order: ReadOrder, lookahead: DirectoryLookahead,
+                 backing: BackingFiles | None = None) -> None:
         self.metadata = metadata
         self.fetcher = fetcher
-        self.passthrough = passthrough
+        self.backing = backing
         self.root_prefix = root_prefix
         self.max_readahead = max_readahead
         root = Node(ROOT_INODE, True, root_prefix, "", b"", lookups=1)
@@ -95,23 +113,8 @@ class FileSystem:
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
         # Files that will be read next: the sampler's order (hints) and directory walks.
-        self.read_order = ReadOrder(fetcher, self.resolve_key, lookahead_bytes=max_readahead * 4)
-        self.lookahead = DirectoryLookahead(fetcher, self.metadata.iter_entries)
-        self.lookahead.prefetch_cached = lambda: passthrough is None or not passthrough.enabled
-
-    async def resolve_key(self, key: str) -> ObjectVersion | None:
-        """The current version of the object ``key`` (listing its directory if needed),
-        or None when it is not a visible file under this mount."""
-        if not key.startswith(self.root_prefix):
-            return None
-        parent = key[:key.rfind("/") + 1]
-        if len(parent) < len(self.root_prefix):
-            return None
-        await self.metadata.ensure(parent)
-        entry = self.metadata.get(parent, key[len(parent):].encode())
-        if entry is None or entry.is_dir:
-            return None
-        return ObjectVersion(key, entry.etag, entry.size)
+        self.read_order = read_order
+        self.lookahead = lookahead
 
     # -- inodes ---------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -257,7 +260,7 @@ class FileSystem:
         node.last_open_etag = node.etag
         self.read_order.on_open(node.path)
         self.lookahead.on_open(node.parent_prefix, node.name, reader)
-        backing_id = await self.passthrough.open(ino, obj) if self.passthrough else 0
+        backing_id = await self.backing.open(ino, obj) if self.backing else 0
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(
             fh, node, obj,
@@ -290,8 +293,8 @@ class FileSystem:
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
-        if isinstance(handle, FileHandle) and self.passthrough is not None:
-            self.passthrough.release(handle.node.ino, handle.backing_id)
+        if isinstance(handle, FileHandle) and self.backing is not None:
+            self.backing.release(handle.node.ino, handle.backing_id)
 
     @property
     def open_handles(self) -> int:

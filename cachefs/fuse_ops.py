@@ -104,11 +104,12 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     enable_acl = False
 
     def __init__(self, fs: FileSystem, *, uid: int, gid: int, file_mode: int, dir_mode: int,
-                 attr_timeout: float, statfs_bytes: Callable[[], tuple[int, int]]) -> None:
+                 attr_timeout: float, statfs_bytes: Callable[[], tuple[int, int]],
+                 enable_passthrough: bool = False) -> None:
         super().__init__()
         self.fs = fs
         # Read by the passthrough build of pyfuse3 at FUSE INIT (see third_party/).
-        self.enable_passthrough = fs.passthrough is not None and fs.passthrough.enabled
+        self.enable_passthrough = enable_passthrough
         self.uid = uid
         self.gid = gid
         self.file_mode = file_mode

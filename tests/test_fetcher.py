@@ -20,7 +20,9 @@ from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import AccessDenied, NoSuchKey, ObjectChanged, TransientStoreError
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
-from cachefs.s3.store import MemoryStore, ObjectStore, RetryingStore, RetryPolicy
+from cachefs.s3.memory import MemoryStore
+from cachefs.s3.retry import RetryingStore, RetryPolicy
+from cachefs.s3.store import ObjectStore
 
 BS = 64  # tiny blocks: many block boundaries with little data
 

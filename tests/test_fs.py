@@ -17,7 +17,9 @@ from cachefs.errors import NoSuchBucket, ObjectChanged
 from cachefs.fs import ROOT_INODE, FileSystem, FsError
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher
-from cachefs.s3.store import MemoryStore
+from cachefs.read.hints import ReadOrder, metadata_resolver
+from cachefs.read.lookahead import DirectoryLookahead
+from cachefs.s3.memory import MemoryStore
 
 BS = 64
 
@@ -48,7 +50,10 @@ class World:
             fetcher = Fetcher(self.store, cache, block_size=BS, budget=MemoryBudget(1 << 20),
                               s3_limiter=limiter, hot_capacity=1 << 16)
             metadata = Metadata(self.env, self.store, ttl=ttl, limiter=limiter, clock=self.clock)
-            fs = FileSystem(metadata, fetcher, root_prefix=self.root_prefix, max_readahead=4 * BS)
+            fs = FileSystem(metadata, fetcher, root_prefix=self.root_prefix, max_readahead=4 * BS,
+                            read_order=ReadOrder(fetcher, metadata_resolver(metadata),
+                                                 lookahead_bytes=16 * BS),
+                            lookahead=DirectoryLookahead(fetcher, metadata.iter_entries))
             async with trio.open_nursery() as nursery:
                 await nursery.start(fetcher.run)
                 try:

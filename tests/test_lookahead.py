@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
-from cachefs.read.hints import DirectoryLookahead
+from cachefs.read.lookahead import DirectoryLookahead
 
 NAMES = [f"img{i:05d}.jpg".encode() for i in range(2000)]
 DIR = "train/c000/"

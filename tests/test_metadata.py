@@ -14,7 +14,8 @@ import trio
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
 from cachefs.errors import AccessDenied, NoSuchBucket, TransientStoreError
-from cachefs.s3.store import MemoryStore, ObjectInfo
+from cachefs.s3.memory import MemoryStore
+from cachefs.s3.store import ObjectInfo
 
 
 def obj(key: str, size: int = 1, etag: str = "e", mtime: float = 1.0) -> ObjectInfo:

@@ -218,6 +218,14 @@ class Metadata:
             cur.putmulti(((pb + e.name, _pack_entry(e)) for e in entries), append=False)
             txn.put(pb, _DIR.pack(self._clock(), len(entries)), db=self._dirs)
 
+    async def find_file(self, key: str) -> Entry | None:
+        """The entry of the object ``key`` (its directory listed if needed), or None when
+        no file of that name is listed. Raises StoreError when listing fails."""
+        parent = key[:key.rfind("/") + 1]
+        await self.ensure(parent)
+        entry = self.get(parent, key[len(parent):].encode())
+        return None if entry is None or entry.is_dir else entry
+
     # -- queries (trio thread; no S3) ------------------------------------------
     def get(self, prefix: str, name: bytes) -> Entry | None:
         with self._env.read() as txn:

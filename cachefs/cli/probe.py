@@ -18,7 +18,8 @@ from typing import Any
 
 from cachefs.config import parse_s3_url
 from cachefs.errors import ConfigError, StoreError
-from cachefs.s3.store import ObjectInfo, S3Store
+from cachefs.s3.boto import S3Store
+from cachefs.s3.store import ObjectInfo
 
 PART = 8 << 20
 

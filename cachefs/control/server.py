@@ -26,7 +26,9 @@ from typing import Any
 
 import trio
 
-from cachefs.fs import FileSystem
+from cachefs import metrics
+from cachefs.control.warm import Warmer, WarmProgress
+from cachefs.read.hints import ReadOrder
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +36,15 @@ MAX_REQUEST = 512 << 20
 
 
 class ControlServer:
-    def __init__(self, fs: FileSystem, path: Path, *, allow_other: bool) -> None:
-        self.fs = fs
+    """Serves the control socket at ``path``; hints go to ``read_order``, warm requests to
+    ``warmer``. Paths in requests are relative to ``root_prefix`` (the mount's prefix)."""
+
+    def __init__(self, path: Path, *, read_order: ReadOrder, warmer: Warmer, root_prefix: str,
+                 allow_other: bool) -> None:
         self.path = path
+        self.read_order = read_order
+        self.warmer = warmer
+        self.root_prefix = root_prefix
         self.allow_other = allow_other
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -80,21 +88,17 @@ class ControlServer:
     async def _dispatch(self, request: dict[str, Any], stream: trio.SocketStream) -> None:
         op = request.get("op")
         if op == "status":
-            from cachefs import metrics
-
             await _send(stream, {"event": "status", "stats": metrics.totals(),
-                                 "hint_pending": self.fs.read_order.pending})
+                                 "hint_pending": self.read_order.pending})
         elif op == "hint":
             paths = request.get("paths")
             if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
                 raise ValueError("hint needs 'paths': a list of strings")
-            root = self.fs.root_prefix
+            root = self.root_prefix
             keys = [root + p.strip("/") for p in paths]
-            accepted = self.fs.read_order.set_order(keys)
+            accepted = self.read_order.set_order(keys)
             await _send(stream, {"event": "ok", "accepted": accepted})
         elif op == "warm":
-            from cachefs.control.warm import WarmProgress, warm
-
             paths = request.get("paths") or [""]
             if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
                 raise ValueError("warm needs 'paths': a list of strings")
@@ -105,8 +109,8 @@ class ControlServer:
             async def report(progress: WarmProgress) -> None:
                 await _send(stream, {"event": "progress", **progress.as_dict()})
 
-            result = await warm(self.fs, paths, parallel=parallel,
-                                check=bool(request.get("check")), on_progress=report)
+            result = await self.warmer.warm(paths, parallel=parallel,
+                                            check=bool(request.get("check")), on_progress=report)
             await _send(stream, {"event": "done", **result.as_dict()})
         else:
             raise ValueError(f"unknown op {op!r}")

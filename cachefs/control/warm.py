@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from cachefs import metrics
+from cachefs.cache.metadata import Metadata
 from cachefs.errors import CachefsError
-from cachefs.fs import FileSystem
-from cachefs.read.fetcher import ObjectVersion
+from cachefs.read.fetcher import Fetcher, ObjectVersion
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +45,32 @@ class WarmProgress:
         return d
 
 
-async def _walk(fs: FileSystem, rel_paths: Sequence[str], send: trio.MemorySendChannel[
-        tuple[str, ObjectVersion | None]], progress: WarmProgress) -> None:
+async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
+                send: trio.MemorySendChannel[tuple[str, ObjectVersion | None]],
+                progress: WarmProgress) -> None:
     """Send (path, object) for every file under the requested paths; (path, None) for a
     path that does not exist."""
-    root = fs.root_prefix
     async with send:
         for rel in rel_paths:
             rel = rel.strip("/")
             key = root + rel
-            obj = await fs.resolve_key(key) if rel else None
-            if obj is not None:
+            entry = await metadata.find_file(key) if rel else None
+            if entry is not None:
                 progress.objects_total += 1
-                progress.bytes_total += obj.size
-                await send.send((rel, obj))
+                progress.bytes_total += entry.size
+                await send.send((rel, ObjectVersion(key, entry.etag, entry.size)))
                 continue
             prefix = key + "/" if rel else root
-            await fs.metadata.ensure(prefix)
-            if rel and fs.metadata.count(prefix) == 0:
+            await metadata.ensure(prefix)
+            if rel and metadata.count(prefix) == 0:
                 await send.send((rel, None))
                 continue
             stack = [prefix]
             while stack:
                 d = stack.pop()
-                await fs.metadata.ensure(d)
+                await metadata.ensure(d)
                 subdirs = []
-                for entry in fs.metadata.iter_entries(d):
+                for entry in metadata.iter_entries(d):
                     name = entry.name.decode()
                     if entry.is_dir:
                         subdirs.append(d + name + "/")
@@ -83,14 +83,29 @@ async def _walk(fs: FileSystem, rel_paths: Sequence[str], send: trio.MemorySendC
     progress.listing_done = True
 
 
-async def warm(fs: FileSystem, rel_paths: Sequence[str], *, parallel: int = 16,
-               check: bool = False,
-               on_progress: Callable[[WarmProgress], Awaitable[None]] | None = None,
-               interval: float = 0.5) -> WarmProgress:
-    """Warm (or with ``check``, inspect) every file under ``rel_paths`` (relative to the
-    mount root; "" is everything). Returns the final progress."""
+class Warmer:
+    """Warm jobs of one mount: objects listed by ``metadata``, loaded by ``fetcher``."""
+
+    def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str) -> None:
+        self.metadata = metadata
+        self.fetcher = fetcher
+        self.root_prefix = root_prefix
+
+    async def warm(self, rel_paths: Sequence[str], *, parallel: int = 16, check: bool = False,
+                   on_progress: Callable[[WarmProgress], Awaitable[None]] | None = None,
+                   interval: float = 0.5) -> WarmProgress:
+        """Warm (or with ``check``, inspect) every file under ``rel_paths`` (relative to
+        the mount root; "" is everything). Returns the final progress."""
+        return await _warm(self.metadata, self.fetcher, self.root_prefix, rel_paths,
+                           parallel=parallel, check=check, on_progress=on_progress,
+                           interval=interval)
+
+
+async def _warm(metadata: Metadata, fetcher: Fetcher, root: str, rel_paths: Sequence[str], *,
+                parallel: int, check: bool,
+                on_progress: Callable[[WarmProgress], Awaitable[None]] | None,
+                interval: float) -> WarmProgress:
     progress = WarmProgress()
-    fetcher = fs.fetcher
     send, receive = trio.open_memory_channel[tuple[str, ObjectVersion | None]](0)
 
     async def worker(receive: trio.MemoryReceiveChannel[tuple[str, ObjectVersion | None]]
@@ -135,7 +150,7 @@ async def warm(fs: FileSystem, rel_paths: Sequence[str], *, parallel: int = 16,
     try:
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as work:
-                work.start_soon(_walk, fs, rel_paths, send, progress)
+                work.start_soon(_walk, metadata, root, rel_paths, send, progress)
                 for _ in range(max(1, parallel)):
                     work.start_soon(worker, receive.clone())
                 await receive.aclose()

@@ -6,7 +6,7 @@ event hooks, response parsing) against ~0.8 ms for the same request signed
 with botocore's SigV4 signer and sent on a kept-alive ``http.client``
 connection (awscrt's S3 client: ~1.0 ms). For datasets of small files the
 daemon's CPU per file is the limit on 2 cores, so GETs take the lean path;
-listings and probes stay on boto3 (:mod:`cachefs.s3.store`). See
+listings and probes stay on boto3 (:mod:`cachefs.s3.boto`). See
 benchmarks/RESULTS.md for the numbers.
 
 Thread-safety: a :class:`RangeClient` is shared by worker threads; each
@@ -38,7 +38,7 @@ from cachefs.errors import (
     StoreError,
     TransientStoreError,
 )
-from cachefs.s3.store import NO_CREDENTIALS, error_for_response
+from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
 
