@@ -58,6 +58,7 @@ from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
+from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.s3.boto import S3Store
 from cachefs.s3.retry import RetryingStore
 
@@ -239,24 +240,27 @@ class Daemon:
         # fetches in flight and blocks waiting to be written.
         hot = cfg.memory_budget // 4
         budget = MemoryBudget(cfg.memory_budget - hot)
+        ledger = PrefetchLedger()
         fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
-                          s3_limiter=s3_limiter, hot_capacity=hot)
+                          s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger)
         metadata = Metadata(env, store, ttl=cfg.metadata_ttl, limiter=s3_limiter)
-        passthrough = Passthrough(fetcher, cache, enabled=cfg.passthrough == "auto",
+        passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
                                   limiter=disk_limiter)
         if cfg.passthrough == "auto" and not passthrough.enabled:
             log.info("FUSE passthrough unavailable (this pyfuse3 build lacks it): "
                      "cachefs serves reads itself")
+        # Every speculative fetch goes through one prefetcher; the policies below (and
+        # the sequential detector of each handle) decide what is worth fetching.
+        prefetcher = Prefetcher(fetcher, budget, ledger,
+                                kernel_reads_cached=lambda: passthrough.enabled)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
-        # Files that will be read next: the sampler's order (hints) and directory walks.
-        read_order = ReadOrder(fetcher, metadata_resolver(metadata),
+        read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
                                lookahead_bytes=max_readahead * 4)
-        lookahead = DirectoryLookahead(fetcher, metadata.iter_entries,
-                                       prefetch_cached=lambda: not passthrough.enabled)
+        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
-                        max_readahead=max_readahead, read_order=read_order,
-                        lookahead=lookahead, backing=passthrough)
-        warmer = Warmer(metadata, fetcher, root_prefix=cfg.source.prefix)
+                        max_readahead=max_readahead, prefetcher=prefetcher,
+                        read_order=read_order, lookahead=lookahead, backing=passthrough)
+        warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
                                 warmer=warmer, root_prefix=cfg.source.prefix,
                                 allow_other=cfg.allow_other)

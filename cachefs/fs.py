@@ -30,6 +30,7 @@ from cachefs.errors import ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder
 from cachefs.read.lookahead import DirectoryLookahead
+from cachefs.read.prefetcher import Prefetcher
 from cachefs.read.sequential import ReadStream
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,11 @@ class DirHandle:
 
 class FileSystem:
     def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str,
-                 max_readahead: int, read_order: ReadOrder, lookahead: DirectoryLookahead,
-                 backing: BackingFiles | None = None) -> None:
+                 max_readahead: int, prefetcher: Prefetcher, read_order: ReadOrder,
+                 lookahead: DirectoryLookahead, backing: BackingFiles | None = None) -> None:
         self.metadata = metadata
         self.fetcher = fetcher
+        self.prefetcher = prefetcher
         self.backing = backing
         self.root_prefix = root_prefix
         self.max_readahead = max_readahead
@@ -280,11 +282,7 @@ class FileSystem:
             handle.node.last_open_etag = None
         # Prefetch flights are started first but cannot starve this read: they may use
         # only a share of the S3 connections (see Fetcher), and never wait for budget.
-        stream = handle.stream
-        for index in stream.on_read(offset, size):
-            if not self.fetcher.prefetch(obj, index) and not self.fetcher.is_resident(obj, index):
-                break  # budget full: the next read tries again from here
-            stream.issued_until = index + 1
+        self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
             return await self.fetcher.read(obj, offset, size)
         except ObjectChanged:

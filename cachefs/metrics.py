@@ -142,12 +142,20 @@ SINGLE_FLIGHT_JOINS = Counter(
     "cachefs_single_flight_joins", "Reads that waited on a fetch already in flight instead of "
     "sending another GET", registry=REGISTRY)
 PREFETCH_ISSUED_BYTES = Counter(
-    "cachefs_prefetch_issued_bytes", "Bytes fetched ahead of readers", registry=REGISTRY)
+    "cachefs_prefetch_issued_bytes", "Bytes requested ahead of readers, by policy "
+    "(sequential, directory, hint, warm)", ["policy"], registry=REGISTRY)
 PREFETCH_USED_BYTES = Counter(
-    "cachefs_prefetch_used_bytes", "Prefetched bytes later read", registry=REGISTRY)
-PREFETCH_WASTED_BYTES = Counter(
-    "cachefs_prefetch_wasted_bytes", "Prefetched bytes evicted or dropped unread",
+    "cachefs_prefetch_used_bytes", "Prefetched bytes later read, by policy", ["policy"],
     registry=REGISTRY)
+PREFETCH_WASTED_BYTES = Counter(
+    "cachefs_prefetch_wasted_bytes", "Prefetched bytes evicted or dropped unread, by policy",
+    ["policy"], registry=REGISTRY)
+TIER_HITS = Counter(
+    "cachefs_tier_loads", "Block loads answered, by the tier that had the block "
+    "(disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
+TIER_READ_BYTES = Counter(
+    "cachefs_tier_read_bytes", "Bytes of file reads through the daemon, by where they came "
+    "from (memory, disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
 
 # --- warm ------------------------------------------------------------------
 WARM_BYTES_DONE = Counter(

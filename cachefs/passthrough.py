@@ -48,6 +48,7 @@ import trio
 from cachefs import metrics
 from cachefs.cache.blocks import BlockCache
 from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.prefetcher import PrefetchLedger
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,13 @@ class Passthrough:
     """Decides per open whether the kernel reads the cache file itself, and keeps the
     registered backing files (in use, and recently used idle ones)."""
 
-    def __init__(self, fetcher: Fetcher, cache: BlockCache, *, enabled: bool,
+    def __init__(self, fetcher: Fetcher, cache: BlockCache, ledger: PrefetchLedger, *,
+                 enabled: bool,
                  limiter: trio.CapacityLimiter | None = None,
                  max_idle: int = MAX_IDLE_BACKINGS, max_idle_bytes: int | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
+        self.ledger = ledger
         self.enabled = enabled and supported()
         self._limiter = limiter
         self._backings: dict[bytes, _Backing] = {}  # by object id
@@ -140,7 +143,7 @@ class Passthrough:
                 del self._backings[oid]
             backing.ready.set()
         if backing.backing_id:
-            self.fetcher.mark_used(bids)
+            self.ledger.mark_used(bids)
             if self._active.get(ino) is None and not self._direct.get(ino):
                 return self._use(ino, backing)
             self._idle_or_keep(backing)  # the inode changed mode while we verified

@@ -20,6 +20,7 @@ from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import AccessDenied, NoSuchKey, ObjectChanged, TransientStoreError
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, Prefetcher, PrefetchLedger
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.retry import RetryingStore, RetryPolicy
 from cachefs.s3.store import ObjectStore
@@ -250,7 +251,11 @@ def test_vanished_object_raises_no_such_key(rig: Rig, mem: MemoryStore) -> None:
     rig.run(body)
 
 
-# -- prefetch and budget -------------------------------------------------------------------------------
+# -- prefetch and budget (through the one prefetcher) ----------------------------------------------------
+def ahead(f: Fetcher) -> Prefetcher:
+    return Prefetcher(f, f.budget, PrefetchLedger())
+
+
 def test_prefetch_starts_at_most_one_load_per_block(tmp_path: Path, mem: MemoryStore) -> None:
     data = payload(4 * BS)
     mem.put("k", data)
@@ -259,16 +264,18 @@ def test_prefetch_starts_at_most_one_load_per_block(tmp_path: Path, mem: MemoryS
     rig = Rig(tmp_path, mem, hot=1 << 20)
 
     async def body(f: Fetcher) -> None:
-        assert f.prefetch(obj, 1) is True
-        assert f.prefetch(obj, 1) is False  # in flight
+        p = ahead(f)
+        assert p.want(obj, 1, SEQUENTIAL) == BS
+        assert f.is_loading(f.block_id(obj, 1))
+        assert p.want(obj, 1, SEQUENTIAL) == BS  # in flight: no second load
         assert f.is_resident(obj, 1)
         assert await f.read(obj, BS, BS) == data[BS:2 * BS]  # joins the prefetch flight
         assert mem.calls["get"] == 1
         await f.drain()
-        assert f.prefetch(obj, 1) is False  # in memory: nothing to do
-        assert f.prefetch(obj, 4) is False  # past the end
-        assert f.prefetch(obj, 100) is False
-        assert [f.prefetch(obj, i) for i in (0, 0, 2, 3, 3)] == [True, False, True, True, False]
+        assert p.want(obj, 1, SEQUENTIAL) == BS  # in memory: nothing to do
+        assert p.want(obj, 4, SEQUENTIAL) == 0  # past the end
+        assert p.want(obj, 100, SEQUENTIAL) == 0
+        assert [p.want(obj, i, SEQUENTIAL) for i in (0, 0, 2, 3, 3)] == [BS] * 5
         await f.drain()
         assert mem.calls["get"] == 4
         assert await f.read(obj, 0, 4 * BS) == data
@@ -280,7 +287,8 @@ def test_prefetch_starts_at_most_one_load_per_block(tmp_path: Path, mem: MemoryS
         rig.close()
 
 
-def test_prefetch_of_a_cached_block_loads_it_from_disk(tmp_path: Path, mem: MemoryStore) -> None:
+def test_prefetch_of_a_cached_block_loads_it_from_disk_for_near_policies_only(
+        tmp_path: Path, mem: MemoryStore) -> None:
     data = payload(2 * BS)
     mem.put("k", data)
     obj = version(mem, "k")
@@ -291,15 +299,43 @@ def test_prefetch_of_a_cached_block_loads_it_from_disk(tmp_path: Path, mem: Memo
         rig.run(fill)
 
         async def body(f: Fetcher) -> None:  # a fresh fetcher: empty memory, blocks on disk
-            assert obj and f.block_id(obj, 0) not in f.hot
-            assert f.prefetch(obj, 0) is True
-            assert f.prefetch(obj, 0) is False
+            p = ahead(f)
+            b0, b1 = f.block_id(obj, 0), f.block_id(obj, 1)
+            assert b0 not in f.memory
+            # A far-ahead policy leaves cached blocks on disk.
+            assert p.want(obj, 1, HINT) == 0
+            assert not f.is_loading(b1)
+            # The sequential policy predicts a daemon read now: disk -> memory.
+            assert p.want(obj, 0, SEQUENTIAL) == 0
+            assert f.is_loading(b0)
             await f.drain()
-            assert f.block_id(obj, 0) in f.hot
-            assert f.prefetch(obj, 0) is False
+            assert b0 in f.memory and b1 not in f.memory
             assert f.budget.used == 0
         rig.run(body)
         assert mem.calls["get"] == 2
+    finally:
+        rig.close()
+
+
+def test_directory_lookahead_loads_cached_blocks_only_without_passthrough(
+        tmp_path: Path, mem: MemoryStore) -> None:
+    data = payload(BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    rig = Rig(tmp_path, mem, hot=1 << 20)
+    try:
+        rig.run(lambda f: f.read(obj, 0, BS))
+
+        async def body(f: Fetcher) -> None:
+            bid = f.block_id(obj, 0)
+            passed_through = Prefetcher(f, f.budget, PrefetchLedger(),
+                                        kernel_reads_cached=lambda: True)
+            assert passed_through.want(obj, 0, DIRECTORY) == 0
+            assert not f.is_loading(bid)  # the kernel will read the cache file itself
+            served = Prefetcher(f, f.budget, PrefetchLedger(), kernel_reads_cached=lambda: False)
+            assert served.want(obj, 0, DIRECTORY) == 0
+            assert f.is_loading(bid)
+        rig.run(body)
     finally:
         rig.close()
 
@@ -318,13 +354,15 @@ def test_prefetch_respects_the_memory_budget(tmp_path: Path, mem: MemoryStore) -
     rig = Rig(tmp_path, mem, budget=3 * BS)
     try:
         async def body(f: Fetcher) -> None:
-            assert [f.prefetch(obj, i) for i in range(5)] == [True, True, True, False, False]
+            p = ahead(f)
+            assert [p.want(obj, i, SEQUENTIAL) for i in range(5)] == [BS, BS, BS, None, None]
+            assert p.want_object(obj, HINT) is None  # the whole object does not fit either
             assert f.budget.used == 3 * BS
             assert not f.is_resident(obj, 3)
             gate.set()
             await f.drain()
             assert f.budget.used == 0
-            assert f.prefetch(obj, 3) is True  # room again
+            assert p.want(obj, 3, SEQUENTIAL) == BS  # room again
             await f.drain()
             assert mem.calls["get"] == 4
             assert await f.read(obj, 0, 8 * BS) == data
@@ -399,7 +437,7 @@ def test_block_evicted_from_memory_while_written_is_not_fetched_again(
     monkeypatch.setattr(BlockCache, "put_sync", slow_put_sync)
 
     async def body(f: Fetcher) -> None:
-        assert f.hot.capacity == 0  # nothing stays in the hot set
+        assert f.memory.capacity == 0  # nothing stays in the hot set
         assert await f.read(obj, 0, 3 * BS) == data
         assert not f.cache.contains(f.block_id(obj, 0))  # still being written
         assert await f.read(obj, 0, 3 * BS) == data  # served from the pending flight

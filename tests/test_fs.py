@@ -19,6 +19,7 @@ from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
+from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.s3.memory import MemoryStore
 
 BS = 64
@@ -50,10 +51,12 @@ class World:
             fetcher = Fetcher(self.store, cache, block_size=BS, budget=MemoryBudget(1 << 20),
                               s3_limiter=limiter, hot_capacity=1 << 16)
             metadata = Metadata(self.env, self.store, ttl=ttl, limiter=limiter, clock=self.clock)
+            prefetcher = Prefetcher(fetcher, fetcher.budget, PrefetchLedger())
             fs = FileSystem(metadata, fetcher, root_prefix=self.root_prefix, max_readahead=4 * BS,
-                            read_order=ReadOrder(fetcher, metadata_resolver(metadata),
+                            prefetcher=prefetcher,
+                            read_order=ReadOrder(prefetcher, metadata_resolver(metadata),
                                                  lookahead_bytes=16 * BS),
-                            lookahead=DirectoryLookahead(fetcher, metadata.iter_entries))
+                            lookahead=DirectoryLookahead(prefetcher, metadata.iter_entries))
             async with trio.open_nursery() as nursery:
                 await nursery.start(fetcher.run)
                 try:
@@ -355,7 +358,7 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
         # Block 0 of the old version is still cached: it is served (consistently the old version).
         assert await fs.read(fh2, 0, 10) == b"xx"
         await fs.fetcher.drain()  # the block is on disk, no load of it is pending
-        fs.fetcher.hot = type(fs.fetcher.hot)(0)
+        fs.fetcher.memory = type(fs.fetcher.memory)(0)
         bid = fs.fetcher.block_id(fs._handles[fh2].obj, 0)  # type: ignore[union-attr]
         await trio.to_thread.run_sync(fs.fetcher.cache._remove, [bid])
         with pytest.raises(ObjectChanged):

@@ -1,4 +1,4 @@
-"""Unit tests of cachefs.read.hints.DirectoryLookahead: which opens start prefetch, and how much."""
+"""Unit tests of cachefs.read.lookahead.DirectoryLookahead: which opens start prefetch, and how much."""
 
 from __future__ import annotations
 
@@ -13,25 +13,17 @@ NAMES = [f"img{i:05d}.jpg".encode() for i in range(2000)]
 DIR = "train/c000/"
 
 
-class FakeFetcher:
-    """Records prefetched keys; every object is one block, resident once prefetched."""
-
-    block_size = 1 << 20
+class FakePrefetcher:
+    """Records the keys asked for; every object is one block, resident once asked for."""
 
     def __init__(self) -> None:
         self.prefetched: list[str] = []
 
-    def block_count(self, obj: ObjectVersion) -> int:
-        return 1
-
-    def prefetch(self, obj: ObjectVersion, index: int, *, cached: bool = True) -> bool:
-        if obj.key in self.prefetched:
-            return False  # in flight already, as Fetcher.prefetch answers
-        self.prefetched.append(obj.key)
-        return True
-
-    def is_resident(self, obj: ObjectVersion, index: int) -> bool:
-        return obj.key in self.prefetched
+    def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
+        assert policy == "directory"
+        if obj.key not in self.prefetched:
+            self.prefetched.append(obj.key)
+        return obj.size
 
 
 def iter_after(prefix: str, after: bytes) -> Iterator[Entry]:
@@ -40,8 +32,8 @@ def iter_after(prefix: str, after: bytes) -> Iterator[Entry]:
             yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
 
 
-def make() -> tuple[DirectoryLookahead, FakeFetcher]:
-    f = FakeFetcher()
+def make() -> tuple[DirectoryLookahead, FakePrefetcher]:
+    f = FakePrefetcher()
     return DirectoryLookahead(f, iter_after), f  # type: ignore[arg-type]
 
 
@@ -105,7 +97,7 @@ def test_a_shuffled_epoch_over_small_directories_prefetches_little() -> None:
             if name > after:
                 yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
 
-    f = FakeFetcher()
+    f = FakePrefetcher()
     la = DirectoryLookahead(f, small_dir)  # type: ignore[arg-type]
     random.Random(11).shuffle(files)
     for i, (d, n) in enumerate(files):

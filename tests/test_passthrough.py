@@ -176,9 +176,10 @@ def test_readahead_read_by_the_kernel_counts_as_used(bucket, mount_factory) -> N
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
     for key in sorted(files):  # a directory-order walk: the lookahead fetches ahead
         assert _read(m.path / key) == files[key]
-    issued = m.metric("cachefs_prefetch_issued_bytes_total")
+    issued = m.metric('cachefs_prefetch_issued_bytes_total{policy="directory"}')
     assert issued > 0, "the in-order walk was not prefetched"
-    assert m.metric("cachefs_prefetch_used_bytes_total") == issued, "every prefetched file was read"
+    assert m.metric('cachefs_prefetch_used_bytes_total{policy="directory"}') == issued, \
+        "every prefetched file was read"
     assert m.metric("cachefs_passthrough_opens_total") > 0, "prefetched files were opened cached"
 
 

@@ -24,6 +24,7 @@ from cachefs import metrics
 from cachefs.cache.metadata import Metadata
 from cachefs.errors import CachefsError
 from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.prefetcher import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
 class Warmer:
     """Warm jobs of one mount: objects listed by ``metadata``, loaded by ``fetcher``."""
 
-    def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str) -> None:
+    def __init__(self, metadata: Metadata, prefetcher: Prefetcher, *, root_prefix: str) -> None:
         self.metadata = metadata
-        self.fetcher = fetcher
+        self.prefetcher = prefetcher
         self.root_prefix = root_prefix
 
     async def warm(self, rel_paths: Sequence[str], *, parallel: int = 16, check: bool = False,
@@ -96,16 +97,18 @@ class Warmer:
                    interval: float = 0.5) -> WarmProgress:
         """Warm (or with ``check``, inspect) every file under ``rel_paths`` (relative to
         the mount root; "" is everything). Returns the final progress."""
-        return await _warm(self.metadata, self.fetcher, self.root_prefix, rel_paths,
+        return await _warm(self.metadata, self.prefetcher, self.root_prefix, rel_paths,
                            parallel=parallel, check=check, on_progress=on_progress,
                            interval=interval)
 
 
-async def _warm(metadata: Metadata, fetcher: Fetcher, root: str, rel_paths: Sequence[str], *,
+async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
+                rel_paths: Sequence[str], *,
                 parallel: int, check: bool,
                 on_progress: Callable[[WarmProgress], Awaitable[None]] | None,
                 interval: float) -> WarmProgress:
     progress = WarmProgress()
+    fetcher: Fetcher = prefetcher.fetcher
     send, receive = trio.open_memory_channel[tuple[str, ObjectVersion | None]](0)
 
     async def worker(receive: trio.MemoryReceiveChannel[tuple[str, ObjectVersion | None]]
@@ -122,7 +125,7 @@ async def _warm(metadata: Metadata, fetcher: Fetcher, root: str, rel_paths: Sequ
                             if fetcher.is_cached(obj, index):
                                 progress.bytes_done += n
                             continue
-                        if await fetcher.warm(obj, index):
+                        if await prefetcher.warm_block(obj, index):
                             progress.bytes_fetched += n
                         progress.bytes_done += n
                         metrics.WARM_BYTES_DONE.inc(n)

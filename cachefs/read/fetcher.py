@@ -1,28 +1,31 @@
-"""Read-through of object bytes: memory -> disk cache -> S3, one GET per block.
+"""Read-through of object bytes: memory -> cache tiers -> S3, one load per block.
 
 :class:`Fetcher` answers "bytes [offset, offset+size) of object version V".
-Each block it needs comes from, in order:
+Each block it needs comes from, in order (see :mod:`cachefs.read.tiers`):
 
-1. the hot set: recently used, already verified blocks in memory (bounded);
-2. the disk cache (verified on every read, see :mod:`cachefs.cache.blocks`);
-3. S3.
+1. the memory tier: recently used, already verified blocks (bounded);
+2. each tier of ``tiers``: the local disk cache (verified on every read, see
+   :mod:`cachefs.cache.blocks`), then any tier below it (a shared tier);
+3. the origin: S3, one ranged GET with If-Match.
 
 2+3 run as one *load* per block (a ``_Flight``), shared by every reader and
-prefetcher that wants the block while it runs: it reads the disk cache and,
-on a miss, sends one ranged GET with If-Match (single flight: concurrent
-readers of one missing block cause one GET and one disk read).
+prefetcher that wants the block while it runs (single flight: concurrent
+readers of one missing block cause one GET and one disk read). A block found
+below a tier is put into every tier above it before the flight ends.
 
 Tasks and ownership:
 
 * Loads run in the fetcher's own nursery (:meth:`Fetcher.run`), not in the
   reader's task, so an interrupted reader does not abort a GET others wait on.
-  A flight holds a :class:`~cachefs.read.budget.MemoryBudget` reservation until its
-  block has been written to the disk cache.
+  A load that goes past the disk tier holds a
+  :class:`~cachefs.read.budget.MemoryBudget` reservation until its block has
+  been written back to the disk cache.
 * S3 calls run in worker threads under ``s3_limiter`` (bounded connections).
-  Prefetch flights additionally take ``prefetch_limiter`` (a share of the
-  connections) so demand GETs always find a free connection.
-* Everything here runs on the trio thread; ``_flights`` and the hot set are
-  only touched there.
+  Speculative loads (started by :mod:`cachefs.read.prefetcher`, the one owner of
+  every speculative fetch) additionally take ``prefetch_limiter`` (a share of
+  the connections) so demand GETs always find a free connection.
+* Everything here runs on the trio thread; ``_flights`` and the memory tier
+  are only touched there.
 
 Invariant: a block id names one object version (key, ETag), so bytes of two
 versions are never mixed; a version that changed on S3 raises ObjectChanged.
@@ -32,7 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
@@ -40,9 +44,22 @@ from cachefs import metrics
 from cachefs.cache.blocks import BlockCache, block_id, block_id_at, object_id
 from cachefs.errors import TransientStoreError
 from cachefs.read.budget import MemoryBudget
+from cachefs.read.tiers import BlockRef, DiskTier, MemoryTier, Tier
 from cachefs.s3.store import ObjectStore
 
 log = logging.getLogger(__name__)
+
+ORIGIN = "s3"  # the source name of blocks fetched from the origin
+
+
+class ReadNotes(Protocol):
+    """Told about every block a reader takes (the prefetch ledger)."""
+
+    def note_read(self, bid: bytes) -> None:
+        ...
+
+    def forget(self, bid: bytes) -> None:
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,40 +69,6 @@ class ObjectVersion:
     key: str
     etag: str
     size: int
-
-
-# How many prefetched-but-unread blocks are remembered before the oldest counts as wasted.
-_PREFETCH_MEMORY = 65536
-
-
-class HotBlocks:
-    """Verified blocks in memory, least recently used dropped first (bounded in bytes)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
-
-    def get(self, bid: bytes) -> bytes | None:
-        data = self._blocks.get(bid)
-        if data is not None:
-            self._blocks.move_to_end(bid)
-        return data
-
-    def put(self, bid: bytes, data: bytes) -> None:
-        if len(data) > self.capacity:
-            return
-        old = self._blocks.pop(bid, None)
-        if old is not None:
-            self.used -= len(old)
-        self._blocks[bid] = data
-        self.used += len(data)
-        while self.used > self.capacity:
-            _, dropped = self._blocks.popitem(last=False)
-            self.used -= len(dropped)
-
-    def __contains__(self, bid: bytes) -> bool:
-        return bid in self._blocks
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -99,11 +82,12 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 class _Flight:
     """One load of one block, shared by everyone who wants it while it runs."""
 
-    __slots__ = ("data", "error", "event", "prefetch", "source")
+    __slots__ = ("data", "error", "event", "prefetch", "settled", "source")
 
     def __init__(self, prefetch: bool) -> None:
         self.source = "disk"
-        self.event = trio.Event()
+        self.event = trio.Event()  # data or error is there
+        self.settled = trio.Event()  # written back too: the flight is gone
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.prefetch = prefetch
@@ -114,7 +98,8 @@ class Fetcher:
 
     def __init__(self, store: ObjectStore, cache: BlockCache, *, block_size: int,
                  budget: MemoryBudget, s3_limiter: trio.CapacityLimiter,
-                 hot_capacity: int) -> None:
+                 hot_capacity: int, notes: ReadNotes | None = None,
+                 lower_tiers: Sequence[Tier] = ()) -> None:
         self.store = store
         self.cache = cache
         self.block_size = block_size
@@ -122,12 +107,13 @@ class Fetcher:
         self._s3_limiter = s3_limiter
         # Prefetch may use at most 3/4 of the connections: demand never queues behind it.
         self._prefetch_limiter = trio.CapacityLimiter(max(1, s3_limiter.total_tokens * 3 // 4))
-        self.hot = HotBlocks(hot_capacity)
+        self.memory = MemoryTier(hot_capacity)
+        # Walked in order after memory; the disk tier first (residency checks use it).
+        self.tiers: list[Tier] = [DiskTier(cache), *lower_tiers]
+        self._notes = notes
         self._flights: dict[bytes, _Flight] = {}
-        # Prefetched blocks not read yet (for the used/wasted metrics), oldest first.
-        self._prefetched: OrderedDict[bytes, int] = OrderedDict()
         self._nursery: trio.Nursery | None = None
-        self._pending = 0  # flights + cache writes not finished
+        self._pending = 0  # flights + write-backs not finished
         self._idle = trio.Event()
         self._idle.set()
 
@@ -162,10 +148,30 @@ class Fetcher:
     def block_len(self, obj: ObjectVersion, index: int) -> int:
         return max(0, min(self.block_size, obj.size - index * self.block_size))
 
+    def ref(self, obj: ObjectVersion, index: int, bid: bytes | None = None) -> BlockRef:
+        return BlockRef(obj, index, self.block_len(obj, index),
+                        self.block_id(obj, index) if bid is None else bid)
+
+    # -- residency (never waits) ----------------------------------------------------------
+    def is_loading(self, bid: bytes) -> bool:
+        return bid in self._flights
+
+    def is_loaded_or_loading(self, bid: bytes) -> bool:
+        """In memory or being loaded: nothing more to do for a prefetcher."""
+        return bid in self.memory or bid in self._flights
+
+    def is_cached_id(self, bid: bytes) -> bool:
+        """On the local disk cache."""
+        return self.cache.contains(bid)
+
+    def is_cached(self, obj: ObjectVersion, index: int) -> bool:
+        """On the local disk cache (what ``cachefs warm --check`` reports)."""
+        return self.cache.contains(self.block_id(obj, index))
+
     def is_resident(self, obj: ObjectVersion, index: int) -> bool:
-        """In memory, on disk, or in flight (nothing to do for a prefetcher)."""
+        """In memory, on disk, or in flight."""
         bid = self.block_id(obj, index)
-        return bid in self.hot or bid in self._flights or self.cache.contains(bid)
+        return self.is_loaded_or_loading(bid) or self.cache.contains(bid)
 
     # -- reads ------------------------------------------------------------------------------
     async def read(self, obj: ObjectVersion, offset: int, size: int) -> bytes:
@@ -176,14 +182,14 @@ class Fetcher:
         bs = self.block_size
         first, last = offset // bs, (end - 1) // bs
         if first == last:
-            data = await self._block_for_read(obj, first, offset - first * bs, end - offset)
+            data = await self._block_for_read(obj, first, end - offset)
             return data[offset - first * bs:end - first * bs]
         parts: list[bytes] = [b""] * (last - first + 1)
 
         async def fetch_part(i: int) -> None:
             lo = max(offset, i * bs) - i * bs
             hi = min(end, (i + 1) * bs) - i * bs
-            block = await self._block_for_read(obj, i, lo, hi - lo)
+            block = await self._block_for_read(obj, i, hi - lo)
             parts[i - first] = block[lo:hi]
 
         try:
@@ -194,38 +200,22 @@ class Fetcher:
             raise _first_leaf(group) from None
         return b"".join(parts)
 
-    async def _block_for_read(self, obj: ObjectVersion, index: int, lo: int, n: int) -> bytes:
+    async def _block_for_read(self, obj: ObjectVersion, index: int, n: int) -> bytes:
         data, source = await self.get_block(obj, index)
-        if source == "s3":
-            metrics.CACHE_MISS_BYTES.inc(n)
-        else:
+        if source in ("memory", "disk"):
             metrics.CACHE_HIT_BYTES.inc(n)
+        else:
+            metrics.CACHE_MISS_BYTES.inc(n)
+        metrics.TIER_READ_BYTES.labels(source).inc(n)
         return data
 
-    def _remember_prefetched(self, bid: bytes, n: int) -> None:
-        self._prefetched[bid] = n
-        while len(self._prefetched) > _PREFETCH_MEMORY:
-            _, wasted = self._prefetched.popitem(last=False)
-            metrics.PREFETCH_WASTED_BYTES.inc(wasted)
-
-    def mark_used(self, bids: list[bytes]) -> None:
-        """These blocks are read without passing through here (the kernel reads their
-        file itself, see cachefs.passthrough): prefetched ones count as used."""
-        if self._prefetched:
-            for bid in bids:
-                self._note_read(bid)
-
-    def _note_read(self, bid: bytes) -> None:
-        n = self._prefetched.pop(bid, None)
-        if n is not None:
-            metrics.PREFETCH_USED_BYTES.inc(n)
-
     async def get_block(self, obj: ObjectVersion, index: int) -> tuple[bytes, str]:
-        """Block ``index`` of ``obj`` and where it came from: "memory", "disk" or "s3"."""
+        """Block ``index`` of ``obj`` and where it came from: "memory", a tier's name
+        ("disk", ...) or "s3" (the origin)."""
         bid = self.block_id(obj, index)
-        if self._prefetched:
-            self._note_read(bid)
-        data = self.hot.get(bid)
+        if self._notes is not None:
+            self._notes.note_read(bid)
+        data = self.memory.peek(bid)
         if data is not None:
             metrics.CACHE_HIT_REQUESTS.inc()
             return data, "memory"
@@ -233,7 +223,7 @@ class Fetcher:
         if flight is None:
             flight = self._start_load(obj, index, bid, prefetch=False, reserved=0)
         elif flight.event.is_set() and flight.data is not None:
-            # Loaded, still being written to disk: the bytes are in memory.
+            # Loaded, still being written back: the bytes are in memory.
             metrics.CACHE_HIT_REQUESTS.inc()
             return flight.data, "memory"
         else:
@@ -248,54 +238,23 @@ class Fetcher:
             metrics.CACHE_MISS_REQUESTS.inc()
         return flight.data, flight.source
 
-    def prefetch(self, obj: ObjectVersion, index: int, *, cached: bool = True) -> bool:
-        """Start loading a block ahead of readers: from disk into memory when it is cached
-        (unless ``cached`` is False: the kernel will read such files itself), else from S3
-        if the memory budget has room. Never waits; returns whether a load was started."""
-        if index * self.block_size >= obj.size:
-            return False
-        bid = self.block_id(obj, index)
-        if bid in self.hot or bid in self._flights:
-            return False
-        if self.cache.contains(bid):
-            if not cached:
-                return False
-            self._start_load(obj, index, bid, prefetch=True, reserved=0)
-            return True
-        length = self.block_len(obj, index)
-        if not self.budget.try_reserve(length):
-            return False
-        self._remember_prefetched(bid, length)
-        self._start_load(obj, index, bid, prefetch=True, reserved=length)
-        return True
+    # -- loads started ahead of readers (by cachefs.read.prefetcher) --------------------------
+    def load_ahead(self, obj: ObjectVersion, index: int, bid: bytes, *, reserved: int) -> None:
+        """Start a speculative load of a block that is neither in memory nor in flight.
+        ``reserved`` bytes of the memory budget are handed to the load (it releases them)."""
+        self._start_load(obj, index, bid, prefetch=True, reserved=reserved)
 
-    def is_cached(self, obj: ObjectVersion, index: int) -> bool:
-        """On disk (what ``cachefs warm --check`` reports)."""
-        return self.cache.contains(self.block_id(obj, index))
-
-    async def warm(self, obj: ObjectVersion, index: int) -> bool:
-        """Make a block resident on disk at background priority; returns whether it had to
-        be fetched. Waits for memory budget (unlike demand reads) and uses the prefetch
-        share of the connections, so training reads keep priority. Raises StoreError."""
-        bid = self.block_id(obj, index)
+    async def wait_loaded(self, bid: bytes) -> bool:
+        """Wait until the load of ``bid`` in flight (if any) has ended, written back to
+        the disk tier included; returns whether the block came from below the disk tier.
+        Raises the load's error."""
         flight = self._flights.get(bid)
         if flight is None:
-            if self.cache.contains(bid):
-                return False
-            length = self.block_len(obj, index)
-            await self.budget.reserve(length)
-            flight = self._flights.get(bid)
-            if flight is None:
-                if self.cache.contains(bid):
-                    self.budget.release(length)
-                    return False
-                flight = self._start_load(obj, index, bid, prefetch=True, reserved=length)
-            else:
-                self.budget.release(length)
-        await flight.event.wait()
+            return False
+        await flight.settled.wait()
         if flight.error is not None:
             raise flight.error
-        return flight.source == "s3"
+        return flight.source not in ("memory", "disk")
 
     def _start_load(self, obj: ObjectVersion, index: int, bid: bytes, *, prefetch: bool,
                     reserved: int) -> _Flight:
@@ -310,38 +269,54 @@ class Fetcher:
 
     async def _load(self, obj: ObjectVersion, index: int, bid: bytes, flight: _Flight,
                     reserved: int) -> None:
-        """Load one block (disk, else S3) for every waiter; then write it to the cache."""
+        """Load one block for every waiter (the tiers in order, else the origin); then put
+        it into the tiers above the one that had it."""
+        ref = self.ref(obj, index, bid)
         data: bytes | None = None
+        found_at = len(self.tiers)  # the index of the tier that had it; len(): the origin
         try:
             try:
-                data = await self.cache.get(bid)
-                if data is not None:
-                    flight.source = "disk"
-                else:
-                    if not reserved:
-                        reserved = self.block_len(obj, index)
+                for i, tier in enumerate(self.tiers):
+                    if i == 1 and not reserved:
+                        # Past the disk: the block is held until it is written back.
+                        reserved = ref.length
                         self.budget.force_reserve(reserved)
-                    flight.source = "s3"
+                    data = await tier.get(ref)
+                    if data is not None:
+                        found_at = i
+                        flight.source = tier.name
+                        break
+                if data is None:
+                    if not reserved:
+                        reserved = ref.length
+                        self.budget.force_reserve(reserved)
+                    flight.source = ORIGIN
                     data = await self._fetch(obj, index, flight.prefetch)
+                metrics.TIER_HITS.labels(flight.source).inc()
                 flight.data = data
-                self.hot.put(bid, data)
+                self.memory.store(bid, data)
             except Exception as exc:  # handed to every waiter; logged by the FUSE layer
                 flight.error = exc
                 data = None
-                self._prefetched.pop(bid, None)
+                if self._notes is not None:
+                    self._notes.forget(bid)
             finally:
                 if flight.data is None and flight.error is None:  # cancelled at shutdown
                     flight.error = TransientStoreError("fetch cancelled: cachefs is stopping")
-                if flight.error is not None or flight.source != "s3":
+                write_back = flight.error is None and found_at > 0
+                if not write_back:
                     del self._flights[bid]
+                    flight.settled.set()
                 flight.event.set()
-            if flight.error is None and flight.source == "s3":
+            if write_back:
                 # The flight stays registered until the block is on disk: evicted from
                 # memory meanwhile, it must still not be fetched a second time.
                 try:
-                    await self.cache.put(bid, data)  # type: ignore[arg-type]
+                    for tier in self.tiers[:found_at]:
+                        await tier.put(ref, data)  # type: ignore[arg-type]
                 finally:
                     del self._flights[bid]
+                    flight.settled.set()
         finally:
             if reserved:
                 self.budget.release(reserved)
@@ -356,9 +331,7 @@ class Fetcher:
         try:
             if prefetch:
                 async with self._prefetch_limiter:
-                    data = await self._get_range(obj, start, end)
-                metrics.PREFETCH_ISSUED_BYTES.inc(len(data))
-                return data
+                    return await self._get_range(obj, start, end)
             return await self._get_range(obj, start, end)
         finally:
             metrics.INFLIGHT_FETCHES.dec()

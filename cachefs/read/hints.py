@@ -12,7 +12,7 @@ Only blocks that are not in the disk cache are fetched (a cached block costs a
 demand read one local read; loading it into memory far ahead would only evict
 blocks needed sooner). Bounds: at most ``lookahead_bytes`` of hinted, uncached
 data ahead of the cursor is requested, and each block needs room in the fetcher's memory budget
-(``Fetcher.prefetch`` never waits; when it refuses, the loop sleeps until the
+(``Prefetcher.want`` never waits; when it refuses, the loop sleeps until the
 next open or a short tick). Prefetched blocks land in the disk cache, so a
 reader that arrives later finds them there.
 
@@ -30,7 +30,8 @@ import trio
 
 from cachefs.cache.metadata import Metadata
 from cachefs.errors import StoreError
-from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.fetcher import ObjectVersion
+from cachefs.read.prefetcher import HINT, Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ TICK = 0.05  # seconds between top-ups while the budget is full
 
 
 class ReadOrder:
-    def __init__(self, fetcher: Fetcher, resolve: Resolver, *, lookahead_bytes: int) -> None:
-        self._fetcher = fetcher
+    def __init__(self, prefetcher: Prefetcher, resolve: Resolver, *, lookahead_bytes: int) -> None:
+        self._prefetcher = prefetcher
         self._resolve = resolve
         self.lookahead_bytes = lookahead_bytes
         self._order: list[str] = []
@@ -124,16 +125,12 @@ class ReadOrder:
                 return
             size = 0
             if obj is not None:
-                for index in range(self._fetcher.block_count(obj)):
-                    if self._fetcher.is_cached(obj, index):
-                        # Already on disk: a demand read costs one local read. Loading it
-                        # into memory this far ahead would only push out blocks that are
-                        # needed sooner.
-                        continue
-                    if (not self._fetcher.prefetch(obj, index)
-                            and not self._fetcher.is_resident(obj, index)):
-                        return  # memory budget full: try again on the next tick
-                    size += self._fetcher.block_len(obj, index)
+                # Blocks already on disk are left there (a demand read costs one local
+                # read); see the prefetcher's admission rule.
+                issued = self._prefetcher.want_object(obj, HINT)
+                if issued is None:
+                    return  # memory budget full: try again on the next tick
+                size = issued
             if len(self._cum) == self._next + 1:
                 self._cum.append(self._cum[-1] + size)
             self._next += 1

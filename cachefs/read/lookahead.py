@@ -1,7 +1,7 @@
 """Directory lookahead: prefetch the next files of a directory walked in name order.
 
 Concurrency: trio thread only; :meth:`DirectoryLookahead.on_open` is called by
-the file system on every open and only starts fetches (``Fetcher.prefetch``
+the file system on every open and only starts fetches (``Prefetcher.want``
 never waits).
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from cachefs.cache.metadata import Entry
-from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.fetcher import ObjectVersion
+from cachefs.read.prefetcher import DIRECTORY, Prefetcher
 
 
 class _Walk:
@@ -38,21 +39,19 @@ class DirectoryLookahead:
     after the last file requested, so the cost per open is a few index lookups
     however large the window. A random order does not advance a walk three
     times running, so random readers pay nothing. Blocks go through
-    ``Fetcher.prefetch`` (never waits, bounded by budget).
+    ``Prefetcher.want`` (never waits, bounded by budget).
     """
 
-    def __init__(self, fetcher: Fetcher, iter_after: Callable[[str, bytes], Iterator[Entry]], *,
+    def __init__(self, prefetcher: Prefetcher,
+                 iter_after: Callable[[str, bytes], Iterator[Entry]], *,
                  max_files: int = 256, min_streak: int = 3, max_walks: int = 4096,
-                 adjacency: int = 8, prefetch_cached: Callable[[], bool] = lambda: True) -> None:
-        self._fetcher = fetcher
+                 adjacency: int = 8) -> None:
+        self._prefetcher = prefetcher
         self._iter_after = iter_after
         self.adjacency = adjacency
         self.max_files = max_files
         self.min_streak = min_streak
         self.max_walks = max_walks
-        # Returns False while opens of cached files are passed through to the kernel:
-        # loading their blocks into memory ahead of the readers would be wasted work.
-        self.prefetch_cached = prefetch_cached
         # (directory, reader) -> walk, least recently used first; reader 0 = shared walk
         self._walks: dict[tuple[str, int], _Walk] = {}
 
@@ -116,14 +115,8 @@ class DirectoryLookahead:
                 if entry.is_dir:
                     continue
                 obj = ObjectVersion(prefix + entry.name.decode(), entry.etag, entry.size)
-                full = False
-                for index in range(self._fetcher.block_count(obj)):
-                    if (not self._fetcher.prefetch(obj, index, cached=self.prefetch_cached())
-                            and not self._fetcher.is_resident(obj, index)):
-                        full = True
-                        break
-                if full:
-                    break
+                if self._prefetcher.want_object(obj, DIRECTORY) is None:
+                    break  # memory budget full
                 walk.issued_until = entry.name
                 walk.ahead += 1
                 issued += 1

@@ -10,8 +10,8 @@ never pays for readahead beyond ``initial_window`` at offset 0 (whole-file
 readers such as DataLoader workers start there).
 
 Pure logic, no I/O: :meth:`ReadStream.on_read` returns the block indices to
-prefetch; the caller hands them to :meth:`cachefs.read.fetcher.Fetcher.prefetch`,
-which skips resident blocks and respects the memory budget.
+prefetch; :meth:`cachefs.read.prefetcher.Prefetcher.on_read` hands them to the
+prefetcher's admission rule, which skips resident blocks and respects the memory budget.
 """
 
 from __future__ import annotations

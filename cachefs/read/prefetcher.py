@@ -1,0 +1,171 @@
+"""Every speculative fetch, under one admission rule and one ledger.
+
+Four policies decide *what* is worth fetching before a reader asks for it:
+
+* ``sequential`` -- a handle read in order (:class:`~cachefs.read.sequential.ReadStream`,
+  fed by :meth:`Prefetcher.on_read`);
+* ``directory`` -- readers opening a directory's files in name order
+  (:class:`~cachefs.read.lookahead.DirectoryLookahead`);
+* ``hint`` -- the order the training sampler announced
+  (:class:`~cachefs.read.hints.ReadOrder`);
+* ``warm`` -- ``cachefs warm`` (:class:`~cachefs.control.warm.Warmer`).
+
+They all go through :class:`Prefetcher`, which decides *whether* and *how*:
+
+* A block in memory or already loading costs nothing more.
+* A block on local disk is loaded into memory ahead only for the policies that
+  predict an imminent daemon read (``sequential`` always; ``directory`` while
+  opens are not passed through to the kernel). Far-ahead policies (``hint``,
+  ``warm``) leave it on disk: loading it now would only push out blocks needed
+  sooner.
+* A block from S3 needs room in the memory budget. :meth:`want` never waits: a
+  full budget answers None and the policy stops until its next trigger.
+  :meth:`warm_block` (background work) waits for room instead.
+
+The ledger (:class:`PrefetchLedger`) is the one place that counts issued, used
+and wasted bytes, by policy: the fetcher reports every block a reader takes
+(:meth:`PrefetchLedger.note_read`) and the passthrough layer the blocks the
+kernel reads itself (:meth:`PrefetchLedger.mark_used`).
+
+Concurrency: trio thread only; nothing here blocks or awaits except
+:meth:`Prefetcher.warm_block`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from cachefs import metrics
+from cachefs.read.budget import MemoryBudget
+from cachefs.read.fetcher import Fetcher, ObjectVersion
+from cachefs.read.sequential import ReadStream
+
+SEQUENTIAL = "sequential"
+DIRECTORY = "directory"
+HINT = "hint"
+WARM = "warm"
+POLICIES = (SEQUENTIAL, DIRECTORY, HINT, WARM)
+
+#: Prefetched-but-unread blocks remembered before the oldest counts as wasted.
+LEDGER_SIZE = 65536
+
+
+class PrefetchLedger:
+    """Issued / used / wasted bytes of speculative fetches, by policy (bounded memory)."""
+
+    def __init__(self, capacity: int = LEDGER_SIZE) -> None:
+        self.capacity = capacity
+        self._open: OrderedDict[bytes, tuple[int, str]] = OrderedDict()  # oldest first
+
+    def issued(self, bid: bytes, n: int, policy: str) -> None:
+        self._open[bid] = (n, policy)
+        metrics.PREFETCH_ISSUED_BYTES.labels(policy).inc(n)
+        while len(self._open) > self.capacity:
+            _, (wasted, old_policy) = self._open.popitem(last=False)
+            metrics.PREFETCH_WASTED_BYTES.labels(old_policy).inc(wasted)
+
+    def note_read(self, bid: bytes) -> None:
+        """A reader took block ``bid`` (through the daemon)."""
+        if self._open:
+            entry = self._open.pop(bid, None)
+            if entry is not None:
+                metrics.PREFETCH_USED_BYTES.labels(entry[1]).inc(entry[0])
+
+    def mark_used(self, bids: Iterable[bytes]) -> None:
+        """These blocks are read without passing through the fetcher (the kernel reads
+        their cache file itself, see cachefs.passthrough)."""
+        if self._open:
+            for bid in bids:
+                self.note_read(bid)
+
+    def forget(self, bid: bytes) -> None:
+        """The load failed: nothing was fetched ahead after all."""
+        self._open.pop(bid, None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class Prefetcher:
+    """Starts loads ahead of readers for every policy, under one admission rule."""
+
+    def __init__(self, fetcher: Fetcher, budget: MemoryBudget, ledger: PrefetchLedger, *,
+                 kernel_reads_cached: Callable[[], bool] = lambda: False) -> None:
+        self.fetcher = fetcher
+        self.budget = budget
+        self.ledger = ledger
+        # True while opens of fully cached files are passed through to the kernel: then
+        # a directory walk's cached files are read by the kernel, not by the daemon.
+        self._kernel_reads_cached = kernel_reads_cached
+
+    def _loads_cached(self, policy: str) -> bool:
+        if policy == SEQUENTIAL:
+            return True
+        if policy == DIRECTORY:
+            return not self._kernel_reads_cached()
+        return False
+
+    # -- the admission rule ---------------------------------------------------------------
+    def want(self, obj: ObjectVersion, index: int, policy: str) -> int | None:
+        """Ask for block ``index`` of ``obj`` ahead of readers. Never waits.
+
+        Returns None when the memory budget is full (stop and try again on the next
+        trigger), else the bytes of the block that are not on local disk (in flight,
+        in memory or newly requested from below: what the policy may count as
+        "fetched ahead"; 0 for a block on disk or past the end).
+        """
+        f = self.fetcher
+        if index < 0 or index * f.block_size >= obj.size:
+            return 0
+        bid = f.block_id(obj, index)
+        length = f.block_len(obj, index)
+        if f.is_loaded_or_loading(bid):
+            return length
+        if f.is_cached_id(bid):
+            if self._loads_cached(policy):
+                f.load_ahead(obj, index, bid, reserved=0)
+            return 0
+        if not self.budget.try_reserve(length):
+            return None
+        self.ledger.issued(bid, length, policy)
+        f.load_ahead(obj, index, bid, reserved=length)
+        return length
+
+    def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
+        """:meth:`want` for every block of ``obj``; None as soon as the budget is full."""
+        total = 0
+        for index in range(self.fetcher.block_count(obj)):
+            n = self.want(obj, index, policy)
+            if n is None:
+                return None
+            total += n
+        return total
+
+    # -- the sequential policy --------------------------------------------------------------
+    def on_read(self, stream: ReadStream, obj: ObjectVersion, offset: int, size: int) -> None:
+        """A handle read ``[offset, offset+size)``: fetch the stream's window ahead."""
+        for index in stream.on_read(offset, size):
+            if self.want(obj, index, SEQUENTIAL) is None:
+                break  # budget full: the next read tries again from here
+            stream.issued_until = index + 1
+
+    # -- background warming -----------------------------------------------------------------
+    async def warm_block(self, obj: ObjectVersion, index: int) -> bool:
+        """Make a block resident on local disk at background priority; returns whether it
+        had to be fetched (from a tier below the disk or from S3). Waits for room in the
+        memory budget, unlike :meth:`want`, and uses the prefetch share of the S3
+        connections, so training reads keep priority. Raises StoreError."""
+        f = self.fetcher
+        bid = f.block_id(obj, index)
+        if not f.is_loading(bid):
+            if f.is_cached_id(bid):
+                return False
+            length = f.block_len(obj, index)
+            await self.budget.reserve(length)
+            if f.is_loading(bid) or f.is_cached_id(bid):
+                self.budget.release(length)
+            else:
+                f.load_ahead(obj, index, bid, reserved=length)
+                metrics.PREFETCH_ISSUED_BYTES.labels(WARM).inc(length)
+        return await f.wait_loaded(bid)

@@ -1,0 +1,120 @@
+"""Cache tiers: the places a block may already be, tried in order before the origin.
+
+A tier answers for blocks named by a :class:`BlockRef` (an object version, the
+block's index and length, and its 24-byte id). The contract, as in Mountpoint
+for S3's data cache:
+
+* :meth:`Tier.get` returns the block's exact, verified bytes, or None. A miss,
+  a corrupt or foreign block and a tier that is down are all None: never an
+  error, because S3 (the origin) is the truth and is asked next.
+* :meth:`Tier.put` stores a block fetched from below, best effort: it never
+  raises, and may refuse (full, busy, down).
+* :meth:`Tier.contains` is a cheap residency check that never waits (False when
+  the tier cannot tell without a request).
+* :attr:`Tier.name` labels the tier in metrics ("memory", "disk", "shared").
+
+The fetcher (:mod:`cachefs.read.fetcher`) walks memory, then each tier of
+its list in order, then the origin; a block found below a tier is put into
+every tier above it. Implementations: :class:`MemoryTier` (verified blocks in
+RAM, bounded) and :class:`DiskTier` (the local block cache) here; a shared
+in-region tier is another implementation of the same protocol.
+
+Concurrency: tiers are called on the trio thread; ``get``/``put`` may await
+worker threads of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from cachefs.cache.blocks import BlockCache
+    from cachefs.read.fetcher import ObjectVersion
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockRef:
+    """Block ``index`` (``length`` bytes at ``index * block size``) of ``obj``, id ``bid``."""
+
+    obj: ObjectVersion
+    index: int
+    length: int
+    bid: bytes
+
+
+class Tier(Protocol):
+    name: str
+
+    def contains(self, ref: BlockRef) -> bool:
+        ...
+
+    async def get(self, ref: BlockRef) -> bytes | None:
+        ...
+
+    async def put(self, ref: BlockRef, data: bytes) -> None:
+        ...
+
+
+class MemoryTier:
+    """Verified blocks in memory, least recently used dropped first (bounded in bytes).
+
+    Synchronous underneath (:meth:`peek`, :meth:`store`): the fetcher's fast path
+    answers from here without a task switch.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def peek(self, bid: bytes) -> bytes | None:
+        data = self._blocks.get(bid)
+        if data is not None:
+            self._blocks.move_to_end(bid)
+        return data
+
+    def store(self, bid: bytes, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        old = self._blocks.pop(bid, None)
+        if old is not None:
+            self.used -= len(old)
+        self._blocks[bid] = data
+        self.used += len(data)
+        while self.used > self.capacity:
+            _, dropped = self._blocks.popitem(last=False)
+            self.used -= len(dropped)
+
+    def __contains__(self, bid: bytes) -> bool:
+        return bid in self._blocks
+
+    def contains(self, ref: BlockRef) -> bool:
+        return ref.bid in self._blocks
+
+    async def get(self, ref: BlockRef) -> bytes | None:
+        return self.peek(ref.bid)
+
+    async def put(self, ref: BlockRef, data: bytes) -> None:
+        self.store(ref.bid, data)
+
+
+class DiskTier:
+    """The local block cache (:class:`~cachefs.cache.blocks.BlockCache`) as a tier."""
+
+    name = "disk"
+
+    def __init__(self, cache: BlockCache) -> None:
+        self.cache = cache
+
+    def contains(self, ref: BlockRef) -> bool:
+        return self.cache.contains(ref.bid)
+
+    async def get(self, ref: BlockRef) -> bytes | None:
+        return await self.cache.get(ref.bid)
+
+    async def put(self, ref: BlockRef, data: bytes) -> None:
+        await self.cache.put(ref.bid, data)
