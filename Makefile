@@ -6,8 +6,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PT_STAMP := $(VENV)/.passthrough
-# gcc, libc6-dev, patch, curl, python3-dev: building libfuse and the patched pyfuse3
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev patch curl python3-dev
+# gcc, libc6-dev, patch, curl, python3-dev: building libfuse and the patched pyfuse3;
+# prometheus: the real scraper of tests/test_prometheus.py (its service is disabled below);
+# buildah, debootstrap: make image (tests/test_image.py)
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev patch curl python3-dev \
+	prometheus buildah debootstrap
 
 .PHONY: demo test check lint typecheck test-fast bench bench-quick deps clean
 
@@ -50,6 +53,10 @@ $(STAMP): pyproject.toml
 	  echo "installing apt packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+	@# Debian starts prometheus (:9090) and node-exporter (:9100) as services where systemd
+	@# runs; tests start their own Prometheus and want no system one scraping or bound.
+	@if [ -d /run/systemd/system ]; then \
+	  systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true; fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,bench]'

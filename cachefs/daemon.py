@@ -227,6 +227,7 @@ class Daemon:
         probe_store(s3, cfg)
         store = RetryingStore(s3)
         metrics.START_TIME.set(self.started_at)
+        metrics.create_known_series()
         if cfg.metrics_addr:
             host, port = metrics.serve_metrics(cfg.metrics_addr)
             log.info("metrics at http://%s:%d/metrics", host, port)

@@ -172,6 +172,44 @@ METADATA_LISTINGS = Counter(
     "cachefs_metadata_listings", "Directory listings fetched from S3", registry=REGISTRY)
 
 
+# --- label sets known in advance ------------------------------------------
+# A labelled series does not exist until its first use, so on a healthy node the
+# error panels of the dashboard would show "No data" instead of zero, and rate()
+# over a counter born at its first error misses that error. These fixed sets are
+# created at daemon start (create_known_series); other values still appear on first
+# use. Keep them small: every combination is a series on every node.
+FUSE_OPS = ("lookup", "getattr", "statfs", "opendir", "readdir", "releasedir", "open", "read",
+            "release", "access")
+#: The errno an operator must notice (the one every StoreError and internal error ends in).
+FUSE_ALERT_ERRNO = "EIO"
+S3_OPS = ("get", "head", "list")
+#: The kind a failing or throttling S3 endpoint produces (cachefs.errors).
+S3_ALERT_KIND = "TransientStoreError"
+SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed")
+PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "refused", "unverified")
+
+
+def create_known_series() -> None:
+    """Create every labelled series of the fixed label sets above, at zero.
+
+    Called once by the daemon at start. Idempotent; never changes a value.
+    """
+    for op in FUSE_OPS:
+        FUSE_REQUESTS.labels(op)
+        FUSE_LATENCY.labels(op)
+        FUSE_ERRORS.labels(op, FUSE_ALERT_ERRNO)
+    for op in S3_OPS:
+        S3_REQUESTS.labels(op)
+        S3_LATENCY.labels(op)
+        S3_RETRIES.labels(op)
+        S3_THROTTLES.labels(op)
+        S3_ERRORS.labels(op, S3_ALERT_KIND)
+    for reason in SKIP_REASONS:
+        SKIPPED_KEYS.labels(reason)
+    for reason in PASSTHROUGH_DECLINE_REASONS:
+        PASSTHROUGH_DECLINED.labels(reason)
+
+
 def parse_metrics_addr(value: str) -> tuple[str, int]:
     """Parse ``HOST:PORT``, ``:PORT`` or ``PORT`` (host defaults to 127.0.0.1)."""
     host, sep, port_s = value.rpartition(":")

@@ -196,3 +196,26 @@ def test_on_call_panels_exist_and_are_documented() -> None:
     readme = (REPO / "deploy" / "README.md").read_text()
     undocumented = {t for t in titles if f"**{t}**" not in readme}
     assert not undocumented, f"panels missing from deploy/README.md: {sorted(undocumented)}"
+
+
+def test_known_label_sets_cover_the_code_and_are_created() -> None:
+    # The series created at daemon start (metrics.create_known_series) must name the
+    # operations the code really uses, or the dashboard's error panels stay empty.
+    source = "\n".join(p.read_text() for p in (REPO / "cachefs").rglob("*.py"))
+    fuse_ops = set(re.findall(r'@_handler\("(\w+)"\)', source))
+    s3_ops = set(re.findall(r'\b_(?:call|retry)\(\s*"(\w+)"', source)
+                 + re.findall(r'\bS3_[A-Z]+\.labels\(\s*"(\w+)"', source))
+    assert fuse_ops and s3_ops
+    assert fuse_ops == set(metrics.FUSE_OPS)
+    assert s3_ops == set(metrics.S3_OPS)
+    metrics.create_known_series()
+    samples = {(s.name, tuple(sorted(s.labels.items())))
+               for family in metrics.REGISTRY.collect() for s in family.samples}
+    for op in metrics.S3_OPS:
+        assert ("cachefs_s3_errors_total", (("kind", metrics.S3_ALERT_KIND), ("op", op))) in samples
+        assert ("cachefs_s3_throttles_total", (("op", op),)) in samples
+        assert ("cachefs_s3_retries_total", (("op", op),)) in samples
+    for op in metrics.FUSE_OPS:
+        assert ("cachefs_fuse_errors_total", (("errno", "EIO"), ("op", op))) in samples
+    for reason in metrics.SKIP_REASONS:
+        assert ("cachefs_skipped_keys_total", (("reason", reason),)) in samples
