@@ -6,13 +6,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PT_STAMP := $(VENV)/.passthrough
+DIST_DIR ?= dist
 # gcc, libc6-dev, patch, curl, python3-dev: building libfuse and the patched pyfuse3;
 # prometheus: the real scraper of tests/test_prometheus.py (its service is disabled below);
 # buildah, debootstrap: make image (tests/test_image.py)
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev patch curl python3-dev \
 	prometheus buildah debootstrap
 
-.PHONY: demo test check lint typecheck test-fast bench bench-quick deps clean
+.PHONY: demo test check lint typecheck test-fast bench bench-quick deps dist image clean
 
 ## demo: a local S3 server with a sample dataset, mounted and read cold then warm
 demo: deps
@@ -44,6 +45,13 @@ bench: deps
 bench-quick: deps
 	$(BIN)/python -m benchmarks.run --quick
 
+## dist: wheel and sdist in dist/, versioned from git (setuptools-scm); older ones removed
+dist: deps
+	rm -f $(DIST_DIR)/cachefs-*
+	$(BIN)/python -m build --outdir $(DIST_DIR) .
+	@rm -rf cachefs.egg-info  # setuptools leaves it; a stale one would shadow the venv's metadata
+	@ls -1 $(DIST_DIR)/cachefs-*
+
 deps: $(STAMP) $(PT_STAMP)
 
 $(STAMP): pyproject.toml
@@ -60,6 +68,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	@rm -rf cachefs.egg-info  # the editable install's metadata lives in the venv
 	@touch $@
 
 # FUSE passthrough: libfuse 3.17.2 in $(VENV)/opt/libfuse and a patched pyfuse3
