@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PT_STAMP := $(VENV)/.passthrough
 DIST_DIR ?= dist
+IMAGE    ?= localhost/cachefs
 # gcc, libc6-dev, patch, curl, python3-dev: building libfuse and the patched pyfuse3;
 # prometheus: the real scraper of tests/test_prometheus.py (its service is disabled below);
 # buildah, debootstrap: make image (tests/test_image.py)
@@ -51,6 +52,11 @@ dist: deps
 	$(BIN)/python -m build --outdir $(DIST_DIR) .
 	@rm -rf cachefs.egg-info  # setuptools leaves it; a stale one would shadow the venv's metadata
 	@ls -1 $(DIST_DIR)/cachefs-*
+
+## image: the container image localhost/cachefs:VERSION with buildah, from the wheel of make dist
+## (base: a local debootstrap of Debian bookworm, or BASE=IMAGE); no registry needed
+image: dist
+	scripts/build-image.sh $(DIST_DIR) $(IMAGE)
 
 deps: $(STAMP) $(PT_STAMP)
 

@@ -271,41 +271,182 @@ def _smoothed(reader: dict[str, Any], idx: int) -> tuple[list[int], list[float]]
     return xs, ys
 
 
-def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+PEERS = ("rclone", "s3fs")
+BAR_SYSTEMS = ("cachefs", "cachefs-hint", "rclone", "s3fs", "local")
+#: A reference line or bar further above the data than this factor is drawn at the
+#: top edge with its value written out, so it does not flatten everything else.
+OFF_SCALE = 1.6
+
+
+def _steady_sps(m: dict[str, Any] | None) -> float | None:
+    return (m.get("steady") or {}).get("samples_per_s") if m else None
+
+
+def _first_sps(m: dict[str, Any] | None) -> float | None:
+    return m["epochs"][0]["samples_per_s"] if m and m.get("epochs") else None
+
+
+def _reference_line(ax: Any, value: float | None, top: float, label: str, color: str) -> None:
+    """A horizontal reference at ``value``, or, far above ``top``, a note at the top edge."""
+    if not value:
+        return
+    if value <= top * OFF_SCALE:
+        ax.axhline(value, color=color, ls=":", lw=1.3, label=f"{label} {value:,.0f}/s")
+    else:
+        ax.annotate(f"{label}: {value:,.0f}/s (off scale)", xy=(0.99, 0.97), xycoords="axes fraction",
+                    ha="right", va="top", fontsize=7.5, color=color)
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str,
+         ms: list[dict[str, Any]] | None = None) -> None:
+    """The figure of RESULTS.md, one row per dataset, samples/s throughout:
+
+    1. cachefs remote and co-located over time (5 s moving average), the remote run's
+       first epoch (cold cache) shaded, the moment it comes within 5 % of co-located
+       marked, the co-located steady state and the local disk as reference lines;
+    2. the peers (rclone, s3fs) the same way on the same scale, with cachefs remote in grey;
+    3. bars of first-epoch and steady throughput per system and link.
+
+    ``ms`` are the run summaries (:func:`summarize`), computed when not given.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
+    ms = ms if ms is not None else summarize(runs)
+    by_run = {(r["dataset"], r["link"], r["system"]): r for r in runs}
+    by_m = {(m["dataset"], m["link"], m["system"]): m for m in ms}
     datasets = sorted({r["dataset"] for r in runs})
-    fig, axes = plt.subplots(len(datasets), 2, figsize=(13, 3.6 * len(datasets)), squeeze=False)
+    fig, axes = plt.subplots(len(datasets), 3, figsize=(18, 4.3 * len(datasets)), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.3, 1.3, 1]})
+
     for row, ds in enumerate(datasets):
-        for col, (idx, label) in enumerate(((1, "samples/s"), (2, "MB/s"))):
-            ax = axes[row][col]
-            for run in runs:
-                if run["dataset"] != ds:
-                    continue
-                xs, ys = _smoothed(run["reader"], idx)
-                ys = [y / (1e6 if idx == 2 else 1) for y in ys]
-                ls = "-" if run["link"] == "remote" else "--"
-                if run["system"] == "local":
-                    ls = ":"
-                ax.plot(
-                    xs, ys, ls, color=STYLE.get(run["system"], None), lw=1.2, label=f"{run['system']} ({run['link']})"
-                )
-                if run["link"] == "remote":
-                    for e in run["reader"]["epochs"][1:]:
-                        ax.axvline(e["start"], color=STYLE.get(run["system"]), alpha=0.15, lw=0.8)
-            ax.set_title(f"{ds}: {label} ({PLOT_SMOOTH_S} s moving average)", fontsize=9)
+        ax_cf, ax_peers, ax_bar = axes[row]
+        local = _steady_sps(by_m.get((ds, "local", "local")))
+
+        def line(ax: Any, system: str, link: str, ds: str = ds, **kw: Any) -> list[float]:
+            run = by_run.get((ds, link, system))
+            if run is None:
+                return []
+            xs, ys = _smoothed(run["reader"], 1)
+            # Between epochs the reader is restarting, not slow: break the line there.
+            spans = [(e["start"], e["end"]) for e in run["reader"]["epochs"]]
+            ys = [y if any(a <= x + 1 and x < z for a, z in spans) else float("nan")
+                  for x, y in zip(xs, ys, strict=True)]
+            kw.setdefault("color", STYLE.get(system))
+            kw.setdefault("label", f"{system} {'co-located' if link == 'colocated' else link}")
+            ax.plot(xs, ys, "-" if link == "remote" else "--", **kw)
+            return [y for y in ys if y == y]  # without the gaps (NaN)
+
+        # 1. cachefs: the story of the product.
+        top = max(line(ax_cf, "cachefs", "remote", lw=2.0)
+                  + line(ax_cf, "cachefs", "colocated", lw=1.4, alpha=0.8) + [1.0])
+        remote = by_run.get((ds, "remote", "cachefs"))
+        rm = by_m.get((ds, "remote", "cachefs"))
+        if remote is not None:
+            epochs = remote["reader"]["epochs"]
+            ax_cf.axvspan(epochs[0]["start"], epochs[0]["end"], color="tab:blue", alpha=0.07,
+                          label=f"remote epoch 1: cold cache ({epochs[0]['end'] - epochs[0]['start']:.0f} s)")
+            for i, e in enumerate(epochs[1:], start=2):
+                ax_cf.axvline(e["start"], color="grey", lw=0.6, alpha=0.5)
+                ax_cf.annotate(f"epoch {i}", xy=(e["start"], 0.02), xycoords=("data", "axes fraction"),
+                               fontsize=7, color="grey", rotation=90, ha="right", va="bottom")
+            if rm and rm.get("warmup_s") is not None:
+                ax_cf.axvline(rm["warmup_s"], color="tab:red", lw=1.2,
+                              label=f"remote within 5% of co-located from {rm['warmup_s']:.0f} s")
+            elif rm and rm.get("steady_ratio") is not None:
+                ax_cf.plot([], [], " ", label=f"remote steady = {rm['steady_ratio']:.2f} x co-located")
+        coloc = _steady_sps(by_m.get((ds, "colocated", "cachefs")))
+        if coloc:
+            ax_cf.axhline(coloc, color="tab:blue", ls=":", lw=1.0, alpha=0.7,
+                          label=f"co-located steady {coloc:,.0f}/s")
+        _reference_line(ax_cf, local, top, "local disk", "black")
+        ax_cf.set_title(f"{ds}: cachefs, remote region vs co-located", fontsize=10)
+
+        # 2. the peers, on the same scale.
+        line(ax_peers, "cachefs", "remote", color="grey", lw=1.2, alpha=0.6,
+             label="cachefs remote (for reference)")
+        peer_top = [top]
+        for system in PEERS:
+            for link in ("remote", "colocated"):
+                peer_top += line(ax_peers, system, link, lw=1.6 if link == "remote" else 1.2,
+                                 alpha=1.0 if link == "remote" else 0.75)
+        _reference_line(ax_peers, local, max(peer_top), "local disk", "black")
+        ax_peers.set_title(f"{ds}: peers (rclone, s3fs), same scale", fontsize=10)
+        ymax = max(peer_top) * 1.12
+        if local and local <= max(peer_top) * OFF_SCALE:
+            ymax = max(ymax, local * 1.08)
+        for ax in (ax_cf, ax_peers):
+            ax.set_ylim(0, ymax)
             ax.set_xlabel("seconds since the first epoch started")
-            ax.set_ylabel(label)
+            ax.set_ylabel("samples/s (5 s moving average)")
             ax.grid(alpha=0.3)
-            if col == 1:
-                ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(title, fontsize=10)
+            ax.legend(fontsize=7.5, loc="best")
+
+        # 3. bars: first epoch and steady, per system and link.
+        groups = [s for s in BAR_SYSTEMS if any(k[0] == ds and k[2] == s for k in by_m)]
+        kinds = (("colocated", _first_sps), ("colocated", _steady_sps),
+                 ("remote", _first_sps), ("remote", _steady_sps))
+        width = 0.2
+        bar_vals = [v for s in groups if s != "local" for link, f in kinds
+                    if (v := f(by_m.get((ds, link, s)))) is not None]
+        cap = max([*bar_vals, 1.0]) * 1.25
+        for gi, system in enumerate(groups):
+            for ki, (link, f) in enumerate(kinds):
+                m = by_m.get((ds, "local" if system == "local" else link, system))
+                if system == "local" and link == "remote":
+                    continue
+                v = f(m)
+                if v is None or m is None:
+                    continue
+                x = gi + (ki - 1.5) * width if system != "local" else gi + (ki - 0.5) * width
+                steady = f is _steady_sps
+                ax_bar.bar(x, min(v, cap), width, color=STYLE.get(system, "grey"),
+                           alpha=1.0 if steady else 0.4, hatch="//" if link == "colocated" and
+                           system != "local" else None, edgecolor="white", lw=0.5)
+                cut = f is _first_sps and not m.get("first_epoch_complete", True)
+                text = f"{v:,.0f}" + ("*" if cut else "") + (" ↑" if v > cap else "")
+                ax_bar.annotate(text, xy=(x, min(v, cap)), ha="center", va="bottom", fontsize=6.5,
+                                rotation=90, xytext=(0, 2), textcoords="offset points")
+        ax_bar.set_xticks(range(len(groups)))
+        ax_bar.set_xticklabels(["local disk" if s == "local" else s for s in groups], fontsize=8)
+        ax_bar.set_ylim(0, cap * 1.18)
+        ax_bar.set_ylabel("samples/s")
+        ax_bar.grid(alpha=0.3, axis="y")
+        ax_bar.set_title(f"{ds}: first epoch and steady state", fontsize=10)
+        ax_bar.legend(handles=[
+            Patch(facecolor="grey", alpha=0.4, hatch="//", edgecolor="white", label="co-located, epoch 1"),
+            Patch(facecolor="grey", hatch="//", edgecolor="white", label="co-located, steady"),
+            Patch(facecolor="grey", alpha=0.4, label="remote, epoch 1"),
+            Patch(facecolor="grey", label="remote, steady"),
+        ], fontsize=7, loc="upper left", ncol=2)
+
+    fig.suptitle(title + "\nsteady = epochs 2 and 3; * epoch cut at the time limit; "
+                 "↑ bar clipped, value written", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def load_results(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(summary, runs) from a results directory: summary.json plus the per-second
+    series of series.json, as :func:`plot` takes them."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    runs = []
+    for key, r in json.loads((out_dir / "series.json").read_text()).items():
+        dataset, link, system = key.split("/")
+        runs.append({"dataset": dataset, "link": link, "system": system, "reader": {
+            "epochs": r["epochs"],
+            "series": [(p["t"], p["samples_per_s"], p["MBps"] * 1e6) for p in r["series"]]}})
+    return summary, runs
+
+
+def plot_title(params: dict[str, Any]) -> str:
+    return (f"{'quick' if params['quick'] else 'full'} run: remote = {params['rtt_ms']:g} ms RTT, "
+            f"{params['bandwidth_MBps']:g} MB/s ({params['conn_bandwidth_MBps']:g}/conn); "
+            f"co-located = {params['colocated_rtt_ms']:g} ms")
 
 
 def _f(v: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
@@ -523,6 +664,18 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
         for f in summary["failures"]:
             L.append(f"- {f['dataset']} / {f['system']} / {f['link']}: `{f['error'][-300:]}`")
         L.append("")
+    L.append("### Throughput over time, first epoch and steady state\n")
+    L.append(
+        "One row per dataset, samples/s throughout. **Left:** cachefs over the remote link (solid) and "
+        "co-located (dashed), 5 s moving average, lines broken between epochs; the shaded span is the remote "
+        "run's first epoch (cold cache), the red line the moment the remote run stays within 5% of co-located "
+        "(when it does, else the legend gives the steady-state ratio), the dotted lines the co-located steady "
+        "state and the local disk (written at the top edge when it is far off scale). **Middle:** the peers, "
+        "rclone and s3fs, drawn the same way on the same scale, with cachefs remote in grey for reference. "
+        "**Right:** first-epoch (light) and steady (dark, epochs 2 and 3) throughput per system and link, "
+        "co-located hatched; `*` marks an epoch cut at the time limit, `↑` a bar clipped to keep the others "
+        "readable. Redraw it from the saved results with `python -m benchmarks.report`.\n"
+    )
     L.append(f"![throughput over time]({plot_path})\n")
     L.append(
         "Raw series (one point per second, all systems and links): `series.json`, `series.csv`; "
@@ -534,3 +687,29 @@ def render(summary: dict[str, Any], ms: list[dict[str, Any]], plot_path: str, ke
     L.append(NOTES_END)
     L.append("")
     return "\n".join(L)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraw the figure and rewrite RESULTS.md from saved results, without running anything."""
+    import argparse
+    import os
+
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
+    parser.add_argument("--results", type=Path, default=here / "results",
+                        help="directory with summary.json and series.json (default: %(default)s)")
+    parser.add_argument("--results-md", type=Path, default=here / "RESULTS.md",
+                        help="RESULTS.md to rewrite; its notes block is kept (default: %(default)s)")
+    args = parser.parse_args(argv)
+    summary, runs = load_results(args.results)
+    png = args.results / "throughput.png"
+    plot(runs, png, plot_title(summary["params"]), summary["runs"])
+    old = args.results_md.read_text() if args.results_md.exists() else ""
+    rel = os.path.relpath(png, args.results_md.parent)
+    args.results_md.write_text(render(summary, summary["runs"], rel, keep_notes_from=old))
+    print(f"wrote {png} and {args.results_md}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
