@@ -6,6 +6,8 @@
 # Usage: scripts/build-passthrough.sh [VENV]      (default: .venv of this repository)
 # Env:   FUSE_TARBALL_URL  libfuse source tarball (any curl URL, e.g. file:///...)
 #        PYFUSE3_SDIST     a local pyfuse3-3.5.0.tar.gz instead of downloading it
+#        PASSTHROUGH_PATCH the patch, when this script is not in a source checkout
+#                          (default: third_party/pyfuse3-passthrough.patch)
 #
 # Never fails the caller: if anything goes wrong it prints one line, keeps the stock
 # pyfuse3 and exits 0 (cachefs then serves reads itself). Quick when already done.
@@ -21,11 +23,15 @@ PYFUSE3_SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(realpath -m "${1:-$repo/.venv}")  # absolute: it ends up in the rpath
 py=$venv/bin/python
-patch_file=$repo/third_party/pyfuse3-passthrough.patch
+patch_file=${PASSTHROUGH_PATCH:-$repo/third_party/pyfuse3-passthrough.patch}
 prefix=$venv/opt/libfuse
 cache=$venv/opt/src
 log=$venv/opt/build-passthrough.log
 stamp=$venv/.passthrough
+if [ ! -f "$patch_file" ]; then
+    echo "FUSE passthrough unavailable: $patch_file not found; cachefs will serve reads itself"
+    exit 0
+fi
 key="libfuse $FUSE_VERSION, pyfuse3 $PYFUSE3_VERSION, patch $(sha256sum "$patch_file" | cut -c1-12)"
 work=""
 

@@ -121,8 +121,8 @@ def test_install_script_rejects_bad_arguments_in_one_line(tmp_path: Path) -> Non
 
 
 @needs_shellcheck
-@pytest.mark.parametrize("script", [INSTALL_SH, REPO / "scripts" / "build-passthrough.sh"],
-                         ids=["install_cachefs", "build-passthrough"])
+@pytest.mark.parametrize("script", [INSTALL_SH, *sorted((REPO / "scripts").glob("*.sh"))],
+                         ids=lambda p: p.stem)
 def test_shell_scripts_are_shellcheck_clean(script: Path) -> None:
     assert SHELLCHECK is not None
     proc = subprocess.run(
@@ -150,6 +150,8 @@ case $1 in
   start|restart) touch "$STUB_STATE";;
 esac""",
     "mountpoint": "exit 0",
+    # The AWS CLI: `aws s3 cp SRC DEST` "downloads" an empty file.
+    "aws": 'echo "aws $*" >> "$STUB_LOG"; touch "${@: -1}"',
     # A pip that "installs" cachefs and mount.cachefs into its own bin directory.
     "fakepip": """echo "pip $*" >> "$STUB_LOG"
 [ -z "$FAKE_PIP_FAIL" ] || exit 1
@@ -183,16 +185,19 @@ def staging(tmp_path: Path) -> dict[str, object]:
         "CACHEFS_PYTHON": str(stubs / "fakepython"), "CACHEFS_PACKAGE": "/wheels/cachefs.whl",
         "STUB_LOG": str(tmp_path / "calls.log"), "STUB_STATE": str(tmp_path / "active"),
         "FAKE_AVAIL": str(100 * GIB), "FAKE_HELD": "0",
+        # The real build would download and compile (test_install_from_an_s3_wheel... stubs it).
+        "CACHEFS_PASSTHROUGH": "off",
     }
     return {"root": root, "env": env, "log": tmp_path / "calls.log"}
 
 
-def run_install(staging: dict[str, object], *args: str, **env: str) -> tuple[str, list[str]]:
+def run_install(staging: dict[str, object], *args: str, script: Path = INSTALL_SH,
+                **env: str) -> tuple[str, list[str]]:
     log = staging["log"]
     assert isinstance(log, Path)
     log.unlink(missing_ok=True)
     proc = subprocess.run(
-        ["bash", str(INSTALL_SH), *args], check=False, capture_output=True, text=True,
+        ["bash", str(script), *args], check=False, capture_output=True, text=True,
         timeout=30, env={**staging["env"], **env})  # type: ignore[dict-item]
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
@@ -274,3 +279,32 @@ def test_install_failures_are_one_line(staging: dict[str, object]) -> None:
     assert proc.returncode == 1
     assert re.fullmatch(r"install_cachefs.sh: failed at line \d+: systemctl daemon-reload\n",
                         proc.stderr)
+
+
+def test_install_from_an_s3_wheel_builds_passthrough_on_the_node(
+        staging: dict[str, object], tmp_path: Path) -> None:
+    # The lifecycle scripts' S3 prefix as HyperPod copies it to the node: flat.
+    upload = tmp_path / "upload"
+    upload.mkdir()
+    for f in (INSTALL_SH, UNIT):
+        shutil.copy(f, upload)
+    (upload / "build-passthrough.sh").write_text(
+        'echo "build-passthrough $* patch=$PASSTHROUGH_PATCH" >> "$STUB_LOG"\n')
+    (upload / "pyfuse3-passthrough.patch").write_text("")
+    root = staging["root"]
+    wheel = "cachefs-0.2.0-py3-none-any.whl"
+    _, calls = run_install(staging, "s3://bucket/p", "/mnt/data", script=upload / INSTALL_SH.name,
+                           CACHEFS_PACKAGE=f"s3://releases/cachefs/{wheel}",
+                           CACHEFS_PASSTHROUGH="auto")
+    assert calls[:3] == [
+        f"aws s3 cp --only-show-errors s3://releases/cachefs/{wheel} {root}/opt/cachefs/dist/{wheel}",
+        f"pip install --quiet --disable-pip-version-check --upgrade {root}/opt/cachefs/dist/{wheel}",
+        f"build-passthrough {root}/opt/cachefs/venv patch={upload}/pyfuse3-passthrough.patch"]
+    assert calls[-1] == "systemctl start cachefs@data.service"
+
+    proc = subprocess.run(
+        ["bash", str(INSTALL_SH), "s3://bucket/p", "/mnt/data"], check=False, capture_output=True,
+        text=True, timeout=30,
+        env={**staging["env"], "CACHEFS_PACKAGE": "s3://releases/cachefs/"})  # type: ignore[dict-item]
+    assert (proc.returncode, proc.stderr) == (1, "install_cachefs.sh: CACHEFS_PACKAGE "
+                                              "s3://releases/cachefs/: an s3:// package must be a .whl file\n")

@@ -8,9 +8,14 @@
 # What it does (every step is safe to repeat):
 #   1. apt: fuse3, plus the compiler and headers pyfuse3 builds against;
 #   2. a virtualenv at /opt/cachefs/venv with the cachefs package: $CACHEFS_PACKAGE
-#      (anything pip installs: a wheel path, a requirement, a git URL), else the
-#      newest cachefs-*.whl next to this script, else the source checkout the
-#      script sits in;
+#      (an s3:// URL of a wheel from `make dist`, copied with the AWS CLI to
+#      /opt/cachefs/dist; or anything pip installs: a wheel path, a requirement, a
+#      git URL), else the newest cachefs-*.whl next to this script, else the source
+#      checkout the script sits in; then FUSE passthrough for it (libfuse 3.17.2 and
+#      a patched pyfuse3, built on the node by build-passthrough.sh with
+#      pyfuse3-passthrough.patch, both next to this script or in the checkout;
+#      about 1.5 min the first time; if it cannot be built cachefs serves reads
+#      itself; CACHEFS_PASSTHROUGH=off skips it);
 #   3. cache directory: /opt/dlami/nvme/cachefs/NAME when the instance store is
 #      mounted at /opt/dlami/nvme, else /opt/sagemaker/cachefs/NAME; the cache
 #      gets $CACHEFS_CACHE_PERCENT (default 80) % of that file system's free space;
@@ -21,7 +26,8 @@
 # NAME defaults to the last component of the mount point (/mnt/data -> data);
 # set CACHEFS_NAME to choose another. Other knobs: CACHEFS_METRICS_ADDR
 # (default 127.0.0.1:9477), CACHEFS_MEMORY_BUDGET (default 1G),
-# CACHEFS_CACHE_POLICY (default keep), CACHEFS_PYTHON (interpreter for the venv).
+# CACHEFS_CACHE_POLICY (default keep), CACHEFS_PYTHON (interpreter for the venv),
+# CACHEFS_PASSTHROUGH (auto, the default, or off).
 # CACHEFS_ROOT installs into a staging tree instead of / (used by the tests).
 
 set -Eeuo pipefail
@@ -83,6 +89,10 @@ for candidate in "$SCRIPT_DIR/cachefs@.service" "$SCRIPT_DIR/../../systemd/cache
 done
 [[ -n $UNIT_SRC ]] || die "cachefs@.service not found: copy systemd/cachefs@.service next to $PROG"
 
+PASSTHROUGH=${CACHEFS_PASSTHROUGH:-auto}
+[[ $PASSTHROUGH == auto || $PASSTHROUGH == off ]] ||
+    die "CACHEFS_PASSTHROUGH must be auto or off, got '$PASSTHROUGH'"
+
 PACKAGE=${CACHEFS_PACKAGE:-}
 if [[ -z $PACKAGE ]]; then
     wheel=$(find "$SCRIPT_DIR" -maxdepth 1 -name 'cachefs-*.whl' | sort -V | tail -n 1)
@@ -114,7 +124,8 @@ python_ok() {
     "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 }
 
-apt_install fuse3 libfuse3-dev pkg-config gcc
+# gcc, libc6-dev, patch, curl: pyfuse3, and the passthrough build (libfuse 3.17.2)
+apt_install fuse3 libfuse3-dev pkg-config gcc libc6-dev patch curl
 
 PYTHON=${CACHEFS_PYTHON:-}
 if [[ -z $PYTHON ]]; then
@@ -135,6 +146,16 @@ PY_VERSION=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.versio
 apt_install "python$PY_VERSION-venv" "python$PY_VERSION-dev"
 
 # --- 2. the cachefs package -----------------------------------------------------
+if [[ $PACKAGE == s3://* ]]; then
+    # A wheel from `make dist` kept in S3: pip needs its file name, so keep it.
+    [[ $PACKAGE == *.whl ]] || die "CACHEFS_PACKAGE $PACKAGE: an s3:// package must be a .whl file"
+    command -v aws >/dev/null || die "the AWS CLI (aws) is needed to copy $PACKAGE"
+    mkdir -p "$PREFIX/dist"
+    log "copying $PACKAGE"
+    aws s3 cp --only-show-errors "$PACKAGE" "$PREFIX/dist/${PACKAGE##*/}" ||
+        die "cannot copy $PACKAGE (does the node's role allow s3:GetObject on it?)"
+    PACKAGE=$PREFIX/dist/${PACKAGE##*/}
+fi
 if [[ ! -x $VENV/bin/python ]]; then
     log "creating $VENV with $PYTHON"
     mkdir -p "$PREFIX"
@@ -144,6 +165,24 @@ log "installing $PACKAGE into $VENV"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --upgrade "$PACKAGE" ||
     die "pip could not install $PACKAGE into $VENV"
 [[ -x $VENV/bin/cachefs ]] || die "$PACKAGE did not install a cachefs command into $VENV/bin"
+
+# FUSE passthrough: the kernel reads fully cached files itself. Built on the node
+# (the script never fails: without it, cachefs serves every read itself).
+if [[ $PASSTHROUGH == auto ]]; then
+    pt_script="" pt_patch=""
+    for dir in "$SCRIPT_DIR/../../scripts" "$SCRIPT_DIR"; do
+        if [[ -f $dir/build-passthrough.sh ]]; then pt_script=$dir/build-passthrough.sh; fi
+    done
+    for dir in "$SCRIPT_DIR/../../third_party" "$SCRIPT_DIR"; do
+        if [[ -f $dir/pyfuse3-passthrough.patch ]]; then pt_patch=$dir/pyfuse3-passthrough.patch; fi
+    done
+    if [[ -n $pt_script && -n $pt_patch ]]; then
+        log "FUSE passthrough for $VENV (about 1.5 min the first time)"
+        PASSTHROUGH_PATCH=$pt_patch bash "$pt_script" "$VENV"
+    else
+        log "FUSE passthrough not built: put build-passthrough.sh and pyfuse3-passthrough.patch next to $PROG"
+    fi
+fi
 mkdir -p "$ROOT/usr/local/bin" "$ROOT/sbin"
 ln -sfn "$VENV/bin/cachefs" "$ROOT/usr/local/bin/cachefs"
 if [[ -x $VENV/bin/mount.cachefs ]]; then
