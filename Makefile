@@ -56,7 +56,7 @@ dist: deps
 ## image: the container image localhost/cachefs:VERSION with buildah, from the wheel of make dist
 ## (base: a local debootstrap of Debian bookworm, or BASE=IMAGE); no registry needed
 image: dist
-	scripts/build-image.sh $(DIST_DIR) $(IMAGE)
+	BASE="$(BASE)" scripts/build-image.sh $(DIST_DIR) $(IMAGE)
 
 deps: $(STAMP) $(PT_STAMP)
 

@@ -47,7 +47,7 @@ cleanup() {
 }
 trap cleanup EXIT
 rootfs=$work/rootfs
-cache=$(pwd)/build/image-cache/debootstrap
+cache=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build/image-cache/debootstrap  # reused debs
 mkdir -p "$cache"
 
 echo "image-base: debootstrap $suite (minbase + $packages) from $mirror"
