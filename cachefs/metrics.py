@@ -187,6 +187,8 @@ S3_OPS = ("get", "head", "list")
 S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "refused", "unverified")
+#: cachefs.read.prefetcher.POLICIES
+PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm")
 
 
 def create_known_series() -> None:
@@ -208,6 +210,10 @@ def create_known_series() -> None:
         SKIPPED_KEYS.labels(reason)
     for reason in PASSTHROUGH_DECLINE_REASONS:
         PASSTHROUGH_DECLINED.labels(reason)
+    for policy in PREFETCH_POLICIES:
+        PREFETCH_ISSUED_BYTES.labels(policy)
+        PREFETCH_USED_BYTES.labels(policy)
+        PREFETCH_WASTED_BYTES.labels(policy)
 
 
 def parse_metrics_addr(value: str) -> tuple[str, int]:

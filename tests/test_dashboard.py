@@ -208,6 +208,9 @@ def test_known_label_sets_cover_the_code_and_are_created() -> None:
     assert fuse_ops and s3_ops
     assert fuse_ops == set(metrics.FUSE_OPS)
     assert s3_ops == set(metrics.S3_OPS)
+    from cachefs.read.prefetcher import POLICIES
+
+    assert set(POLICIES) == set(metrics.PREFETCH_POLICIES)
     metrics.create_known_series()
     samples = {(s.name, tuple(sorted(s.labels.items())))
                for family in metrics.REGISTRY.collect() for s in family.samples}
@@ -219,3 +222,5 @@ def test_known_label_sets_cover_the_code_and_are_created() -> None:
         assert ("cachefs_fuse_errors_total", (("errno", "EIO"), ("op", op))) in samples
     for reason in metrics.SKIP_REASONS:
         assert ("cachefs_skipped_keys_total", (("reason", reason),)) in samples
+    for policy in metrics.PREFETCH_POLICIES:
+        assert ("cachefs_prefetch_wasted_bytes_total", (("policy", policy),)) in samples
