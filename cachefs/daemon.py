@@ -2,9 +2,10 @@
 
 Order of start-up (each step fails with one clear CachefsError line):
 
-1. mount point: exists, is a directory, is empty, is not a (dead) mount;
-2. cache directory: created, writable, locked for this daemon only, large
-   enough for ``--cache-size``;
+1. mount point: exists, is a directory, is empty, holds no mount; a dead
+   cachefs mount (its daemon was killed) is detached first (:mod:`cachefs.startup`);
+2. cache directory: created 0700 (wider modes tightened), writable, locked for
+   this daemon only, large enough for ``--cache-size``;
 3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
 4. S3: one probe request (bucket exists, credentials work, endpoint answers);
 5. metrics endpoint bound (if asked);
@@ -13,16 +14,16 @@ Order of start-up (each step fails with one clear CachefsError line):
 
 Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
 the fetcher's flights, the maintenance loop (last-use batches, LMDB sync),
-the orphan scan, and the signal watcher. SIGTERM/SIGINT unmount cleanly.
+the orphan scan, the control socket, and the signal watcher. SIGTERM/SIGINT
+unmount cleanly. No background task ends the daemon on an error: each unit of
+work runs in :func:`cachefs.background.contained` (logged, counted, goes on);
+only cancellation ends them.
 When the request loop ends (unmounted), pending cache writes are drained
 (bounded wait), then the rest is cancelled and the index synced and closed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import logging
 import os
 import signal
@@ -30,21 +31,20 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pyfuse3
 import trio
 
 from cachefs import metrics
+from cachefs.background import contained
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
-from cachefs.config import MountConfig, format_size
+from cachefs.config import MountConfig
 from cachefs.control import registry
 from cachefs.control.server import ControlServer
 from cachefs.control.warm import Warmer
 from cachefs.errors import (
-    CacheError,
     CachefsError,
     ConfigError,
     CredentialsError,
@@ -61,76 +61,13 @@ from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.s3.boto import S3Store
 from cachefs.s3.retry import RetryingStore
+from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
 
 log = logging.getLogger(__name__)
 
 MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
 STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
 DRAIN_TIMEOUT = 30.0
-
-
-def check_mountpoint(path: Path) -> None:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"mount point {path} does not exist") from None
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise ConfigError(f"mount point {path} is a dead mount (transport endpoint is not "
-                              f"connected): run 'cachefs unmount {path}' first") from None
-        raise ConfigError(f"mount point {path}: {exc.strerror}") from None
-    import stat as stat_mod
-    if not stat_mod.S_ISDIR(st.st_mode):
-        raise ConfigError(f"mount point {path} is not a directory")
-    if os.path.ismount(path):
-        raise ConfigError(f"mount point {path} is already a mount point")
-    try:
-        if any(os.scandir(path)):
-            raise ConfigError(f"mount point {path} is not empty")
-    except PermissionError:
-        raise ConfigError(f"mount point {path}: permission denied") from None
-
-
-def prepare_cache_dir(path: Path, cache_size: int) -> None:
-    """Create the cache directory and check it is writable and big enough."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CacheError(f"cannot create cache directory {path}: {exc.strerror}") from None
-    if not path.is_dir():
-        raise CacheError(f"cache directory {path} is not a directory")
-    probe = path / f".write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as exc:
-        raise CacheError(f"cache directory {path} is not writable: {exc.strerror}") from None
-    st = os.statvfs(path)
-    total = st.f_blocks * st.f_frsize
-    if cache_size > total:
-        raise ConfigError(f"--cache-size {format_size(cache_size)} is larger than the file system "
-                          f"holding {path} ({format_size(total)})")
-
-
-
-
-@contextlib.contextmanager
-def lock_cache_dir(path: Path) -> Any:
-    """Hold an exclusive lock on the cache directory for the daemon's lifetime."""
-    lock_path = path / "lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise CacheError(f"cache directory {path} is in use by another cachefs daemon "
-                             f"(pid {owner})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
 
 
 def set_kernel_readahead(mountpoint: Path, read_ahead: int) -> None:
@@ -182,8 +119,11 @@ def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
 
 
 def make_store(cfg: MountConfig) -> S3Store:
-    return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                   max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+    try:
+        return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                       max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+    except ValueError as exc:  # botocore: "Invalid endpoint: ..." (e.g. AWS_ENDPOINT_URL)
+        raise ConfigError(f"invalid S3 endpoint: {exc}") from None
 
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:
@@ -212,7 +152,7 @@ class Daemon:
         failure (nothing is left mounted)."""
         cfg = self.cfg
         check_mountpoint(cfg.mountpoint)
-        prepare_cache_dir(cfg.cache_dir, cfg.cache_size)
+        prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
         with lock_cache_dir(cfg.cache_dir):
             self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb")
             try:
@@ -345,24 +285,23 @@ class Daemon:
                 return
 
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
+        """Status snapshot every second; last-use batches and an LMDB sync every few
+        seconds. A failure (disk full, runtime dir gone, a bug) skips that step only."""
         last_sync = time.monotonic()
         while True:
             await trio.sleep(STATUS_INTERVAL)
-            try:  # housekeeping failures (disk full, runtime dir gone) never stop the mount
+            with contained("maintenance", "publishing the status snapshot"):
                 await trio.to_thread.run_sync(self._publish_status)
-                if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
-                    last_sync = time.monotonic()
+            if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
+                last_sync = time.monotonic()
+                with contained("maintenance", "recording last use and syncing the index"):
                     touched = cache.take_touches()
                     await trio.to_thread.run_sync(cache.flush_touches, touched)
                     await trio.to_thread.run_sync(env.sync)
-            except (OSError, CachefsError) as exc:
-                log.warning("cache maintenance failed: %s", exc)
 
     async def _remove_orphans(self, cache: BlockCache) -> None:
-        try:
+        with contained("orphan_scan", "removing cache files the index does not name"):
             await trio.to_thread.run_sync(cache.remove_orphans, self.started_at)
-        except OSError as exc:
-            log.warning("orphan scan failed: %s", exc)
 
 
 __all__ = ["CachefsError", "Daemon"]

@@ -171,6 +171,30 @@ START_TIME = Gauge(
 METADATA_LISTINGS = Counter(
     "cachefs_metadata_listings", "Directory listings fetched from S3", registry=REGISTRY)
 
+# --- crashes, housekeeping and the control socket ---------------------------------
+#: Background tasks that report their failures (cachefs.background); label values.
+BACKGROUND_TASKS = ("maintenance", "orphan_scan", "control", "cache_write", "read_order")
+BACKGROUND_ERRORS = Counter(
+    "cachefs_background_errors", "Unexpected failures of background tasks (logged, counted; "
+    "the task goes on)", ["task"], registry=REGISTRY)
+#: Why a control-socket connection or request was refused; label values.
+CONTROL_REJECT_REASONS = ("peer", "busy", "too_large", "malformed", "timeout")
+CONTROL_REJECTED = Counter(
+    "cachefs_control_rejected", "Control-socket connections or requests refused: peer (not "
+    "root or the mounting user), busy (too many connections), too_large, malformed, timeout "
+    "(slow client)", ["reason"], registry=REGISTRY)
+CONTROL_CONNECTIONS = Gauge(
+    "cachefs_control_connections", "Control-socket connections being served", registry=REGISTRY)
+DEAD_MOUNTS_CLEANED = Counter(
+    "cachefs_dead_mounts_cleaned", "Dead cachefs mounts (their daemon was killed) detached from "
+    "the mount point at start", registry=REGISTRY)
+
+# Known label sets exist from the start, so dashboards show 0 rather than "No data".
+for _task in BACKGROUND_TASKS:
+    BACKGROUND_ERRORS.labels(_task)
+for _reason in CONTROL_REJECT_REASONS:
+    CONTROL_REJECTED.labels(_reason)
+
 
 # --- label sets known in advance ------------------------------------------
 # A labelled series does not exist until its first use, so on a healthy node the

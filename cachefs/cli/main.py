@@ -159,16 +159,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
     """Start ``cachefs mount --foreground`` detached; return once it is live or failed."""
-    from cachefs.daemon import check_mountpoint, prepare_cache_dir
+    from cachefs.startup import check_mountpoint, open_private, prepare_cache_dir
 
-    check_mountpoint(cfg.mountpoint)  # fail fast, in this process, on the common errors
-    prepare_cache_dir(cfg.cache_dir, cfg.cache_size)
+    # Fail fast, in this process, on the common errors. A dead cachefs mount at the mount
+    # point is left to the daemon, which detaches it (and logs and counts that).
+    check_mountpoint(cfg.mountpoint, clean_dead=False)
+    prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=False)
     log_path = Path(cfg.log_file) if cfg.log_file else cfg.cache_dir / "cachefs.log"
     read_end, write_end = os.pipe()
     env = dict(os.environ, **{READY_FD_ENV: str(write_end)})
     argv = [sys.executable, "-m", "cachefs", *argv_in, "--foreground"]
-    try:
-        log_file = open(log_path, "ab")
+    try:  # the log names keys and paths: private to the mounting user, like the cache
+        log_file = os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
     except OSError as exc:
         raise ConfigError(f"cannot open log file {log_path}: {exc.strerror}") from None
     with log_file:
@@ -185,7 +187,10 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
         print(f"cachefs: {message}", file=sys.stderr)
         return child.returncode or 1
     if not message:
-        code = child.poll()
+        try:  # the pipe closes as the child exits: give it a moment to be reaped
+            code: int | None = child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
         if code is None:
             print(f"cachefs: error: the daemon did not become ready within {START_TIMEOUT:.0f}s; "
                   f"see {log_path}", file=sys.stderr)
