@@ -203,8 +203,7 @@ class Daemon:
                         read_order=read_order, lookahead=lookahead, backing=passthrough)
         warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
-                                warmer=warmer, root_prefix=cfg.source.prefix,
-                                allow_other=cfg.allow_other)
+                                warmer=warmer, root_prefix=cfg.source.prefix)
         ops = Operations(
             fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
             gid=os.getgid() if cfg.gid is None else cfg.gid,

@@ -66,9 +66,15 @@ class LmdbEnv:
     @staticmethod
     def _open(path: Path, map_size: int) -> Any:
         def do_open() -> Any:
+            # Private to the mounting user whatever the umask (the index names every
+            # cached key). lmdb.open would create the directory with the file mode.
+            try:
+                path.mkdir(mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise CacheError(f"cannot create cache metadata {path}: {exc.strerror}") from None
             return lmdb.open(
                 str(path), map_size=map_size, max_dbs=len(DB_NAMES) + 2, max_readers=_MAX_READERS,
-                sync=False, metasync=False, readahead=False, subdir=True, lock=True,
+                sync=False, metasync=False, readahead=False, subdir=True, lock=True, mode=0o600,
             )
         try:
             return do_open()
