@@ -286,13 +286,13 @@ class Daemon:
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
         """Status snapshot every second; last-use batches and an LMDB sync every few
         seconds. A failure (disk full, runtime dir gone, a bug) skips that step only."""
-        last_sync = time.monotonic()
+        last_sync = trio.current_time()
         while True:
             await trio.sleep(STATUS_INTERVAL)
             with contained("maintenance", "publishing the status snapshot"):
                 await trio.to_thread.run_sync(self._publish_status)
-            if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
-                last_sync = time.monotonic()
+            if trio.current_time() - last_sync >= MAINTENANCE_INTERVAL:
+                last_sync = trio.current_time()
                 with contained("maintenance", "recording last use and syncing the index"):
                     touched = cache.take_touches()
                     await trio.to_thread.run_sync(cache.flush_touches, touched)
