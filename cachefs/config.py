@@ -16,6 +16,7 @@ import dataclasses
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ def parse_size(value: str | int) -> int:
         if value < 0:
             raise ConfigError(f"size {value} is negative")
         return value
+    if str(value).strip().startswith("-"):
+        raise ConfigError(f"invalid size {value!r}: sizes cannot be negative")
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ConfigError(f"invalid size {value!r}: expected a number with an optional "
@@ -175,6 +178,23 @@ def _opt_str(value: Any) -> str | None:
     return None if value is None or value == "" else str(value)
 
 
+def _endpoint_url(value: Any) -> str | None:
+    """An S3 endpoint: ``http://`` or ``https://`` with a host and an optional port."""
+    text = _opt_str(value)
+    if text is None:
+        return None
+    try:
+        url = urllib.parse.urlsplit(text)
+        host, _port = url.hostname, url.port  # .port raises ValueError for "host:abc"
+    except ValueError:
+        host = None
+        url = urllib.parse.urlsplit("")
+    if url.scheme.lower() not in ("http", "https") or not host:
+        raise ConfigError(f"invalid URL {text!r}: expected http://HOST[:PORT] or "
+                          "https://HOST[:PORT]")
+    return text
+
+
 def _opt_int(value: Any) -> int | None:
     return None if value is None or value == "" else parse_int(value)
 
@@ -189,7 +209,7 @@ OPTIONS: tuple[Option, ...] = (
            "(optimal for epochs over a dataset larger than the cache); 'lru' evicts the least "
            "recently used block.", metavar="POLICY"),
     Option("block_size", parse_size, "4M", "Cache block and ranged-GET size.", metavar="SIZE"),
-    Option("endpoint_url", _opt_str, None,
+    Option("endpoint_url", _endpoint_url, None,
            "S3 endpoint URL (default: AWS, or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL).",
            metavar="URL"),
     Option("region", _opt_str, None, "AWS region of the bucket (default: from the AWS config).",

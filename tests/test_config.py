@@ -186,6 +186,12 @@ def test_resolve_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> 
     ({"uid": "root"}, "--uid"),
     ({"log_level": "loud"}, "--log-level"),
     ({"source": "gs://bucket"}, "s3://"),
+    ({"endpoint_url": "file:///tmp/store"}, "--endpoint-url"),
+    ({"endpoint_url": "ftp://host"}, "--endpoint-url"),
+    ({"endpoint_url": "localhost:9000"}, "--endpoint-url"),
+    ({"endpoint_url": "http://"}, "--endpoint-url"),
+    ({"endpoint_url": "http://host:port"}, "--endpoint-url"),
+    ({"cache_size": "-5G"}, "negative"),
 ])
 def test_bad_values_name_the_option(cli: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -319,3 +325,9 @@ def test_mode_from_toml_integer_is_not_silently_decimal() -> None:
     except ConfigError:
         return  # rejecting an ambiguous integer mode is fine too
     assert from_file == from_flag
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com",
+                                 "http://[::1]:8333/", "HTTPS://minio.internal"])
+def test_endpoint_urls_accepted(url: str) -> None:
+    assert make({"endpoint_url": url}).endpoint_url == url

@@ -27,7 +27,7 @@ def test_listing_rules_marker_and_sort_order() -> None:
     skipped: Counter[str] = Counter()
     entries = entries_from_listing(
         "data/",
-        [obj("data/"), obj("data/b.bin", 5, "eb", 2.0), obj("data/a.bin", 3, "ea", 1.0)],
+        [obj("data/", 0), obj("data/b.bin", 5, "eb", 2.0), obj("data/a.bin", 3, "ea", 1.0)],
         ["data/sub/", "data/Z/"],
         skipped,
     )
@@ -36,6 +36,14 @@ def test_listing_rules_marker_and_sort_order() -> None:
     assert by_name[b"a.bin"] == Entry(b"a.bin", False, 3, 1.0, "ea")
     assert by_name[b"sub"].is_dir and by_name[b"Z"].is_dir
     assert not skipped  # the directory's own marker is not a skip
+
+
+def test_a_directory_marker_with_data_is_counted_not_hidden_silently() -> None:
+    # "data/" holding bytes: no file name can show them (the name is the directory itself).
+    skipped: Counter[str] = Counter()
+    entries = entries_from_listing("data/", [obj("data/", 7), obj("data/a", 1)], [], skipped)
+    assert [e.name for e in entries] == [b"a"]
+    assert skipped == Counter({"marker_with_data": 1})
 
 
 def test_listing_directory_wins_over_object_of_same_name() -> None:

@@ -9,7 +9,8 @@ including after a remount with the same cache directory.
 Mapping keys to names (documented in README):
 
 * ``/`` separates directories. A key ending in ``/`` (a directory marker)
-  makes a directory; the marker itself is not a file.
+  makes a directory; the marker itself is not a file (one holding data is
+  counted as ``marker_with_data``).
 * A key that is both an object and a prefix (``a`` and ``a/b``): the
   directory wins and the object ``a`` is hidden (counted as ``shadowed``).
 * Names that cannot be file names are skipped and counted by reason: empty
@@ -91,6 +92,8 @@ def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[
     for obj in objects:
         name = obj.key[len(prefix):]
         if name == "" and obj.key == prefix:
+            if obj.size > 0:  # bytes no file name can show: count them, never hide silently
+                skipped["marker_with_data"] += 1
             continue  # the directory's own marker object
         reason = invalid_name_reason(name)
         if reason:

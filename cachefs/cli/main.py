@@ -112,6 +112,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _option_strings(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
+    """(options taking one value, every option string) of ``parser`` and its subcommands."""
+    valued: set[str] = set()
+    every: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                v, e = _option_strings(sub)
+                valued |= v
+                every |= e
+            continue
+        every.update(action.option_strings)
+        if action.option_strings and action.nargs is None:
+            valued.update(action.option_strings)
+    return valued, every
+
+
+def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--cache-size -5G`` -> ``--cache-size=-5G``. argparse takes a value that starts with
+    '-' (and is not a plain negative number) for an option and fails with "expected one
+    argument"; joined, the value reaches its parser, which says what is wrong with it. A
+    following token that is itself an option of the command line is left alone."""
+    valued, every = _option_strings(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            out += argv[i:]
+            break
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (token in valued and nxt is not None and nxt.startswith("-") and nxt != "--"
+                and nxt.split("=", 1)[0] not in every):
+            out.append(f"{token}={nxt}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def _mount_config(args: argparse.Namespace) -> MountConfig:
     file_values = load_config_file(args.config) if args.config else None
     cli: dict[str, Any] = {opt.name: getattr(args, opt.name) for opt in OPTIONS}
@@ -284,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(mount_helper_main(argv) or 0)
     parser = build_parser()
+    argv = join_dash_values(parser, argv)
     args = parser.parse_args(argv)
     args.argv = argv
     try:
