@@ -272,6 +272,8 @@ class Daemon:
             "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
             "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
             "updated_at": time.time(), "stats": metrics.totals(),
+            "background_errors": metrics.by_label(metrics.BACKGROUND_ERRORS),
+            "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
         })
 
     async def _watch_signals(self) -> None:

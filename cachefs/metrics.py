@@ -272,6 +272,16 @@ def serve_metrics(addr: str) -> tuple[str, int]:
     return str(bound[0]), int(bound[1])
 
 
+def by_label(counter: Counter) -> dict[str, float]:
+    """A one-label counter's value per label value (e.g. background errors per task)."""
+    out: dict[str, float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels:
+                out[next(iter(sample.labels.values()))] = sample.value
+    return out
+
+
 def totals() -> dict[str, float]:
     """Current value of every cachefs sample, summed over labels (for status reports)."""
     out: dict[str, float] = {}

@@ -90,6 +90,9 @@ def test_sigkill_during_a_fill_then_the_same_command_mounts_and_reuses_the_cache
             assert metrics["cachefs_dead_mounts_cleaned_total"] == 1
             log = (cache / "cachefs.log").read_text()
             assert len([ln for ln in log.splitlines() if "dead cachefs mount" in ln]) == 1
+            status = json.loads(run_cachefs("status", "--json", str(mp)).stdout)
+            assert status["dead_mounts_cleaned"] == 1 and status["background_errors"] == 0
+            assert "started over a dead mount" in run_cachefs("status", str(mp)).stdout
         finally:
             run_cachefs("unmount", str(mp))
             if is_mounted(mp):
