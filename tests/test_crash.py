@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import free_port, is_mounted, requires_fuse, run_cachefs, scrape
 from tests.faultproxy import FaultProxy
+from tests.readers import Readers
 
 pytestmark = [requires_fuse, pytest.mark.fuse]
 
@@ -62,30 +63,39 @@ def test_sigkill_during_a_fill_then_the_same_command_mounts_and_reuses_the_cache
                    "--metrics-addr", addr]
         proc = run_cachefs(*command)
         assert proc.returncode == 0, proc.stderr
+        readers = Readers(mp, files, threads=2)
         try:
             pid = daemon_pid(mp)
             warm = subprocess.Popen(
                 [os.sys.executable, "-m", "cachefs", "warm", str(mp), "--parallel", "2"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            readers.__enter__()  # training readers, through the fill, the kill and the restart
             deadline = time.monotonic() + 60
             while gets(addr) < blocks // 4:
                 assert time.monotonic() < deadline, "the fill did not start"
                 time.sleep(0.02)
+            killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             wait_dead(pid)
-            warm.wait(timeout=30)
             assert is_mounted(mp)  # the dead mount stays behind
             with pytest.raises(OSError):
                 os.listdir(mp)
             proxy.plan = lambda method, path, n: "pass"
 
-            again = run_cachefs(*command)
+            again = run_cachefs(*command)  # what systemd's Restart= does (after RestartSec)
             assert again.returncode == 0, again.stderr + (cache / "cachefs.log").read_text()[-3000:]
+            recovery = readers.wait_for_success_after(killed_at)
+            warm.wait(timeout=30)
             assert daemon_pid(mp) != pid
             for key, data in files.items():
                 assert (mp / key).read_bytes() == data, key
+            readers.stop()
+            assert readers.wrong_bytes == 0 and readers.ok > 0
+            print("\nFAULT-ROW " + readers.row("kill -9 of the daemon during a fill, then the "
+                                              "same mount command", f"{recovery:.1f} s"))
             second = gets(addr)
             assert 0 < second < blocks, (second, blocks)  # the blocks filled before the kill
+            print(f"FAULT-NOTE kill -9: {blocks} blocks; GETs after the restart {second:.0f}")
             metrics = scrape(addr)
             assert metrics["cachefs_dead_mounts_cleaned_total"] == 1
             log = (cache / "cachefs.log").read_text()
@@ -94,6 +104,7 @@ def test_sigkill_during_a_fill_then_the_same_command_mounts_and_reuses_the_cache
             assert status["dead_mounts_cleaned"] == 1 and status["background_errors"] == 0
             assert "started over a dead mount" in run_cachefs("status", str(mp)).stdout
         finally:
+            readers.stop()
             run_cachefs("unmount", str(mp))
             if is_mounted(mp):
                 subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)

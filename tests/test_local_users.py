@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, is_mounted, requires_fuse, run_cachefs, scrape
+from tests.readers import Readers
 
 pytestmark = [requires_fuse, pytest.mark.fuse]
 
@@ -133,6 +134,7 @@ def test_another_user_reads_through_the_mount_only(bucket, s3_endpoint, shared_b
 
     probe = {"files": [str(mp / k) for k in files], "cache": str(cache),
              "cache_files": cache_files, "socket": str(sock)}
+    readers = Readers(mp, files, threads=2).__enter__()  # the owner's job goes on meanwhile
     nobody = as_user(NOBODY, NOBODY, probe)
     for i, data in enumerate(files.values()):  # group read (gid 65534, mode 0440)
         assert nobody[f"mount_read_{i}"] == ["ok", len(data)]
@@ -154,6 +156,11 @@ def test_another_user_reads_through_the_mount_only(bucket, s3_endpoint, shared_b
     assert metrics['cachefs_control_rejected_total{reason="peer"}'] == 1
     assert metrics.get('cachefs_warm_objects_total', 0) == 0  # nothing was warmed for them
     assert (mp / "d/f0.bin").read_bytes() == files["d/f0.bin"]
+    readers.stop()
+    assert readers.failed == 0 and readers.wrong_bytes == 0 and readers.ok > 0
+    print("\nFAULT-ROW " + readers.row(
+        "a second local user (--allow-other): reads by the modes, the cache dir, the index, the "
+        "control socket (also opened to 0666 by mistake)", "none needed"))
     deadline = time.monotonic() + 10
     while True:  # the daemon publishes its status every second
         status = json.loads(run_cachefs("status", "--json", str(mp)).stdout)
