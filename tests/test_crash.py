@@ -250,12 +250,20 @@ def test_systemd_unit_restart_after_sigkill_recovers(bucket, s3_endpoint, tmp_pa
         first = unit.main
         assert first is not None
         reader = open(mp / "blob.bin", "rb")  # a training process still holds a file
+        readers = Readers(mp, {"blob.bin": data}, threads=2).__enter__()
+        killed_at = time.monotonic()
         first.kill()  # SIGKILL, as the OOM killer would
         first.wait(timeout=30)
         assert is_mounted(mp)
         unit.main_exited()  # ExecStop cannot unmount a busy mount
         assert is_mounted(mp)
-        unit.start()  # Restart=on-failure
+        unit.start()  # Restart=on-failure (systemd waits RestartSec=5 first)
+        recovery = readers.wait_for_success_after(killed_at)
+        readers.stop()
+        assert readers.wrong_bytes == 0
+        print("\nFAULT-ROW " + readers.row("kill -9 under the systemd unit (ExecStop fails: a "
+                                          "file is held open; restart)",
+                                          f"{recovery:.1f} s + RestartSec (5 s)"))
         reader.close()  # (its reads may fail or come from the page cache)
         assert (mp / "blob.bin").read_bytes() == data
         assert gets(addr) == 0  # every block from the cache
