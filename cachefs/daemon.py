@@ -253,7 +253,8 @@ class Daemon:
                 await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
                 await trio.to_thread.run_sync(set_kernel_readahead, cfg.mountpoint,
                                               cfg.read_ahead)
-                self._publish_status()
+                with contained("maintenance", "publishing the status snapshot"):
+                    self._publish_status()  # (the maintenance loop tries again every second)
                 on_ready()
                 sd_notify("READY=1")
                 log.info("mounted %s at %s (cache %s, %s policy, passthrough %s)", cfg.source,

@@ -341,3 +341,18 @@ def test_a_warm_client_that_does_not_read_is_cut_off(tmp_path, monkeypatch):
         await status_works(path)
 
     serve(tmp_path, body, warmer=warmer)
+
+
+def test_a_control_socket_that_cannot_be_created_does_not_stop_the_daemon(tmp_path):
+    blocker = tmp_path / "run"
+    blocker.write_text("a file where the runtime directory should be")
+    ctl = ControlServer(blocker / "c.sock", read_order=FakeOrder(),  # type: ignore[arg-type]
+                        warmer=FakeWarmer(), root_prefix="")  # type: ignore[arg-type]
+    before = control_errors()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(ctl.serve)  # starts (and ends) without raising
+
+    trio.run(main)
+    assert control_errors() == before + 1

@@ -119,7 +119,13 @@ class ControlServer:
     # -- the listener ----------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        sock = self._bind()
+        try:
+            sock = self._bind()
+        except OSError as exc:  # the mount serves reads without it
+            report("control", exc, f"creating the control socket {self.path} (no warm, hints "
+                   "or status requests for this mount)")
+            task_status.started()
+            return
         listener = trio.SocketListener(sock)
         task_status.started()
         try:
