@@ -188,9 +188,13 @@ def prepare_cache_dir(path: Path, cache_size: int, *, tighten: bool = True) -> N
     if tighten:
         tighten_cache_dir(path)
     probe = path / f".write-test-{os.getpid()}"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE))
-        probe.unlink()
+    try:  # a byte, not only a name: a full disk must fail here, in one line
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as exc:
         raise CacheError(f"cache directory {path} is not writable: {exc.strerror}") from None
     st = os.statvfs(path)
