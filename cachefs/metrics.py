@@ -189,12 +189,6 @@ DEAD_MOUNTS_CLEANED = Counter(
     "cachefs_dead_mounts_cleaned", "Dead cachefs mounts (their daemon was killed) detached from "
     "the mount point at start", registry=REGISTRY)
 
-# Known label sets exist from the start, so dashboards show 0 rather than "No data".
-for _task in BACKGROUND_TASKS:
-    BACKGROUND_ERRORS.labels(_task)
-for _reason in CONTROL_REJECT_REASONS:
-    CONTROL_REJECTED.labels(_reason)
-
 
 # --- label sets known in advance ------------------------------------------
 # A labelled series does not exist until its first use, so on a healthy node the
@@ -209,7 +203,7 @@ FUSE_ALERT_ERRNO = "EIO"
 S3_OPS = ("get", "head", "list")
 #: The kind a failing or throttling S3 endpoint produces (cachefs.errors).
 S3_ALERT_KIND = "TransientStoreError"
-SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed")
+SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "refused", "unverified")
 #: cachefs.read.prefetcher.POLICIES
 PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm")
@@ -238,6 +232,10 @@ def create_known_series() -> None:
         PREFETCH_ISSUED_BYTES.labels(policy)
         PREFETCH_USED_BYTES.labels(policy)
         PREFETCH_WASTED_BYTES.labels(policy)
+    for task in BACKGROUND_TASKS:
+        BACKGROUND_ERRORS.labels(task)
+    for reason in CONTROL_REJECT_REASONS:
+        CONTROL_REJECTED.labels(reason)
 
 
 def parse_metrics_addr(value: str) -> tuple[str, int]:

@@ -141,3 +141,22 @@ def test_a_failing_cache_write_after_a_fetch_does_not_end_the_fetcher(tmp_path: 
     finally:
         env.close()
     assert errors("cache_write") == before + 8
+
+
+def test_known_label_sets_name_every_task_and_reason_the_code_uses() -> None:
+    import re
+
+    texts = [p.read_text() for p in Path(metrics.__file__).parent.rglob("*.py")]
+    source = "\n".join(texts)
+    users = "\n".join(t for t in texts if "from cachefs.background import" in t)
+    tasks = set(re.findall(r'\b(?:contained|report)\(\s*"(\w+)"', users))
+    reasons = set(re.findall(r'_reject\(\s*"(\w+)"', source)
+                  + re.findall(r'CONTROL_REJECTED\.labels\(\s*"(\w+)"', source)
+                  + re.findall(r'RequestError\([^)]*?,\s*"(\w+)"\)', source, re.S))
+    assert tasks and reasons
+    assert tasks == set(metrics.BACKGROUND_TASKS)
+    assert reasons <= set(metrics.CONTROL_REJECT_REASONS)
+    metrics.create_known_series()
+    for task in metrics.BACKGROUND_TASKS:
+        assert metrics.REGISTRY.get_sample_value("cachefs_background_errors_total",
+                                                 {"task": task}) is not None
