@@ -12,8 +12,9 @@ Order of start-up (each step fails with one clear CachefsError line):
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
 
 Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
-the fetcher's flights, the maintenance loop (last-use batches, LMDB sync),
-the orphan scan, and the signal watcher. SIGTERM/SIGINT unmount cleanly.
+the fetcher's flights, the listings (background refreshes, listing ahead),
+the maintenance loop (last-use batches, LMDB sync), the orphan scan, and the
+signal watcher. SIGTERM/SIGINT unmount cleanly.
 When the request loop ends (unmounted), pending cache writes are drained
 (bounded wait), then the rest is cancelled and the index synced and closed.
 """
@@ -175,8 +176,8 @@ def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
     if stored != ident:
         if stored is not None:
             log.info("cache directory was used for another source; dropping its listings")
-        env.drop("dirs")
-        env.drop("entries")
+        for name in ("listings", "names", "inodes"):
+            env.drop(name)
         with env.write() as txn:
             txn.put(b"source", ident, db=env.db("meta"))
 
@@ -244,7 +245,8 @@ class Daemon:
         ledger = PrefetchLedger()
         fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
                           s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger)
-        metadata = Metadata(env, store, ttl=cfg.metadata_ttl, limiter=s3_limiter)
+        metadata = Metadata(env, None if cfg.manifest else store, ttl=cfg.metadata_ttl,
+                            limiter=s3_limiter, list_ahead=cfg.list_ahead)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
                                   limiter=disk_limiter)
         if cfg.passthrough == "auto" and not passthrough.enabled:
@@ -283,8 +285,8 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            trio.run(self._serve, fetcher, read_order, control, passthrough, cache, env,
-                     on_ready)
+            trio.run(self._serve, fetcher, metadata, read_order, control, passthrough, cache,
+                     env, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -296,12 +298,13 @@ class Daemon:
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, fetcher: Fetcher, read_order: ReadOrder, control: ControlServer,
-                     passthrough: Passthrough, cache: BlockCache, env: LmdbEnv,
-                     on_ready: Callable[[], None]) -> None:
+    async def _serve(self, fetcher: Fetcher, metadata: Metadata, read_order: ReadOrder,
+                     control: ControlServer, passthrough: Passthrough, cache: BlockCache,
+                     env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
+            await nursery.start(metadata.run)
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals)
