@@ -6,7 +6,9 @@ Order of start-up (each step fails with one clear CachefsError line):
 2. cache directory: created, writable, locked for this daemon only, large
    enough for ``--cache-size``;
 3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
-4. S3: one probe request (bucket exists, credentials work, endpoint answers);
+4. S3: one probe request (bucket exists, credentials work, endpoint answers:
+   a one-key listing, or HeadBucket for a manifest mount, which never lists);
+   with ``--manifest``, the manifest loaded into the index (skipped when unchanged);
 5. metrics endpoint bound (if asked);
 6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
@@ -37,6 +39,7 @@ import pyfuse3
 import trio
 
 from cachefs import metrics
+from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
@@ -166,7 +169,9 @@ def sd_notify(message: str) -> None:
 
 
 def _source_identity(cfg: MountConfig) -> bytes:
-    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}".encode()
+    # A manifest mount and a listing mount of the same source do not share listings.
+    manifest = f"|manifest={cfg.manifest}" if cfg.manifest else ""
+    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}{manifest}".encode()
 
 
 def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
@@ -189,7 +194,10 @@ def make_store(cfg: MountConfig) -> S3Store:
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:
     try:
-        store.probe(cfg.source.prefix)
+        if cfg.manifest:
+            store.probe_bucket()  # no LIST at all with a manifest
+        else:
+            store.probe(cfg.source.prefix)
     except EndpointUnreachable:
         where = cfg.endpoint_url or "the AWS S3 endpoint"
         raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and the "
@@ -223,6 +231,7 @@ class Daemon:
 
     def _run_locked(self, env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
+        manifest_path = manifest.check_path(cfg.manifest) if cfg.manifest else None
         _drop_foreign_metadata(env, cfg)
         s3 = make_store(cfg)
         probe_store(s3, cfg)
@@ -245,8 +254,11 @@ class Daemon:
         ledger = PrefetchLedger()
         fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
                           s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger)
-        metadata = Metadata(env, None if cfg.manifest else store, ttl=cfg.metadata_ttl,
+        metadata = Metadata(env, None if manifest_path else store, ttl=cfg.metadata_ttl,
                             limiter=s3_limiter, list_ahead=cfg.list_ahead)
+        if manifest_path is not None:
+            manifest.load(env, metadata, manifest_path, bucket=cfg.source.bucket,
+                          root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
                                   limiter=disk_limiter)
         if cfg.passthrough == "auto" and not passthrough.enabled:

@@ -225,6 +225,7 @@ def test_readdir_lists_once_per_ttl(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         fh = await fs.opendir(ROOT_INODE)
         await read_all(fs, fh)
+        await fs.metadata.settled("ds/")  # (readdir streams: the listing may still be ending)
         lists = world.store.calls["list"]
         for _ in range(3):
             fh = await fs.opendir(ROOT_INODE)
@@ -295,6 +296,7 @@ def test_sequential_reads_prefetch_ahead(world: World) -> None:
 def test_keep_cache_and_a_new_inode_per_version(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
+        await fs.metadata.settled("ds/")
         fh1, keep1, _bk = await fs.open(c.ino)
         assert keep1 is True  # an inode is one version: its page cache is always right
         fs.release(fh1)
@@ -365,6 +367,7 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
 def test_getattr_serves_stale_attributes_while_refreshing(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         a = await fs.lookup(ROOT_INODE, b"a.bin")
+        await fs.metadata.settled("ds/")
         world.store.put("ds/a.bin", b"short")
         assert (await fs.getattr(a.ino)).size == 100  # fresh listing: no S3 request
         lists = world.store.calls["list"]
@@ -408,6 +411,7 @@ def test_root_prefix_empty_mounts_the_whole_bucket(tmp_path: Path) -> None:
 def test_an_open_handle_keeps_reading_its_version(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
+        await fs.metadata.settled("ds/")
         old_fh, _, _bk = await fs.open(c.ino)
         assert await fs.read(old_fh, 0, 100) == b"hello"  # v1 block now cached
         world.store.put("ds/c.txt", b"HELLO")  # same size, new version

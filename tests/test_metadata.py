@@ -640,3 +640,42 @@ def test_unfinished_listing_of_an_earlier_run_is_removed(tmp_path: Path) -> None
             assert txn.stat(env2.db("names"))["entries"] == 0
     finally:
         env2.close()
+
+
+def test_split_points_are_geometric_and_bounded() -> None:
+    from cachefs.cache.metadata import split_points
+
+    pts = split_points("p/", "p/f0000999.jpg", None)
+    assert pts[:3] == ["p/f0001", "p/f0002", "p/f0003"]
+    assert "p/f001" in pts and "p/f1" in pts and "p/g" in pts and pts[-1] == "p/z"
+    assert pts == sorted(pts) and all(p > "p/f0000999.jpg" for p in pts)
+    assert all(p < "p/f02" for p in split_points("p/", "p/f0000999.jpg", "p/f02"))
+    assert len(split_points("p/", "p/" + "a" * 200, None, limit=10)) == 10
+
+
+def test_a_large_directory_is_listed_as_parallel_ranges(env: LmdbEnv) -> None:
+    store = MemoryStore(page_size=250)
+    expected: list[tuple[bytes, bool]] = []
+    for i in range(4000):
+        store.put(f"big/f{i:05d}", b"x")
+        expected.append((f"f{i:05d}".encode(), False))
+    for d in ("f01234", "f03999x", "g"):  # directories among the files (one shadows a file)
+        store.put(f"big/{d}/inner", b"y")
+    expected = [e for e in expected if e[0] != b"f01234"]
+    expected += [(b"f01234", True), (b"f03999x", True), (b"g", True)]
+    expected.sort()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("big/")
+        assert [(e.name, e.is_dir) for e in md.iter_entries("big/")] == expected
+        assert md.count("big/") == len(expected)
+        assert store.calls["list"] > 4000 // 250  # ranges were listed (with a few empty ones)
+        inos = {e.ino for e in md.iter_entries("big/")}
+        assert len(inos) == len(expected)
+        first = store.calls["list"]
+        md.invalidate("big/")  # a refresh keeps every inode
+        await md.settled("big/")
+        assert store.calls["list"] > first
+        assert {e.ino for e in md.iter_entries("big/")} == inos
+
+    run_with_metadata(env, store, body)

@@ -288,16 +288,16 @@ def load(env: LmdbEnv, md: Metadata, path: Path, *, bucket: str, root_prefix: st
             continue
         parent = key[:key.rfind("/") + 1]
         name = key[len(parent):]
-        if name == "":
-            continue  # a directory marker
-        bad = next((r for r in (invalid_name_reason(c)
-                                for c in key[len(root_prefix):].split("/")) if r), None)
+        parts = key[len(root_prefix):].split("/")
+        bad = next((r for r in map(invalid_name_reason, parts[:-1] if name == "" else parts)
+                    if r), None)
         if bad:
             skipped[bad] += 1
             continue
-        batch.append((prefix_id(parent) + _enc(name), _pack(0, obj.size, obj.mtime, 0, obj.etag),
-                      False))
-        objects += 1
+        if name:  # (a key ending in "/" is a directory marker: only its directories)
+            batch.append((prefix_id(parent) + _enc(name),
+                          _pack(0, obj.size, obj.mtime, 0, obj.etag), False))
+            objects += 1
         d = parent
         while d not in dirs and len(d) > len(root_prefix):  # new directories up the tree
             dirs.add(d)

@@ -59,6 +59,7 @@ import collections
 import dataclasses
 import logging
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -88,6 +89,13 @@ AHEAD_QUEUE = 4096
 # A listing commits its pages at least this often (entries), so a large directory
 # streams to readdir and never sits in memory whole.
 FLUSH_ENTRIES = 1000
+# A large directory is listed as several key ranges at once: once one range has listed
+# this many entries with more to come (two full pages of S3), the rest of it is split;
+# at most PARALLEL_RANGES ranges of one directory are listed at once (each one request
+# at a time). Smaller directories cost no extra request.
+SPLIT_AFTER_ENTRIES = 2000
+PARALLEL_RANGES = 16
+_ALL = b"\xff" * (NAME_MAX + 1)  # the watermark once every range is in
 # After a failed refresh, the stale listing is served this long before the next try
 # (an explicit invalidate() tries at once). Each try already retries transient errors.
 REFRESH_BACKOFF = 10.0
@@ -193,8 +201,8 @@ def watermark(prefix: str, last: str) -> bytes:
 class _Listing:
     """One directory listing in progress, shared by every caller that needs it."""
 
-    __slots__ = ("ahead", "done", "error", "prefix", "progress", "subdirs", "tick", "version",
-                 "water")
+    __slots__ = ("again", "ahead", "done", "error", "prefix", "progress", "subdirs", "tick",
+                 "version", "water")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -206,6 +214,7 @@ class _Listing:
         self.ahead = False  # queue the sub-directories for listing ahead when done
         self.subdirs: list[str] = []
         self.tick = 0
+        self.again = False  # invalidated while running: list again when done
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,7 +316,10 @@ class Metadata:
         self._tick += 1
         self._stale[prefix] = self._tick
         self._retry_after.pop(prefix, None)
-        if self._nursery is not None:
+        running = self._inflight.get(prefix)
+        if running is not None:
+            running.again = True  # it may predate the change: list once more after it
+        elif self._nursery is not None:
             self._start(prefix)
 
     def _revalidate(self, prefix: str, listed_at: float) -> None:
@@ -321,8 +333,7 @@ class Metadata:
 
     async def settled(self, prefix: str) -> None:
         """Wait until no listing of ``prefix`` is running (tests, tools)."""
-        listing = self._inflight.get(prefix)
-        if listing is not None:
+        while (listing := self._inflight.get(prefix)) is not None:
             await listing.done.wait()
 
     # -- views -----------------------------------------------------------------
@@ -527,8 +538,9 @@ class Metadata:
     async def _run_listing(self, listing: _Listing) -> None:
         prefix = listing.prefix
         try:
-            await trio.to_thread.run_sync(self._list_sync, listing, limiter=self._limiter)
-        except Exception as exc:
+            await self._list_ranges(listing)
+        except Exception as group:
+            exc = _leaf(group)
             listing.error = exc
             self._retry_after[prefix] = self._clock() + REFRESH_BACKOFF
             if self.listed_at(prefix) is not None:
@@ -548,45 +560,108 @@ class Metadata:
             listing.progress.set()
         if listing.ahead and listing.error is None:
             self._queue_ahead(listing.subdirs)
+        if listing.again and self._nursery is not None:
+            self._start(prefix)
 
-    def _progress(self, listing: _Listing, version: int | None, water: bytes) -> None:
-        """(trio thread) Pages of ``listing`` were committed."""
-        listing.version, listing.water = version, water
-        event, listing.progress = listing.progress, trio.Event()
-        event.set()
-
-    def _list_sync(self, listing: _Listing) -> int:
-        """List ``listing.prefix`` from S3 into a new version. Worker thread."""
-        assert self._store is not None
-        prefix = listing.prefix
-        writer = _VersionWriter(self, prefix)
+    async def _list_ranges(self, listing: _Listing) -> None:
+        """List ``listing.prefix`` into a new version: one key range, split into more
+        (listed at once, at most PARALLEL_RANGES) once it proves large."""
+        writer = _VersionWriter(self, listing.prefix)
+        state = _Ranges(writer)
         try:
-            batch: list[Entry] = []
-            last = ""
-            for page in list_dir(self._store, prefix):
-                batch += entries_from_listing(prefix, page.objects, page.prefixes, writer.skipped)
-                if page.objects:
-                    last = max(last, page.objects[-1].key)
-                if page.prefixes:
-                    last = max(last, page.prefixes[-1])
-                if page.next_token is None:
-                    break
-                if len(batch) >= FLUSH_ENTRIES:
-                    writer.write(batch)
-                    batch = []
-                    trio.from_thread.run_sync(self._progress, listing, writer.version,
-                                              watermark(prefix, last))
-            writer.write(batch, final=True)
+            async with trio.open_nursery() as nursery:
+                sem = trio.Semaphore(PARALLEL_RANGES)
+
+                async def run(r: _Range) -> None:
+                    async with sem:
+                        await trio.to_thread.run_sync(self._range_sync, listing, state, r,
+                                                      limiter=self._limiter)
+
+                def schedule(after: _Range, new: list[_Range]) -> None:  # trio thread
+                    i = state.ranges.index(after) + 1
+                    state.ranges[i:i] = new
+                    for nr in new:
+                        nursery.start_soon(run, nr)
+
+                state.schedule = schedule
+                nursery.start_soon(run, state.ranges[0])
+            if not writer.final:
+                await trio.to_thread.run_sync(writer.finish)
         except BaseException:
-            writer.abandon()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(writer.abandon)
             raise
         metrics.METADATA_LISTINGS.inc()
         for reason, n in writer.skipped.items():
             metrics.SKIPPED_KEYS.labels(reason).inc(n)
-            log.info("%s: skipped %d key(s) (%s)", prefix or "/", n, reason)
+            log.info("%s: skipped %d key(s) (%s)", listing.prefix or "/", n, reason)
         listing.subdirs = writer.subdirs
         listing.version = writer.version
-        return writer.count
+
+    def _progress(self, listing: _Listing, state: _Ranges) -> None:
+        """(trio thread) Pages of ``listing`` were committed: names below the first
+        unfinished range's progress are complete."""
+        water = _ALL
+        for r in state.ranges:
+            if not r.done:
+                bound = r.written or r.after
+                water = watermark(listing.prefix, bound) if bound else b""
+                break
+        listing.version, listing.water = state.writer.version, water
+        event, listing.progress = listing.progress, trio.Event()
+        event.set()
+
+    def _range_sync(self, listing: _Listing, state: _Ranges, r: _Range) -> None:
+        """List the key range ``r`` of ``listing.prefix`` page by page, writing as it goes.
+        Worker thread. After SPLIT_AFTER_ENTRIES entries with more to come, the rest of
+        the range is split at guessed points and handed to the trio thread to list at once."""
+        assert self._store is not None
+        prefix = listing.prefix
+        writer = state.writer
+        token: str | None = None
+        listed = 0
+        batch: list[Entry] = []
+        last_key: bytes | None = None
+        while True:
+            page = self._store.list_page(prefix, token, r.after if token is None else None)
+            split_now = listed < SPLIT_AFTER_ENTRIES <= listed + len(page.objects) + len(page.prefixes)
+            listed += len(page.objects) + len(page.prefixes)
+            lo, hi = r.after, r.end
+            objects = [o for o in page.objects
+                       if (lo is None or o.key > lo) and (hi is None or o.key <= hi)]
+            prefixes = [p for p in page.prefixes
+                        if (lo is None or p > lo) and (hi is None or p <= hi)]
+            texts = [t for t in (page.objects[-1].key if page.objects else None,
+                                 page.prefixes[-1] if page.prefixes else None) if t]
+            beyond = hi is not None and any(t > hi for t in texts)
+            with writer.lock:
+                batch += entries_from_listing(prefix, objects, prefixes, writer.skipped)
+            within = [t for t in texts if hi is None or t <= hi]
+            if within:
+                r.last = max(within)
+            more = page.next_token is not None and not beyond
+            if more and split_now and r.last is not None:
+                points = split_points(prefix, r.last, hi)
+                if points:
+                    bounds = [*points, hi]
+                    new = [_Range(points[i], bounds[i + 1]) for i in range(len(points))]
+                    r.end = points[0]
+                    state.split = True
+                    trio.from_thread.run_sync(state.schedule, r, new)
+            if not more:
+                break
+            token = page.next_token
+            if len(batch) >= FLUSH_ENTRIES:
+                last_key = writer.write(batch, last_key)
+                batch = []
+                r.written = r.last
+                trio.from_thread.run_sync(self._progress, listing, state)
+        if not state.split and writer.version is None:
+            writer.write(batch, last_key, final=True)  # one range, one transaction
+        else:
+            writer.write(batch, last_key)
+        r.done = True
+        trio.from_thread.run_sync(self._progress, listing, state)
 
     def refresh_sync(self, prefix: str) -> int:
         """List ``prefix`` now and store it in one transaction (no streaming). Blocking:
@@ -657,10 +732,10 @@ class Metadata:
                 dirs += 1
                 if len(subdirs) < AHEAD_QUEUE:
                     subdirs.append(prefix + e.name.decode("utf-8", "surrogateescape") + "/")
-            if last_key is None or key > last_key:
+            if not e.is_dir and (last_key is None or key > last_key):
                 in_order.append((key, value))
                 last_key = key
-            else:  # a sub-directory whose name sorts before names of earlier pages
+            else:  # a directory wins over a file of its name, whenever either arrives
                 late.append((key, value, e.is_dir))
         if new_inodes:
             txn.cursor(db=self._inodes).putmulti(new_inodes, append=True)
@@ -668,8 +743,10 @@ class Metadata:
         if in_order:
             cur = txn.cursor(db=self._names)
             append = not cur.last() or cur.key() < in_order[0][0]
-            _, n = cur.putmulti(in_order, append=append)
+            consumed, n = cur.putmulti(in_order, append=append, overwrite=False)
             added += n
+            if consumed > n:  # files whose name another range listed as a directory
+                metrics.SKIPPED_KEYS.labels("shadowed").inc(consumed - n)
         for key, value, is_dir in late:
             old = txn.get(key, db=self._names)
             if old is not None:
@@ -680,25 +757,32 @@ class Metadata:
                     continue
             txn.put(key, value, db=self._names)
             added += 1
+            if not is_dir and (last_key is None or key > last_key):
+                last_key = key
         return added, dirs, last_key, subdirs
 
 
 class _VersionWriter:
-    """Writes one new version of a directory, batch by batch, and makes it current with
-    the last batch (deleting the previous version). Worker thread."""
+    """Writes one new version of a directory, batch by batch (from several range
+    threads at once), and makes it current at the end (deleting the previous version).
+    Worker threads; ``lock`` guards the counters."""
 
     def __init__(self, md: Metadata, prefix: str) -> None:
         self.md = md
         self.prefix = prefix
+        self.lock = threading.Lock()
         self.version: int | None = None
+        self.final = False
         self.count = 0
         self.dirs = 0
-        self.last_key: bytes | None = None
         self.skipped: Counter[str] = Counter()
         self.subdirs: list[str] = []
         self.old_version: int | None = None
 
-    def write(self, batch: list[Entry], final: bool = False) -> None:
+    def write(self, batch: list[Entry], last_key: bytes | None = None,
+              final: bool = False) -> bytes | None:
+        """Write ``batch`` (names after ``last_key`` of the same range, sorted); returns the
+        range's new last key. ``final``: the whole listing is in, make it current."""
         md = self.md
         with md._env.write() as txn:
             if self.version is None:
@@ -707,23 +791,37 @@ class _VersionWriter:
                 self.version = md._next_version(txn)
                 if not final:  # several transactions: recoverable if the daemon dies
                     txn.put(b"pending:" + _VERSION.pack(self.version), b"", db=md._meta)
-            added, dirs, self.last_key, subdirs = md.write_entries(
-                txn, self.prefix, self.version, batch, self.last_key, self.old_version)
-            self.count += added
-            self.dirs += dirs
-            if len(self.subdirs) < AHEAD_QUEUE:
-                self.subdirs += subdirs
+            added, dirs, last_key, subdirs = md.write_entries(
+                txn, self.prefix, self.version, batch, last_key, self.old_version)
+            with self.lock:
+                self.count += added
+                self.dirs += dirs
+                if len(self.subdirs) < AHEAD_QUEUE:
+                    self.subdirs += subdirs
             if final:
-                pid = prefix_id(self.prefix)
-                old = txn.get(pid, db=md._listings)
-                txn.put(pid, _LISTING.pack(self.version, md._clock(), self.count, self.dirs)
-                        + _enc(self.prefix), db=md._listings)
-                if old is not None:
-                    md._delete_version(txn, _LISTING.unpack_from(old)[0])
-                txn.delete(b"pending:" + _VERSION.pack(self.version), db=md._meta)
+                self._make_current(txn)
+        return last_key
+
+    def finish(self) -> None:
+        with self.md._env.write() as txn:
+            if self.version is None:  # an empty directory
+                self.version = self.md._next_version(txn)
+            self._make_current(txn)
+
+    def _make_current(self, txn: Any) -> None:
+        md = self.md
+        assert self.version is not None
+        pid = prefix_id(self.prefix)
+        old = txn.get(pid, db=md._listings)
+        txn.put(pid, _LISTING.pack(self.version, md._clock(), self.count, self.dirs)
+                + _enc(self.prefix), db=md._listings)
+        if old is not None:
+            md._delete_version(txn, _LISTING.unpack_from(old)[0])
+        txn.delete(b"pending:" + _VERSION.pack(self.version), db=md._meta)
+        self.final = True
 
     def abandon(self) -> None:
-        if self.version is None:
+        if self.version is None or self.final:
             return
         try:
             with self.md._env.write() as txn:
@@ -731,3 +829,61 @@ class _VersionWriter:
                 txn.delete(b"pending:" + _VERSION.pack(self.version), db=self.md._meta)
         except Exception:  # the next start removes it (pending marker)
             log.warning("could not remove an unfinished listing", exc_info=True)
+
+
+@dataclasses.dataclass(eq=False)
+class _Range:
+    """Keys of one directory in (after, end] (None: unbounded), listed by one thread."""
+
+    after: str | None = None
+    end: str | None = None
+    last: str | None = None  # the greatest key or common prefix listed so far
+    written: str | None = None  # ... and committed to LMDB (readers may see up to it)
+    done: bool = False
+
+
+class _Ranges:
+    """The key ranges of one listing, in key order (the list is changed on the trio
+    thread only; a range's fields by the thread listing it)."""
+
+    def __init__(self, writer: _VersionWriter) -> None:
+        self.writer = writer
+        self.ranges = [_Range()]
+        self.split = False
+        self.schedule: Callable[[_Range, list[_Range]], None] = lambda r, new: None
+
+
+_CLASSES = ("0123456789", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def split_points(prefix: str, last: str, end: str | None, limit: int = 64) -> list[str]:
+    """Guessed points splitting the keys of ``prefix`` in (``last``, ``end``] into ranges.
+
+    From the last character of ``last`` (before an extension) to its first, each
+    greater character of the same class (digit, upper, lower case) starts a range: after ``f0000999`` come
+    ``f0001`` ... ``f0009``, ``f001`` ... ``f009``, ..., ``g`` ... ``z``. Keys are
+    often numbered, so the ranges are roughly geometric and each large one splits
+    again after its own first pages. Any keys fall in some range whatever the guess:
+    a bad guess costs requests (an empty range is one LIST), never a missed key.
+    """
+    name = last[len(prefix):]
+    stem = len(name.rsplit(".", 1)[0]) if "." in name[1:] else len(name)  # not in ".jpg"
+    points: set[str] = set()
+    for j in range(stem - 1, -1, -1):
+        ch = name[j]
+        for cls in _CLASSES:
+            i = cls.find(ch)
+            if i >= 0:
+                points.update(prefix + name[:j] + c for c in cls[i + 1:])
+                break
+    ordered = sorted(p for p in points if p > last and (end is None or p < end))
+    if len(ordered) > limit:  # keep the coarse points: the fine ones are near `last`
+        ordered = ordered[-limit:]
+    return ordered
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups of a listing's nursery."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

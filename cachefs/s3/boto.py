@@ -87,16 +87,22 @@ class S3Store:
         finally:
             metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
 
-    def list_page(self, prefix: str, token: str | None) -> ListPage:
+    def list_page(self, prefix: str, token: str | None,
+                  start_after: str | None = None) -> ListPage:
         # The lean client: signed like the GETs, parsed by ElementTree's C accelerator
         # (cachefs.s3.listxml has the numbers against botocore's parser).
-        return self._ranges.list_page(prefix, token)
+        return self._ranges.list_page(prefix, token, start_after=start_after)
 
     def probe(self, prefix: str) -> None:
         """One cheap request (a one-key listing) proving the bucket exists and the
         credentials may list it. Raises the errors of list_page."""
         self._call("list", self._client.list_objects_v2, Bucket=self.bucket, Prefix=prefix,
                    MaxKeys=1)
+
+    def probe_bucket(self) -> None:
+        """HeadBucket: the bucket exists and the credentials are accepted, without a
+        listing (manifest mounts never list). Raises the errors of list_page."""
+        self._call("head", self._client.head_bucket, Bucket=self.bucket)
 
     def head(self, key: str) -> ObjectInfo:
         resp = self._call("head", self._client.head_object, Bucket=self.bucket, Key=key)
