@@ -187,6 +187,8 @@ class SyntheticS3(ThreadingHTTPServer):
         self.list_delay = delay if list_delay is None else list_delay
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
+        # Tests: while this event is clear, listings wait for it (at most a minute).
+        self.list_gate: threading.Event | None = None
 
     def count(self, op: str) -> None:
         with self.lock:
@@ -233,6 +235,9 @@ class _Handler(BaseHTTPRequestHandler):
         d = self.server.list_delay if op.startswith("list") else self.server.delay
         if d > 0:
             time.sleep(d)
+        gate = self.server.list_gate
+        if gate is not None and op.startswith("list"):
+            gate.wait(60)
 
     # -- methods --------------------------------------------------------------------
     def do_HEAD(self) -> None:
