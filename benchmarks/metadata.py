@@ -158,8 +158,34 @@ def _mount(system: str, url: str, bucket: str, run_dir: Path, extra: list[str],
     return fn(url, bucket, "", run_dir, cache_size="64G", extra=extra, keep_cache=keep_cache)
 
 
+def warm_run(pid: int, args: list[str]) -> dict[str, Any]:
+    """``cachefs warm ARGS`` against the mount of daemon ``pid``: its time, output and the
+    daemon's RSS before, at its peak during the run (sampled) and after."""
+    import threading
+
+    before = memory(pid)["VmRSS"]
+    peak = [before]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            peak[0] = max(peak[0], memory(pid)["VmRSS"])
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "cachefs", "warm", *args], capture_output=True,
+                          text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    took = time.monotonic() - t0
+    stop.set()
+    t.join()
+    return {"args": args[1:][:3], "seconds": took, "rc": proc.returncode,
+            "output": (proc.stdout.strip().splitlines() or [""])[-1],
+            "rss_before": before, "rss_peak": peak[0], "rss_after": memory(pid)["VmRSS"]}
+
+
 def run_tree(system: str, url: str, bucket: str, run_dir: Path, extra: list[str],
-             stat_seconds: float) -> dict[str, Any]:
+             stat_seconds: float, warm_dirs: int = 0) -> dict[str, Any]:
     res: dict[str, Any] = {"system": system, "bucket": bucket}
     cache = run_dir / "cache-kept"
     files: list[str] = []
@@ -200,6 +226,10 @@ def run_tree(system: str, url: str, bucket: str, run_dir: Path, extra: list[str]
         walk(m.root)
         res["remount_walk_s"] = time.monotonic() - t0
         res["remount_walk_lists"] = lists(stats(url, reset=True))
+        if system == "cachefs" and warm_dirs:
+            assert m.pid is not None
+            res["warm_check"] = warm_run(m.pid, [str(m.root), "--check"])
+            res["warm"] = warm_run(m.pid, [str(m.root), *sorted(os.listdir(m.root))[:warm_dirs]])
     import shutil
     shutil.rmtree(cache, ignore_errors=True)
     return res
@@ -274,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="cachefs,rclone")
     p.add_argument("--delay", type=float, default=0.07, help="seconds added to every request")
     p.add_argument("--stat-seconds", type=float, default=10.0)
+    p.add_argument("--warm-dirs", type=int, default=10,
+                   help="after the remount walk: 'cachefs warm --check' of everything, then "
+                        "'cachefs warm' of this many directories, with the daemon's RSS (0: skip)")
     p.add_argument("--cachefs-args", default="", help="extra cachefs mount arguments")
     p.add_argument("--json", type=Path, default=HERE / "results" / "metadata.json")
     p.add_argument("--run-dir", type=Path, default=None)
@@ -297,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     with synthetic_server(args.delay) as (url, server_pid):
         for s in systems:
             print(f"{s}: walking {tree} ...", file=sys.stderr, flush=True)
-            r = run_tree(s, url, tree, run_root / s, extra_of[s], args.stat_seconds)
+            r = run_tree(s, url, tree, run_root / s, extra_of[s], args.stat_seconds,
+                         warm_dirs=args.warm_dirs)
             results["tree"].append(r)
             print(f"  {json.dumps(r)}", file=sys.stderr, flush=True)
         if args.flat:
@@ -315,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     if results["flat"]:
         print()
         print(flat_table(results["flat"]))
+    warm_rows = [(r["system"], w) for r in results["tree"] for w in (r.get("warm_check"), r.get("warm"))
+                 if w]
+    if warm_rows:
+        print("\n| `cachefs warm` | took | daemon RSS before / peak / after | result |\n|---|---|---|---|")
+        for _, w in warm_rows:
+            print(f"| {' '.join(w['args'])} | {w['seconds']:.1f} s | {_mb(w['rss_before'])} / "
+                  f"{_mb(w['rss_peak'])} / {_mb(w['rss_after'])} | {w['output']} |")
     return 0
 
 

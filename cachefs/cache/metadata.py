@@ -639,9 +639,12 @@ class Metadata:
             within = [t for t in texts if hi is None or t <= hi]
             if within:
                 r.last = max(within)
+                if r.first is None:
+                    r.first = min(([objects[0].key] if objects else [])
+                                  + ([prefixes[0]] if prefixes else []) or within)
             more = page.next_token is not None and not beyond
-            if more and split_now and r.last is not None:
-                points = split_points(prefix, r.last, hi)
+            if more and split_now and r.last is not None and r.first is not None:
+                points = split_points(prefix, r.first, r.last, hi)
                 if points:
                     bounds = [*points, hi]
                     new = [_Range(points[i], bounds[i + 1]) for i in range(len(points))]
@@ -837,6 +840,7 @@ class _Range:
 
     after: str | None = None
     end: str | None = None
+    first: str | None = None  # the first key or common prefix listed
     last: str | None = None  # the greatest key or common prefix listed so far
     written: str | None = None  # ... and committed to LMDB (readers may see up to it)
     done: bool = False
@@ -856,30 +860,29 @@ class _Ranges:
 _CLASSES = ("0123456789", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
-def split_points(prefix: str, last: str, end: str | None, limit: int = 64) -> list[str]:
-    """Guessed points splitting the keys of ``prefix`` in (``last``, ``end``] into ranges.
+def split_points(prefix: str, first: str, last: str, end: str | None, levels: int = 3) -> list[str]:
+    """Guessed points splitting the keys of ``prefix`` in (``last``, ``end``] into ranges,
+    from the keys ``first`` .. ``last`` listed so far.
 
-    From the last character of ``last`` (before an extension) to its first, each
-    greater character of the same class (digit, upper, lower case) starts a range: after ``f0000999`` come
-    ``f0001`` ... ``f0009``, ``f001`` ... ``f009``, ..., ``g`` ... ``z``. Keys are
-    often numbered, so the ranges are roughly geometric and each large one splits
-    again after its own first pages. Any keys fall in some range whatever the guess:
-    a bad guess costs requests (an empty range is one LIST), never a missed key.
+    At the first position where ``first`` and ``last`` differ, and at the ``levels - 1``
+    positions before it, each greater character of the same class (digit, upper, lower
+    case) starts a range: after ``f0000000`` .. ``f0001999`` come ``f0002`` ...
+    ``f0009``, ``f001`` ... ``f009``, ``f01`` ... ``f09``, and the rest is one range.
+    Keys are often numbered, so the ranges grow geometrically, and each one that proves
+    large splits again. Any key falls in some range whatever the guess: a bad guess
+    costs requests (an empty range is one LIST), never a missed key.
     """
-    name = last[len(prefix):]
-    stem = len(name.rsplit(".", 1)[0]) if "." in name[1:] else len(name)  # not in ".jpg"
+    a, z = first[len(prefix):], last[len(prefix):]
+    vary = next((i for i, (x, y) in enumerate(zip(a, z, strict=False)) if x != y), min(len(a), len(z)))
     points: set[str] = set()
-    for j in range(stem - 1, -1, -1):
-        ch = name[j]
+    for j in range(min(vary, len(z) - 1), max(-1, vary - levels), -1):
+        ch = z[j]
         for cls in _CLASSES:
             i = cls.find(ch)
             if i >= 0:
-                points.update(prefix + name[:j] + c for c in cls[i + 1:])
+                points.update(prefix + z[:j] + c for c in cls[i + 1:])
                 break
-    ordered = sorted(p for p in points if p > last and (end is None or p < end))
-    if len(ordered) > limit:  # keep the coarse points: the fine ones are near `last`
-        ordered = ordered[-limit:]
-    return ordered
+    return sorted(p for p in points if p > last and (end is None or p < end))
 
 
 def _leaf(exc: BaseException) -> BaseException:

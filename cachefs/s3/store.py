@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """One object version: identity is (key, etag)."""
+class ObjectInfo(NamedTuple):
+    """One object version: identity is (key, etag). A named tuple: a listing makes
+    a million of these, and a tuple is built in a third of a frozen dataclass's time."""
 
     key: str
     size: int
