@@ -257,7 +257,7 @@ class Daemon:
         metadata = Metadata(env, None if manifest_path else store, ttl=cfg.metadata_ttl,
                             limiter=s3_limiter, list_ahead=cfg.list_ahead)
         if manifest_path is not None:
-            manifest.load(env, metadata, manifest_path, bucket=cfg.source.bucket,
+            manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
                                   limiter=disk_limiter)

@@ -157,7 +157,7 @@ def test_load_builds_the_tree_and_nothing_is_listed(tmp_path: Path) -> None:
     store = MemoryStore()  # must never be asked
     try:
         md = Metadata(env, None, ttl=1, limiter=trio.CapacityLimiter(1))
-        assert manifest.load(env, md, p, bucket="b", root_prefix="ds/") == 5
+        assert manifest.load(env, p, bucket="b", root_prefix="ds/") == 5
 
         async def body() -> None:
             async with trio.open_nursery() as nursery:
@@ -180,11 +180,11 @@ def test_load_builds_the_tree_and_nothing_is_listed(tmp_path: Path) -> None:
         trio.run(body)
         assert store.calls["list"] == 0
         # The same manifest again: not reloaded; a changed one: reloaded.
-        assert manifest.load(env, md, p, bucket="b", root_prefix="ds/") == 5
+        assert manifest.load(env, p, bucket="b", root_prefix="ds/") == 5
         time.sleep(0.01)
         p.write_text("key,size,etag\nds/only.jpg,1,e\n")
         os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
-        assert manifest.load(env, md, p, bucket="b", root_prefix="ds/") == 1
+        assert manifest.load(env, p, bucket="b", root_prefix="ds/") == 1
         assert [e.name for e in md.iter_entries("ds/")] == [b"only.jpg"]
     finally:
         env.close()

@@ -620,15 +620,15 @@ def test_opendir_lists_subdirectories_ahead(env: LmdbEnv) -> None:
 
 
 def test_unfinished_listing_of_an_earlier_run_is_removed(tmp_path: Path) -> None:
-    from cachefs.cache import metadata as md_mod
 
     store = MemoryStore(page_size=2)
     for i in range(6):
         store.put(f"d/f{i}", b"x")
     path = tmp_path / "meta.lmdb"
     env = LmdbEnv(path)
-    md = Metadata(env, store, ttl=60, limiter=trio.CapacityLimiter(1))
-    writer = md_mod._VersionWriter(md, "d/")
+    from cachefs.cache.index import Index, VersionWriter
+
+    writer = VersionWriter(Index(env), "d/", time.time)
     writer.write([Entry(b"f0", False, 1, 0.0, "e")])  # a first batch, then the "crash"
     env.close()
     env2 = LmdbEnv(path)

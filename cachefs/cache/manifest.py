@@ -41,19 +41,19 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import metrics
-from cachefs.cache.lmdbenv import LmdbEnv
-from cachefs.cache.metadata import (
-    _ENTRY,
-    _F_DIR,
-    _LISTING,
+from cachefs.cache.index import (
+    ENTRY,
+    F_DIR,
+    LISTING,
     Entry,
-    Metadata,
-    _enc,
-    _pack,
-    _unpack,
-    invalid_name_reason,
+    Index,
+    enc,
+    pack_entry,
     prefix_id,
+    unpack_entry,
 )
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.metadata import invalid_name_reason
 from cachefs.errors import ConfigError
 from cachefs.s3.store import ObjectInfo
 
@@ -247,7 +247,7 @@ def identity(path: Path, root_prefix: str) -> bytes:
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{root_prefix}".encode()
 
 
-def load(env: LmdbEnv, md: Metadata, path: Path, *, bucket: str, root_prefix: str) -> int:
+def load(env: LmdbEnv, path: Path, *, bucket: str, root_prefix: str) -> int:
     """Make the index hold exactly the manifest's objects under ``root_prefix``; returns
     how many objects it holds. Skipped when the same manifest was loaded last time."""
     ident = identity(path, root_prefix)
@@ -273,12 +273,12 @@ def load(env: LmdbEnv, md: Metadata, path: Path, *, bucket: str, root_prefix: st
             for key, value, is_dir in batch:
                 if is_dir:
                     old = txn.get(key, db=stage)
-                    if old is not None and not _ENTRY.unpack_from(old)[0] & _F_DIR:
+                    if old is not None and not ENTRY.unpack_from(old)[0] & F_DIR:
                         skipped["shadowed"] += 1
                     txn.put(key, value, db=stage)
                 elif not txn.put(key, value, overwrite=False, db=stage):
                     old = txn.get(key, db=stage)
-                    skipped["shadowed" if _ENTRY.unpack_from(old)[0] & _F_DIR else "duplicate"] += 1
+                    skipped["shadowed" if ENTRY.unpack_from(old)[0] & F_DIR else "duplicate"] += 1
 
     batch: list[tuple[bytes, bytes, bool]] = []
     for obj in read_manifest(path, bucket):
@@ -295,14 +295,14 @@ def load(env: LmdbEnv, md: Metadata, path: Path, *, bucket: str, root_prefix: st
             skipped[bad] += 1
             continue
         if name:  # (a key ending in "/" is a directory marker: only its directories)
-            batch.append((prefix_id(parent) + _enc(name),
-                          _pack(0, obj.size, obj.mtime, 0, obj.etag), False))
+            batch.append((prefix_id(parent) + enc(name),
+                          pack_entry(0, obj.size, obj.mtime, 0, obj.etag), False))
             objects += 1
         d = parent
         while d not in dirs and len(d) > len(root_prefix):  # new directories up the tree
             dirs.add(d)
             up = d[:d.rstrip("/").rfind("/") + 1]
-            batch.append((prefix_id(up) + _enc(d[len(up):-1]), _pack(_F_DIR, 0, 0, 0, ""), True))
+            batch.append((prefix_id(up) + enc(d[len(up):-1]), pack_entry(F_DIR, 0, 0, 0, ""), True))
             d = up
         if len(batch) >= BATCH:
             flush(batch)
@@ -310,7 +310,7 @@ def load(env: LmdbEnv, md: Metadata, path: Path, *, bucket: str, root_prefix: st
             if objects % 1_000_000 < BATCH:
                 log.info("manifest %s: %d objects read", path, objects)
     flush(batch)
-    _copy_stage(env, md, sorted(dirs))
+    _copy_stage(env, Index(env), sorted(dirs))
     env.drop("stage")
     for reason, n in skipped.items():
         metrics.SKIPPED_KEYS.labels(reason).inc(n)
@@ -326,7 +326,7 @@ def load(env: LmdbEnv, md: Metadata, path: Path, *, bucket: str, root_prefix: st
     return objects
 
 
-def _copy_stage(env: LmdbEnv, md: Metadata, dirs: list[str]) -> None:
+def _copy_stage(env: LmdbEnv, index: Index, dirs: list[str]) -> None:
     """Copy each directory's staged names, in name order, into a new version of it
     (several directories per transaction, a large one in chunks)."""
     stage = env.db("stage")
@@ -334,7 +334,7 @@ def _copy_stage(env: LmdbEnv, md: Metadata, dirs: list[str]) -> None:
 
     def copy_one(txn: Any, prefix: str) -> int:
         pid = prefix_id(prefix)
-        version = md._next_version(txn)
+        version = index.next_version(txn)
         cur = txn.cursor(db=stage)
         added = subdirs = 0
         last: bytes | None = None
@@ -342,15 +342,15 @@ def _copy_stage(env: LmdbEnv, md: Metadata, dirs: list[str]) -> None:
         more = cur.set_range(pid)
         while True:
             if more and cur.key().startswith(pid) and len(chunk) < BATCH:
-                chunk.append(_unpack(bytes(cur.key()[8:]), cur.value()))
+                chunk.append(unpack_entry(bytes(cur.key()[8:]), cur.value()))
                 more = cur.next()
                 continue
             if chunk:
-                n, d, last, _ = md.write_entries(txn, prefix, version, chunk, last)
+                n, d, last, _ = index.write_entries(txn, prefix, version, chunk, last)
                 added, subdirs, chunk = added + n, subdirs + d, []
             if not (more and cur.key().startswith(pid)):
                 break
-        txn.put(pid, _LISTING.pack(version, time.time(), added, subdirs) + _enc(prefix),
+        txn.put(pid, LISTING.pack(version, time.time(), added, subdirs) + enc(prefix),
                 db=listings)
         return added + 1
 

@@ -7,23 +7,8 @@ without any S3 request, including after a remount with the same cache
 directory. Nothing per object is kept in Python memory: a million listed
 objects cost the daemon their LMDB pages only.
 
-Tables (see :mod:`cachefs.cache.lmdbenv`):
-
-* ``listings``: prefix id (xxh3-64 of the prefix) -> current version, listed
-  at, entry count, sub-directory count, the prefix text;
-* ``names``: version (8 bytes, big-endian) + name -> flags, size, mtime,
-  inode number, ETag (16 bytes when it is an MD5). A new version takes the
-  next number, so a listing's names are appended at the end of the B-tree
-  (``MDB_APPEND``: full pages, no splits); the old version is deleted when the
-  new one is complete;
-* ``inodes``: inode number -> prefix id + name (what the kernel's inode refers to).
-
-Inode numbers are given out in sequence (so ``inodes`` is appended to as
-well) and belong to one *version* of a name: a refresh keeps the number of a
-name whose kind and ETag did not change, and gives a changed object a new
-one, so the kernel never keeps pages of one version for another. An inode
-whose version is no longer listed answers ESTALE (the kernel then looks the
-name up again and finds the new inode). Numbers survive remounts.
+The layout in LMDB (versions of directories, inode numbers per object
+version) is :mod:`cachefs.cache.index`.
 
 Mapping keys to names (documented in README):
 
@@ -42,15 +27,23 @@ pages covering the name it needs have arrived: pages are written as they come
 (a large directory streams to readdir), and names below the *watermark* are
 complete (see :func:`watermark`).
 
+Large directories: a listing is one key range at first; once it has listed
+SPLIT_AFTER_ENTRIES names with more to come, the rest is split at guessed keys
+(:func:`split_points`) into ranges listed at once with StartAfter (at most
+PARALLEL_RANGES per directory, each of which may split again), so a
+directory of 200,000 names is listed in about the time of 25 sequential
+pages instead of 200. The watermark then follows the first unfinished range.
+
 Concurrency: every listing runs in the nursery of :meth:`Metadata.run` (its
-owner), in a worker thread under the S3 capacity limiter, so a caller that
-gives up (an interrupted FUSE request) does not cancel a listing others wait
-for. One listing per directory at a time (single flight). Listing ahead:
+owner): its ranges in worker threads under the S3 capacity limiter, so a
+caller that gives up (an interrupted FUSE request) does not cancel a listing
+others wait for. One listing per directory at a time (single flight); an
+invalidate() during a listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
-first, like a depth-first walker) and ``list_ahead`` workers list them
-before the walker gets there. Reads of LMDB run on the trio thread
-(lock-free snapshots); writes in the listing threads (one write transaction
-per page batch).
+first, like a depth-first walker) and ``list_ahead`` workers list them before
+the walker gets there. Reads of LMDB run on the trio thread (lock-free
+snapshots); writes in the listing threads, a transaction per batch of names
+(LMDB lets one writer in at a time; the others wait in their threads).
 """
 
 from __future__ import annotations
@@ -58,34 +51,31 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import struct
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import trio
-import xxhash
 
 from cachefs import metrics
+from cachefs.cache.index import (
+    AHEAD_QUEUE,
+    NAME_MAX,
+    Entry,
+    Index,
+    VersionWriter,
+    View,
+    enc,
+    prefix_id,
+)
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 
+__all__ = ["Entry", "Metadata", "View", "entries_from_listing", "invalid_name_reason",
+           "split_points", "watermark"]
+
 log = logging.getLogger(__name__)
 
-NAME_MAX = 255
-ROOT_INO = 1
-
-_ENTRY = struct.Struct("<BQIQ")  # flags, size, mtime (whole seconds), inode; ETag follows
-_F_DIR, _F_MD5 = 1, 2
-_LISTING = struct.Struct("<QdQQ")  # version, listed at, entries, sub-directories; prefix follows
-_VERSION = struct.Struct(">Q")
-_INO = struct.Struct(">Q")
-_HEX = frozenset("0123456789abcdef")
-
-# Listing ahead: at most this many directories queued (the oldest are dropped).
-AHEAD_QUEUE = 4096
 # A listing commits its pages at least this often (entries), so a large directory
 # streams to readdir and never sits in memory whole.
 FLUSH_ENTRIES = 1000
@@ -101,18 +91,6 @@ _ALL = b"\xff" * (NAME_MAX + 1)  # the watermark once every range is in
 REFRESH_BACKOFF = 10.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Entry:
-    """One name in a directory: a sub-directory or an object version."""
-
-    name: bytes
-    is_dir: bool
-    size: int = 0
-    mtime: float = 0.0
-    etag: str = ""
-    ino: int = 0
-
-
 def invalid_name_reason(name: str) -> str | None:
     """Why ``name`` cannot be a file name, or None when it can."""
     if name == "":
@@ -124,29 +102,6 @@ def invalid_name_reason(name: str) -> str | None:
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         return "too_long"
     return None
-
-
-def _enc(text: str) -> bytes:
-    return text.encode("utf-8", "surrogateescape")
-
-
-def prefix_id(prefix: str) -> bytes:
-    """The 8-byte id of a directory prefix (xxh3-64: S3 keys are up to 1024 bytes,
-    LMDB keys 511)."""
-    return xxhash.xxh3_64_digest(_enc(prefix))
-
-
-def _pack(flags: int, size: int, mtime: float, ino: int, etag: str) -> bytes:
-    if len(etag) == 32 and _HEX.issuperset(etag):
-        return _ENTRY.pack(flags | _F_MD5, size, int(mtime) & 0xFFFFFFFF, ino) + bytes.fromhex(etag)
-    return _ENTRY.pack(flags, size, int(mtime) & 0xFFFFFFFF, ino) + etag.encode()
-
-
-def _unpack(name: bytes, raw: bytes) -> Entry:
-    flags, size, mtime, ino = _ENTRY.unpack_from(raw)
-    tail = bytes(raw[_ENTRY.size:])
-    etag = tail.hex() if flags & _F_MD5 else tail.decode()
-    return Entry(name, bool(flags & _F_DIR), size, float(mtime), etag, ino)
 
 
 def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[str],
@@ -175,8 +130,8 @@ def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[
     for name in dirs & files.keys():
         skipped["shadowed"] += 1
         del files[name]
-    result = [Entry(_enc(name), True) for name in dirs]
-    result += [Entry(_enc(name), False, o.size, o.mtime, o.etag) for name, o in files.items()]
+    result = [Entry(enc(name), True) for name in dirs]
+    result += [Entry(enc(name), False, o.size, o.mtime, o.etag) for name, o in files.items()]
     result.sort(key=lambda e: e.name)
     return result
 
@@ -194,8 +149,8 @@ def watermark(prefix: str, last: str) -> bytes:
     rel = last[len(prefix):]
     for i, ch in enumerate(rel):
         if ch < "/":
-            return _enc(rel[:i])
-    return _enc(rel)
+            return enc(rel[:i])
+    return enc(rel)
 
 
 class _Listing:
@@ -215,14 +170,6 @@ class _Listing:
         self.subdirs: list[str] = []
         self.tick = 0
         self.again = False  # invalidated while running: list again when done
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class View:
-    """Where to read a directory's names: ``version``, names below ``limit`` (None: all)."""
-
-    version: int
-    limit: bytes | None
 
 
 class Metadata:
@@ -249,10 +196,7 @@ class Metadata:
         self._retry_after: dict[str, float] = {}  # failed refreshes wait before the next
         self._inflight: dict[str, _Listing] = {}
         self._inflight_ids: dict[bytes, _Listing] = {}
-        self._listings = env.db("listings")
-        self._names = env.db("names")
-        self._inodes = env.db("inodes")
-        self._meta = env.db("meta")
+        self._index = Index(env)
         self._nursery: trio.Nursery | None = None
         self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
         self._ahead_lot = trio.lowlevel.ParkingLot()
@@ -273,31 +217,13 @@ class Metadata:
                 self._nursery = None
 
     def _recover(self) -> None:
-        """Delete the names of listings a previous daemon did not finish."""
-        with self._env.read() as txn:
-            cur = txn.cursor(db=self._meta)
-            pending = []
-            if cur.set_range(b"pending:"):
-                for key, _ in cur:
-                    if not key.startswith(b"pending:"):
-                        break
-                    pending.append(key)
-        if not pending:
-            return
-        with self._env.write() as txn:
-            for key in pending:
-                self._delete_version(txn, _VERSION.unpack(key[8:])[0])
-                txn.delete(key, db=self._meta)
-        log.info("removed %d unfinished listing(s) of an earlier run", len(pending))
+        n = self._index.recover()
+        if n:
+            log.info("removed %d unfinished listing(s) of an earlier run", n)
 
     # -- freshness -------------------------------------------------------------
-    def _row(self, txn: Any, prefix: str) -> tuple[int, float, int, int] | None:
-        raw = txn.get(prefix_id(prefix), db=self._listings)
-        return None if raw is None else _LISTING.unpack_from(raw)
-
     def listed_at(self, prefix: str) -> float | None:
-        with self._env.read() as txn:
-            row = self._row(txn, prefix)
+        row = self._index.row(prefix)
         return None if row is None else row[1]
 
     def is_fresh(self, prefix: str) -> bool:
@@ -341,8 +267,7 @@ class Metadata:
         """What can be read of ``prefix`` now, without waiting: its complete listing
         (scheduling a refresh when stale), the part of a first listing that has
         arrived, or None."""
-        with self._env.read() as txn:
-            row = self._row(txn, prefix)
+        row = self._index.row(prefix)
         if row is not None:
             self._revalidate(prefix, row[1])
             return View(row[0], None)
@@ -415,14 +340,12 @@ class Metadata:
         """The entry of the object ``key`` (its directory listed if needed), or None when
         no file of that name is listed. Raises StoreError when listing fails."""
         parent = key[:key.rfind("/") + 1]
-        entry = await self.lookup(parent, _enc(key[len(parent):]))
+        entry = await self.lookup(parent, enc(key[len(parent):]))
         return None if entry is None or entry.is_dir else entry
 
     # -- queries (trio thread; no S3) ------------------------------------------
     def _get(self, version: int, name: bytes) -> Entry | None:
-        with self._env.read() as txn:
-            raw = txn.get(_VERSION.pack(version) + name, db=self._names)
-        return None if raw is None else _unpack(name, raw)
+        return self._index.get(version, name)
 
     def get(self, prefix: str, name: bytes) -> Entry | None:
         """``name`` in what is known of ``prefix`` now (no waiting, no S3)."""
@@ -432,8 +355,7 @@ class Metadata:
         return self._get(v.version, name)
 
     def count(self, prefix: str) -> int:
-        with self._env.read() as txn:
-            row = self._row(txn, prefix)
+        row = self._index.row(prefix)
         return 0 if row is None else row[2]
 
     def iter_entries(self, prefix: str, after: bytes | None = None) -> Iterator[Entry]:
@@ -445,55 +367,33 @@ class Metadata:
         return self._iter(v, after)
 
     def _iter(self, v: View, after: bytes | None) -> Iterator[Entry]:
-        vb = _VERSION.pack(v.version)
-        start = vb + after if after is not None else vb
-        limit = v.limit
-        with self._env.read() as txn:
-            cur = txn.cursor(db=self._names)
-            if not cur.set_range(start):
-                return
-            for key, raw in cur:
-                if not key.startswith(vb):
-                    return
-                name = key[8:]
-                if limit is not None and name >= limit:
-                    return
-                if after is not None and name == after:
-                    continue
-                yield _unpack(name, raw)
+        return self._index.iter(v, after)
 
     def resolve(self, ino: int) -> tuple[str, Entry] | None:
         """(parent prefix, entry) of a listed inode, or None when that version of the
         name is no longer listed (the object changed or is gone: ESTALE). A stale
         listing answers at once and is refreshed in the background."""
-        with self._env.read() as txn:
-            raw = txn.get(_INO.pack(ino), db=self._inodes)
-            if raw is None:
-                return None
-            pid, name = bytes(raw[:8]), bytes(raw[8:])
-            row_raw = txn.get(pid, db=self._listings)
-            if row_raw is not None:
-                version, listed_at = _LISTING.unpack_from(row_raw)[:2]
-                prefix = bytes(row_raw[_LISTING.size:]).decode("utf-8", "surrogateescape")
-                self._revalidate(prefix, listed_at)  # getattr/open of a stale listing
-            else:
-                listing = self._inflight_ids.get(pid)
-                if listing is None or listing.version is None:
-                    return None
-                version, prefix = listing.version, listing.prefix
-            entry_raw = txn.get(_VERSION.pack(version) + name, db=self._names)
-        if entry_raw is None:
+        found = self._index.inode(ino)
+        if found is None:
             return None
-        entry = _unpack(name, entry_raw)
-        return (prefix, entry) if entry.ino == ino else None
+        pid, name, row = found
+        if row is not None:
+            version, listed_at, prefix = row
+            self._revalidate(prefix, listed_at)  # getattr/open of a stale listing
+        else:
+            listing = self._inflight_ids.get(pid)
+            if listing is None or listing.version is None:
+                return None
+            version, prefix = listing.version, listing.prefix
+        entry = self._index.get(version, name)
+        return (prefix, entry) if entry is not None and entry.ino == ino else None
 
     # -- listing ahead ------------------------------------------------------------
     def list_ahead(self, prefix: str) -> None:
         """The walker is in ``prefix``: list its sub-directories ahead of it."""
         if self._store is None or not self.list_ahead_workers:
             return
-        with self._env.read() as txn:
-            row = self._row(txn, prefix)
+        row = self._index.row(prefix)
         if row is None:  # listed (or being listed) for the walker: queue them when done
             self._start(prefix).ahead = True
             return
@@ -566,7 +466,7 @@ class Metadata:
     async def _list_ranges(self, listing: _Listing) -> None:
         """List ``listing.prefix`` into a new version: one key range, split into more
         (listed at once, at most PARALLEL_RANGES) once it proves large."""
-        writer = _VersionWriter(self, listing.prefix)
+        writer = VersionWriter(self._index, listing.prefix, self._clock)
         state = _Ranges(writer)
         try:
             async with trio.open_nursery() as nursery:
@@ -670,7 +570,7 @@ class Metadata:
         """List ``prefix`` now and store it in one transaction (no streaming). Blocking:
         worker threads and tools only."""
         assert self._store is not None
-        writer = _VersionWriter(self, prefix)
+        writer = VersionWriter(self._index, prefix, self._clock)
         try:
             batch: list[Entry] = []
             for page in list_dir(self._store, prefix):
@@ -683,156 +583,6 @@ class Metadata:
         for reason, n in writer.skipped.items():
             metrics.SKIPPED_KEYS.labels(reason).inc(n)
         return writer.count
-
-    # -- writing (worker threads) -----------------------------------------------------
-    def _next_version(self, txn: Any) -> int:
-        raw = txn.get(b"version", db=self._meta)
-        version = (0 if raw is None else _VERSION.unpack(raw)[0]) + 1
-        txn.put(b"version", _VERSION.pack(version), db=self._meta)
-        return version
-
-    def _delete_version(self, txn: Any, version: int) -> None:
-        vb = _VERSION.pack(version)
-        cur = txn.cursor(db=self._names)
-        if cur.set_range(vb):
-            while cur.key().startswith(vb):
-                if not cur.delete():
-                    break
-
-    def write_entries(self, txn: Any, prefix: str, version: int, entries: Iterable[Entry],
-                      last_key: bytes | None, old_version: int | None = None
-                      ) -> tuple[int, int, bytes | None, list[str]]:
-        """Append ``entries`` (sorted by name) to ``version`` of ``prefix``; returns (names
-        added, sub-directories added, greatest key written, sub-directory prefixes).
-
-        A name whose kind and ETag are the same in ``old_version`` keeps its inode;
-        any other gets the next inode number (appended to ``inodes``)."""
-        pid = prefix_id(prefix)
-        vb = _VERSION.pack(version)
-        ob = None if old_version is None else _VERSION.pack(old_version)
-        raw_ino = txn.get(b"ino", db=self._meta)
-        next_ino = ROOT_INO + 1 if raw_ino is None else _INO.unpack(raw_ino)[0]
-        new_inodes: list[tuple[bytes, bytes]] = []
-        in_order: list[tuple[bytes, bytes]] = []
-        late: list[tuple[bytes, bytes, bool]] = []
-        added = dirs = 0
-        subdirs: list[str] = []
-        for e in entries:
-            flags = _F_DIR if e.is_dir else 0
-            ino = 0
-            if ob is not None:
-                old = txn.get(ob + e.name, db=self._names)
-                if old is not None and _unpack(e.name, old).etag == e.etag and \
-                        (old[0] & _F_DIR) == flags:
-                    ino = _ENTRY.unpack_from(old)[3]
-            if not ino:
-                ino = next_ino
-                next_ino += 1
-                new_inodes.append((_INO.pack(ino), pid + e.name))
-            key = vb + e.name
-            value = _pack(flags, e.size, e.mtime, ino, e.etag)
-            if e.is_dir:
-                dirs += 1
-                if len(subdirs) < AHEAD_QUEUE:
-                    subdirs.append(prefix + e.name.decode("utf-8", "surrogateescape") + "/")
-            if not e.is_dir and (last_key is None or key > last_key):
-                in_order.append((key, value))
-                last_key = key
-            else:  # a directory wins over a file of its name, whenever either arrives
-                late.append((key, value, e.is_dir))
-        if new_inodes:
-            txn.cursor(db=self._inodes).putmulti(new_inodes, append=True)
-            txn.put(b"ino", _INO.pack(next_ino), db=self._meta)
-        if in_order:
-            cur = txn.cursor(db=self._names)
-            append = not cur.last() or cur.key() < in_order[0][0]
-            consumed, n = cur.putmulti(in_order, append=append, overwrite=False)
-            added += n
-            if consumed > n:  # files whose name another range listed as a directory
-                metrics.SKIPPED_KEYS.labels("shadowed").inc(consumed - n)
-        for key, value, is_dir in late:
-            old = txn.get(key, db=self._names)
-            if old is not None:
-                if is_dir and not _ENTRY.unpack_from(old)[0] & _F_DIR:
-                    metrics.SKIPPED_KEYS.labels("shadowed").inc()
-                    added -= 1
-                else:
-                    continue
-            txn.put(key, value, db=self._names)
-            added += 1
-            if not is_dir and (last_key is None or key > last_key):
-                last_key = key
-        return added, dirs, last_key, subdirs
-
-
-class _VersionWriter:
-    """Writes one new version of a directory, batch by batch (from several range
-    threads at once), and makes it current at the end (deleting the previous version).
-    Worker threads; ``lock`` guards the counters."""
-
-    def __init__(self, md: Metadata, prefix: str) -> None:
-        self.md = md
-        self.prefix = prefix
-        self.lock = threading.Lock()
-        self.version: int | None = None
-        self.final = False
-        self.count = 0
-        self.dirs = 0
-        self.skipped: Counter[str] = Counter()
-        self.subdirs: list[str] = []
-        self.old_version: int | None = None
-
-    def write(self, batch: list[Entry], last_key: bytes | None = None,
-              final: bool = False) -> bytes | None:
-        """Write ``batch`` (names after ``last_key`` of the same range, sorted); returns the
-        range's new last key. ``final``: the whole listing is in, make it current."""
-        md = self.md
-        with md._env.write() as txn:
-            if self.version is None:
-                old = txn.get(prefix_id(self.prefix), db=md._listings)
-                self.old_version = None if old is None else _LISTING.unpack_from(old)[0]
-                self.version = md._next_version(txn)
-                if not final:  # several transactions: recoverable if the daemon dies
-                    txn.put(b"pending:" + _VERSION.pack(self.version), b"", db=md._meta)
-            added, dirs, last_key, subdirs = md.write_entries(
-                txn, self.prefix, self.version, batch, last_key, self.old_version)
-            with self.lock:
-                self.count += added
-                self.dirs += dirs
-                if len(self.subdirs) < AHEAD_QUEUE:
-                    self.subdirs += subdirs
-            if final:
-                self._make_current(txn)
-        return last_key
-
-    def finish(self) -> None:
-        with self.md._env.write() as txn:
-            if self.version is None:  # an empty directory
-                self.version = self.md._next_version(txn)
-            self._make_current(txn)
-
-    def _make_current(self, txn: Any) -> None:
-        md = self.md
-        assert self.version is not None
-        pid = prefix_id(self.prefix)
-        old = txn.get(pid, db=md._listings)
-        txn.put(pid, _LISTING.pack(self.version, md._clock(), self.count, self.dirs)
-                + _enc(self.prefix), db=md._listings)
-        if old is not None:
-            md._delete_version(txn, _LISTING.unpack_from(old)[0])
-        txn.delete(b"pending:" + _VERSION.pack(self.version), db=md._meta)
-        self.final = True
-
-    def abandon(self) -> None:
-        if self.version is None or self.final:
-            return
-        try:
-            with self.md._env.write() as txn:
-                self.md._delete_version(txn, self.version)
-                txn.delete(b"pending:" + _VERSION.pack(self.version), db=self.md._meta)
-        except Exception:  # the next start removes it (pending marker)
-            log.warning("could not remove an unfinished listing", exc_info=True)
-
 
 @dataclasses.dataclass(eq=False)
 class _Range:
@@ -850,7 +600,7 @@ class _Ranges:
     """The key ranges of one listing, in key order (the list is changed on the trio
     thread only; a range's fields by the thread listing it)."""
 
-    def __init__(self, writer: _VersionWriter) -> None:
+    def __init__(self, writer: VersionWriter) -> None:
         self.writer = writer
         self.ranges = [_Range()]
         self.split = False
