@@ -205,7 +205,8 @@ OPTIONS: tuple[Option, ...] = (
            "uses it when available.", metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
-           "again ('inf' for immutable datasets).", metavar="DURATION"),
+           "again ('inf' for immutable datasets); an expired listing is still answered while "
+           "it is refreshed in the background.", metavar="DURATION"),
     Option("list_ahead", parse_int, 16,
            "Directories listed ahead of a directory walk at once (the sub-directories of each "
            "opened directory are queued); 0 lists only on demand.", metavar="N"),

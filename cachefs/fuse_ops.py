@@ -86,7 +86,10 @@ def _handler(
                     metrics.FUSE_INTERNAL_ERRORS.inc()
                     log.exception("unexpected error in %s; answering EIO", op)
                     code = errno.EIO
-                elif code not in (errno.ENOENT, errno.EROFS):
+                elif code not in (errno.ENOENT, errno.EROFS) and not (
+                        isinstance(exc, FsError) and code == errno.ESTALE):
+                    # (an inode of an object version no longer listed is routine: the
+                    # kernel looks the name up again)
                     log.warning("%s failed: %s (%s)", op, exc, errno.errorcode.get(code))
                 metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(code, str(code))).inc()
                 raise pyfuse3.FUSEError(code) from None
