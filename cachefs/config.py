@@ -225,7 +225,16 @@ OPTIONS: tuple[Option, ...] = (
            "uses it when available.", metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
-           "again ('inf' for immutable datasets).", metavar="DURATION"),
+           "again ('inf' for immutable datasets); an expired listing is still answered while "
+           "it is refreshed in the background.", metavar="DURATION"),
+    Option("list_ahead", parse_int, 16,
+           "Directories listed ahead of a directory walk at once (the sub-directories of each "
+           "opened directory are queued); 0 lists only on demand.", metavar="N"),
+    Option("manifest", _opt_str, None,
+           "Mount from a manifest instead of listing the bucket: JSON lines or CSV of key, "
+           "size, ETag[, mtime], or an S3 Inventory manifest.json (CSV; Parquet needs "
+           "pyarrow). Objects not in it are not visible; nothing is ever listed.",
+           metavar="FILE"),
     Option("memory_budget", parse_size, "512M",
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
@@ -266,6 +275,8 @@ class MountConfig:
     no_sign_request: bool
     metrics_addr: str | None
     metadata_ttl: float
+    list_ahead: int
+    manifest: str | None
     memory_budget: int
     max_connections: int
     read_ahead: int
@@ -354,6 +365,8 @@ def _check_ranges(cfg: MountConfig) -> None:
     if cfg.memory_budget < 4 * cfg.block_size:
         raise ConfigError(f"--memory-budget {cfg.memory_budget} bytes is too small: it must "
                           f"hold at least 4 blocks ({4 * cfg.block_size} bytes)")
+    if cfg.list_ahead > 256:
+        raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:
         raise ConfigError("--max-connections must be between 1 and 1024")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:

@@ -7,17 +7,20 @@ Order of start-up (each step fails with one clear CachefsError line):
 2. cache directory: created 0700 (wider modes tightened), writable, locked for
    this daemon only, large enough for ``--cache-size``;
 3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
-4. S3: one probe request (bucket exists, credentials work, endpoint answers);
+4. S3: one probe request (bucket exists, credentials work, endpoint answers:
+   a one-key listing, or HeadBucket for a manifest mount, which never lists);
+   with ``--manifest``, the manifest loaded into the index (skipped when unchanged);
 5. metrics endpoint bound (if asked);
 6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
 
 Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
-the fetcher's flights, the maintenance loop (last-use batches, LMDB sync),
-the orphan scan, the control socket, and the signal watcher. SIGTERM/SIGINT
-unmount cleanly. No background task ends the daemon on an error: each unit of
-work runs in :func:`cachefs.background.contained` (logged, counted, goes on);
-only cancellation ends them.
+the fetcher's flights, the listings (background refreshes, listing ahead),
+the maintenance loop (last-use batches, LMDB sync), the orphan scan, the
+control socket, and the signal watcher. SIGTERM/SIGINT unmount cleanly. No
+background task ends the daemon on an error: each unit of work runs in
+:func:`cachefs.background.contained` (logged, counted, goes on); only
+cancellation ends them.
 When the request loop ends (unmounted), pending cache writes are drained
 (bounded wait), then the rest is cancelled and the index synced and closed.
 """
@@ -37,6 +40,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.background import contained
+from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
@@ -102,7 +106,9 @@ def sd_notify(message: str) -> None:
 
 
 def _source_identity(cfg: MountConfig) -> bytes:
-    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}".encode()
+    # A manifest mount and a listing mount of the same source do not share listings.
+    manifest = f"|manifest={cfg.manifest}" if cfg.manifest else ""
+    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}{manifest}".encode()
 
 
 def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
@@ -112,8 +118,8 @@ def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
     if stored != ident:
         if stored is not None:
             log.info("cache directory was used for another source; dropping its listings")
-        env.drop("dirs")
-        env.drop("entries")
+        for name in ("listings", "names", "inodes"):
+            env.drop(name)
         with env.write() as txn:
             txn.put(b"source", ident, db=env.db("meta"))
 
@@ -128,7 +134,10 @@ def make_store(cfg: MountConfig) -> S3Store:
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:
     try:
-        store.probe(cfg.source.prefix)
+        if cfg.manifest:
+            store.probe_bucket()  # no LIST at all with a manifest
+        else:
+            store.probe(cfg.source.prefix)
     except EndpointUnreachable:
         where = cfg.endpoint_url or "the AWS S3 endpoint"
         raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and the "
@@ -162,6 +171,7 @@ class Daemon:
 
     def _run_locked(self, env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
+        manifest_path = manifest.check_path(cfg.manifest) if cfg.manifest else None
         _drop_foreign_metadata(env, cfg)
         s3 = make_store(cfg)
         probe_store(s3, cfg)
@@ -184,7 +194,11 @@ class Daemon:
         ledger = PrefetchLedger()
         fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
                           s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger)
-        metadata = Metadata(env, store, ttl=cfg.metadata_ttl, limiter=s3_limiter)
+        metadata = Metadata(env, None if manifest_path else store, ttl=cfg.metadata_ttl,
+                            limiter=s3_limiter, list_ahead=cfg.list_ahead)
+        if manifest_path is not None:
+            manifest.load(env, manifest_path, bucket=cfg.source.bucket,
+                          root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
                                   limiter=disk_limiter)
         if cfg.passthrough == "auto" and not passthrough.enabled:
@@ -222,8 +236,8 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            trio.run(self._serve, fetcher, read_order, control, passthrough, cache, env,
-                     on_ready)
+            trio.run(self._serve, fetcher, metadata, read_order, control, passthrough, cache,
+                     env, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -235,12 +249,13 @@ class Daemon:
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, fetcher: Fetcher, read_order: ReadOrder, control: ControlServer,
-                     passthrough: Passthrough, cache: BlockCache, env: LmdbEnv,
-                     on_ready: Callable[[], None]) -> None:
+    async def _serve(self, fetcher: Fetcher, metadata: Metadata, read_order: ReadOrder,
+                     control: ControlServer, passthrough: Passthrough, cache: BlockCache,
+                     env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
+            await nursery.start(metadata.run)
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals)

@@ -331,3 +331,16 @@ def test_mode_from_toml_integer_is_not_silently_decimal() -> None:
                                  "http://[::1]:8333/", "HTTPS://minio.internal"])
 def test_endpoint_urls_accepted(url: str) -> None:
     assert make({"endpoint_url": url}).endpoint_url == url
+
+
+def test_list_ahead_and_manifest_from_every_source() -> None:
+    assert make({}).list_ahead == 16 and make({}).manifest is None
+    assert make({"list_ahead": "4"}).list_ahead == 4
+    assert make({}, environ={"CACHEFS_LIST_AHEAD": "0", "CACHEFS_MANIFEST": "/m.csv"}).list_ahead == 0
+    assert make({}, environ={"CACHEFS_MANIFEST": "/m.csv"}).manifest == "/m.csv"
+    cfg = make(file_values={"list_ahead": 32, "manifest": "/data/inventory/manifest.json"})
+    assert (cfg.list_ahead, cfg.manifest) == (32, "/data/inventory/manifest.json")
+    with pytest.raises(ConfigError, match="--list-ahead"):
+        make({"list_ahead": "1000"})
+    with pytest.raises(ConfigError, match="--list-ahead"):
+        make({"list_ahead": "many"})

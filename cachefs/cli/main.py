@@ -106,6 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests cachefs keeps in flight when prefetching (default 96)")
     plan.add_argument("--json", action="store_true")
 
+    manifest = sub.add_parser("manifest", help="write a manifest of a bucket prefix "
+                              "(for 'cachefs mount --manifest')")
+    msub = manifest.add_subparsers(dest="manifest_command", required=True, parser_class=_Parser)
+    export = msub.add_parser("export", help="list s3://BUCKET/PREFIX (in parallel) to stdout",
+                             description="List every object under s3://BUCKET/PREFIX, many "
+                             "directories at once, and write key,size,etag,mtime rows to "
+                             "stdout (CSV with a header, or JSON lines).")
+    export.add_argument("source", help="s3://BUCKET[/PREFIX]")
+    export.add_argument("--endpoint-url", metavar="URL")
+    export.add_argument("--region", metavar="REGION")
+    export.add_argument("--no-sign-request", action="store_true")
+    export.add_argument("--parallel", type=int, default=16, metavar="N",
+                        help="directories listed at once (default 16)")
+    export.add_argument("--format", default="csv", choices=("csv", "jsonl"),
+                        help="csv (default) or jsonl")
+
     status = sub.add_parser("status", help="show cachefs mounts on this node")
     status.add_argument("mountpoint", nargs="?")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -314,7 +330,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status_main(args.mountpoint, as_json=args.json)
 
 
-SUBCOMMANDS = ("mount", "unmount", "umount", "status", "warm", "probe", "plan")
+SUBCOMMANDS = ("mount", "unmount", "umount", "status", "warm", "probe", "plan", "manifest")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             from cachefs.cli.probe import probe_main
 
             return probe_main(args)
+        if args.command == "manifest":
+            from cachefs.cli.manifest import export_main
+
+            return export_main(args)
         if args.command == "plan":
             from cachefs.cli.plan import plan_main
 
