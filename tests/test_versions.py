@@ -15,7 +15,6 @@ can tell a correct read, a read of another version's length and a mix.
 from __future__ import annotations
 
 import errno
-import os
 import struct
 import threading
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from cachefs.passthrough import supported as passthrough_supported
 
 pytestmark = pytest.mark.fuse
 
@@ -134,8 +135,152 @@ def test_overwritten_objects_are_never_mixed_or_misread(tagged_bucket, mount_fac
     client, name = tagged_bucket
     extra = ["--block-size", "1M"] + (["--metadata-ttl", ttl] if ttl != "default" else [])
     m = mount_factory(f"s3://{name}", *extra)
-    outcomes = overwrite_under_readers(client, name, m.path, seconds=20)
+    outcomes = overwrite_under_readers(client, name, m.path, seconds=15)
     print(dict(outcomes))
     assert outcomes["ok"] > 0
     assert outcomes["mixed"] == 0, outcomes
     assert outcomes["wrong_length"] == 0, outcomes
+
+
+# -- each cache the kernel keeps per inode, forced deterministically -------------------------
+BLOCK = 64 * 1024
+
+
+def _payload(seed: int, size: int) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(size)
+
+
+def _read_fd(fd: int, size: int, offset: int = 0) -> bytes:
+    import os
+
+    out = []
+    while True:
+        chunk = os.pread(fd, size, offset)
+        if not chunk:
+            return b"".join(out)
+        out.append(chunk)
+        offset += len(chunk)
+
+
+def _read_or_estale(fd: int, expected: bytes) -> None:
+    """The whole of ``fd`` is ``expected`` (the version it opened), or the read fails
+    with ESTALE; nothing else."""
+    try:
+        got = _read_fd(fd, BLOCK)
+    except OSError as exc:
+        assert exc.errno == errno.ESTALE, exc
+        return
+    assert len(got) == len(expected), "a length from another version"
+    assert got == expected, "bytes from another version"
+
+
+def test_a_newer_listing_never_changes_the_size_of_an_open_file(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    client, name = bucket
+    v1, v2 = _payload(1, 4 * BLOCK + 100), _payload(2, 6 * BLOCK + 7)
+    client.put_object(Bucket=name, Key="f.bin", Body=v1)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1s",
+                      "--read-ahead", "64K")
+    path = m.path / "f.bin"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, BLOCK, 0) == v1[:BLOCK]
+        client.put_object(Bucket=name, Key="f.bin", Body=v2)
+        _until(lambda: os.stat(path).st_size == len(v2))  # the name shows the new version
+        try:  # the open file is still the old one (or, no longer listed, ESTALE)
+            assert os.fstat(fd).st_size == len(v1), "an open file took another version's size"
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+        _read_or_estale(fd, v1)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == v2
+
+
+def test_the_page_cache_of_one_version_never_serves_another(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    client, name = bucket
+    v1, v2 = b"1" * (3 * BLOCK), b"2" * (3 * BLOCK)  # one length: only the bytes tell
+    client.put_object(Bucket=name, Key="f.bin", Body=v1)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1s",
+                      "--passthrough", "off")
+    path = m.path / "f.bin"
+    fd1 = os.open(path, os.O_RDONLY)
+    try:
+        assert _read_fd(fd1, BLOCK) == v1  # v1 in the page cache (kept across opens)
+        client.put_object(Bucket=name, Key="f.bin", Body=v2)
+        # New opens find v2 (its pages: never in fd1's cache) once the listing has it.
+        _until(lambda: path.read_bytes() == v2)
+        assert _read_fd(fd1, BLOCK) == v1  # cached blocks of v1, never v2's pages
+    finally:
+        os.close(fd1)
+
+
+@pytest.mark.skipif(not passthrough_supported(), reason="pyfuse3 lacks passthrough (make deps)")
+def test_a_passed_through_file_never_serves_a_newer_open(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    client, name = bucket
+    v1, v2 = _payload(1, 3 * BLOCK), _payload(2, 5 * BLOCK + 3)
+    client.put_object(Bucket=name, Key="f.bin", Body=v1)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1s")
+    path = m.path / "f.bin"
+    assert path.read_bytes() == v1  # cached
+    _wait_metric(m, "cachefs_open_file_handles", 0)
+    fd1 = os.open(path, os.O_RDONLY)  # passed through to v1's cache file
+    try:
+        assert m.metric("cachefs_passthrough_opens_total") == 1
+        client.put_object(Bucket=name, Key="f.bin", Body=v2)
+        _until(lambda: os.stat(path).st_size == len(v2))
+        fd2 = os.open(path, os.O_RDONLY)
+        try:
+            assert os.fstat(fd2).st_size == len(v2)
+            assert _read_fd(fd2, BLOCK) == v2
+        finally:
+            os.close(fd2)
+        assert _read_fd(fd1, BLOCK) == v1
+    finally:
+        os.close(fd1)
+
+
+def test_an_outdated_entry_in_the_kernel_opens_the_current_version(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernel may hold a name's entry (to the old version's inode) after the
+    daemon's listing learnt of a new version: the open answers ESTALE and the
+    kernel looks the name up again, so the caller opens the new version."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"old a")
+    client.put_object(Bucket=name, Key="d/b.bin", Body=b"b")
+    client.put_object(Bucket=name, Key="d/c.bin", Body=b"c")
+    m = mount_factory(f"s3://{name}", "--metadata-ttl", "3s")
+    t0 = time.monotonic()
+    assert (m.path / "d" / "b.bin").read_bytes() == b"b"  # the directory is listed now
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"new a!")
+    time.sleep(max(0.0, t0 + 2.0 - time.monotonic()))
+    assert (m.path / "d" / "a.bin").stat().st_size == 5  # entry kept by the kernel for 3 s
+    time.sleep(max(0.0, t0 + 3.3 - time.monotonic()))
+    lists = m.metric('cachefs_s3_requests_total{op="list"}')
+    (m.path / "d" / "c.bin").stat()  # the directory is listed again: a is "new a!" now
+    _until(lambda: m.metric('cachefs_s3_requests_total{op="list"}') > lists)
+    time.sleep(0.2)  # the new listing is stored
+    assert time.monotonic() < t0 + 4.5, "too slow to test: the kernel's entry of a expired"
+    assert (m.path / "d" / "a.bin").read_bytes() == b"new a!"
+
+
+def _until(condition: Any, timeout: float = 15) -> None:
+    """Poll until ``condition()`` (an expired listing may be answered while it is
+    refreshed, so a new version shows up shortly after the TTL, not at it)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _wait_metric(m: Any, metric: str, value: float) -> None:
+    for _ in range(100):
+        if m.metric(metric) == value:
+            return
+        time.sleep(0.05)
