@@ -19,8 +19,15 @@ Contracts:
 * :meth:`BlockCache.get` returns the block's exact bytes or None. Every read
   is verified against length and checksum; a mismatch or a missing file drops
   the entry, counts ``cachefs_cache_corrupt_blocks_total`` and returns None
-  (a miss, never an error: S3 is the truth). :meth:`verify_object` checks a
-  whole object the same way before its file is handed to the kernel.
+  (a miss, never an error: S3 is the truth). A read that lost a race with an
+  eviction (the block's hole was punched, or its file removed, after the index
+  named it) is a plain miss, not corruption: a mismatch is only called corrupt
+  when a second read under the object's lock, with the index still naming the
+  same block, fails too. :meth:`verify_object` checks a whole object the same
+  way before its file is handed to the kernel.
+* An index that cannot be read (any LMDB error, a value of the wrong shape)
+  makes a lookup a miss, counted in ``cachefs_cache_index_errors_total`` and
+  logged (at most once a minute), never an error.
 * :meth:`BlockCache.put` is best-effort: it returns False when the block was
   not admitted (cache full under the ``keep`` policy, disk full, I/O error).
 * A block's bytes are written before the index names it. A crash leaves at
@@ -28,23 +35,44 @@ Contracts:
   the start-up scan; a hole inside one is harmless) or an entry whose bytes
   are torn (caught by the checksum).
 * Bytes of a dropped block are released with a hole punched into the object
-  file; the file is removed when the index names none of its blocks. Objects
-  pinned by :meth:`pin` (open for passthrough) are never evicted.
+  file; the file is removed when the index names none of its blocks.
+* The bytes of an object pinned by :meth:`pin` (its file is read by the kernel
+  itself: passthrough) are never punched and its file never removed. Eviction
+  reads the pins inside its write transaction, so it does not choose a pinned
+  object's blocks; and the release of a dropped block's bytes checks the pins
+  again under the object's lock, so a pin taken while an eviction was being
+  decided (whose verification may have read the blocks before the eviction
+  committed) defers the release until the last unpin. Deferred bytes are
+  released by the next put or :meth:`flush_touches` after that, unless the block
+  was stored again meanwhile (a release never punches a block the index names).
 
 Policies: ``keep`` admits until the cache is full and then keeps what it has
 (the optimum for a fresh random permutation every epoch over a dataset larger
 than the cache: hit ratio = cache/dataset, where LRU gets
 c + (1-c) ln(1-c)); ``lru`` evicts least recently used blocks to make room.
 
-Concurrency: index reads happen on the trio thread. File I/O, checksums and
-index writes run in worker threads under the disk CapacityLimiter. Last-use
-updates are collected in memory (``_touched``, trio thread) and written in
-batches by :meth:`flush_touches` (a worker thread). ``_used``, ``_count`` and
-``_pinned`` are guarded by ``_lock`` because worker threads update them.
-Writing a block and indexing it, and deciding to remove an object file, hold
-the object's stripe lock (``_file_lock``), so a file is never removed while
-a block put into it is still unindexed. A thread holds at most one stripe
-lock and never takes one while inside an LMDB write transaction.
+Concurrency: index reads happen on the trio thread and in worker threads,
+always in small synchronous helpers (no LMDB transaction lives across an
+``await``: it would hold a reader slot while the coroutine waits, see
+:mod:`cachefs.cache.lmdbenv`). File I/O, checksums and index writes run in
+worker threads under the disk CapacityLimiter. Last-use updates are collected
+in memory (``_touched``, from any thread) and written in batches by
+:meth:`flush_touches` (a worker thread), which takes the whole dict under
+``_lock``, so no thread ever writes the dict being written out.
+
+Locks, in the only order they may be taken:
+
+1. an object's stripe lock (``_file_lock``): held while a block is written and
+   indexed, while a dropped block's bytes are released (punch, or file removal
+   when the index names none of its blocks), and while a failed verification is
+   re-checked. So a file is never removed while a block put into it is still
+   unindexed, a release never punches a block indexed again, and a read that
+   re-checks sees either the block or its absence, never a half-done release.
+   A thread holds at most one stripe lock.
+2. the LMDB write transaction (one writer at a time); it may be opened while a
+   stripe lock is held, never the other way round.
+3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_deferred`` and
+   ``_touched``; held only for a few dict operations, taken last.
 """
 
 from __future__ import annotations
@@ -57,12 +85,13 @@ import shutil
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import trio
 import xxhash
 
-from cachefs import metrics
+from cachefs import failpoints, metrics
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import CacheError
 
@@ -81,6 +110,7 @@ _STRIPES = 64
 _PAGE = 4096
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+_INDEX_ERROR_LOG_INTERVAL = 60.0
 
 
 def object_id(bucket: str, key: str, etag: str, block_size: int) -> bytes:
@@ -126,16 +156,19 @@ class BlockCache:
         self._lock = threading.Lock()
         self._file_locks = [threading.Lock() for _ in range(_STRIPES)]
         self._pinned: dict[bytes, int] = {}
+        # Byte ranges of dropped blocks whose release waits for their object's unpin.
+        self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
         self._punch_warned = False
+        self._index_error_logged = 0.0
+        self._index_errors_unlogged = 0
         try:
             self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
             raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
         self._adopt_layout()
         with env.read() as txn:
-            raw = txn.get(_USED_KEY, db=self._meta_db)
-            self._used = int(raw) if raw else 0
+            self._used = _int(txn.get(_USED_KEY, db=self._meta_db))
             self._count = txn.stat(self._blocks_db)["entries"]
         metrics.CACHE_CAPACITY_BYTES.set(capacity)
         self._publish()
@@ -162,6 +195,12 @@ class BlockCache:
     def block_count(self) -> int:
         return int(self._count)
 
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes of dropped blocks still on disk because their object is pinned."""
+        with self._lock:
+            return sum(n for ranges in self._deferred.values() for _, n in ranges)
+
     def _publish(self) -> None:
         metrics.CACHE_USED_BYTES.set(self._used)
         metrics.CACHE_BLOCKS.set(self._count)
@@ -180,11 +219,17 @@ class BlockCache:
 
     # -- pins (objects whose file the kernel reads directly) ----------------------------
     def pin(self, oid: bytes) -> None:
-        """Keep every block of ``oid`` from eviction until the matching :meth:`unpin`."""
+        """Keep the bytes of every block of ``oid`` in its file until the matching
+        :meth:`unpin`: no eviction chooses them from now on, and a release decided
+        before (by an eviction racing this pin) waits for the unpin. Take the pin
+        before verifying the file: a block evicted before it is then not indexed
+        any more, so the verification fails instead of trusting bytes about to go."""
         with self._lock:
             self._pinned[oid] = self._pinned.get(oid, 0) + 1
 
     def unpin(self, oid: bytes) -> None:
+        """Any thread; never waits. Deferred releases happen at the next put or
+        :meth:`flush_touches`."""
         with self._lock:
             n = self._pinned.get(oid, 0) - 1
             if n > 0:
@@ -192,106 +237,181 @@ class BlockCache:
             else:
                 self._pinned.pop(oid, None)
 
-    # -- lookups (trio thread) ------------------------------------------------------
+    def _is_pinned(self, oid: bytes) -> bool:
+        with self._lock:
+            return oid in self._pinned
+
+    # -- index lookups (any thread; synchronous, no transaction outlives them) -----------
+    def _index_error(self, exc: Exception) -> None:
+        """An index read failed: the caller treats it as a miss."""
+        metrics.CACHE_INDEX_ERRORS.inc()
+        now = time.monotonic()
+        if now - self._index_error_logged < _INDEX_ERROR_LOG_INTERVAL:
+            self._index_errors_unlogged += 1
+            return
+        more = (f" ({self._index_errors_unlogged} more since the last report)"
+                if self._index_errors_unlogged else "")
+        self._index_error_logged, self._index_errors_unlogged = now, 0
+        log.warning("cache index read failed (%s); served as a cache miss%s", exc, more)
+
+    def _entry(self, bid: bytes) -> tuple[int, int] | None:
+        """(length, checksum) of an indexed block; None when it is not indexed or the
+        index cannot be read (counted: a miss)."""
+        try:
+            raw = self._env.get("blocks", bid)
+            if raw is None:
+                return None
+            length, digest, _ = _BLOCK.unpack(raw)
+        except (CacheError, struct.error) as exc:
+            self._index_error(exc)
+            return None
+        return int(length), int(digest)
+
     def contains(self, bid: bytes) -> bool:
-        with self._env.read() as txn:
-            return txn.get(bid, db=self._blocks_db) is not None
+        return self._entry(bid) is not None
 
     def length_of(self, bid: bytes) -> int | None:
-        with self._env.read() as txn:
-            raw = txn.get(bid, db=self._blocks_db)
-        return None if raw is None else int(_BLOCK.unpack(raw)[0])
+        entry = self._entry(bid)
+        return None if entry is None else entry[0]
 
     def contains_all(self, bids: list[bytes]) -> bool:
         """Whether every block is indexed (one read transaction)."""
-        with self._env.read() as txn:
-            return all(txn.get(b, db=self._blocks_db) is not None for b in bids)
+        try:
+            return all(raw is not None for raw in self._env.get_many("blocks", bids))
+        except CacheError as exc:
+            self._index_error(exc)
+            return False
 
+    def _entries(self, bids: list[bytes]) -> list[tuple[int, int]] | None:
+        """(length, checksum) of every block, or None if one is not indexed (or the index
+        cannot be read: counted)."""
+        try:
+            raws = self._env.get_many("blocks", bids)
+            if any(raw is None for raw in raws):
+                return None
+            return [(int(n), int(d)) for n, d, _ in (_BLOCK.unpack(raw) for raw in raws)]  # type: ignore[arg-type]
+        except (CacheError, struct.error) as exc:
+            self._index_error(exc)
+            return None
+
+    # -- verified reads --------------------------------------------------------------
     async def get(self, bid: bytes) -> bytes | None:
         """The verified bytes of block ``bid``, or None (miss, or dropped as corrupt)."""
-        with self._env.read() as txn:
-            raw = txn.get(bid, db=self._blocks_db)
-        if raw is None:
+        entry = self._entry(bid)  # a synchronous helper: no reader slot held below
+        if entry is None:
             return None
-        length, digest, _ = _BLOCK.unpack(raw)
-        data = await trio.to_thread.run_sync(self._read_verified, bid, length, digest,
+        data = await trio.to_thread.run_sync(self._read_verified, bid, entry,
                                              limiter=self._limiter)
         if data is not None:
-            self._touched[bid] = time.time()
+            self.touch((bid,))
         return data
 
-    def _read_verified(self, bid: bytes, length: int, digest: int) -> bytes | None:
+    def _read_verified(self, bid: bytes, entry: tuple[int, int]) -> bytes | None:
+        """Block ``bid`` read from its file and checked against ``entry`` (worker thread)."""
+        failpoints.hit("read.indexed")
         path, offset = self.location(bid)
         try:
             fd = os.open(path, os.O_RDONLY)
-            try:
-                data = os.pread(fd, length, offset)
-            finally:
-                os.close(fd)
         except FileNotFoundError:
-            if not self._indexed(bid):
-                return None  # evicted between the index lookup and the read: a plain miss
-            log.warning("cached block %s is missing; refetching", bid.hex())
-            self._drop_corrupt(bid)
-            return None
+            fd = -1  # removed by an eviction, or lost: the re-check tells which
         except OSError as exc:
-            log.warning("cached block %s unreadable (%s); refetching", bid.hex(), exc)
-            self._drop_corrupt(bid)
-            return None
-        if len(data) != length or checksum(data) != digest:
-            log.warning("cached block %s failed verification (%d bytes, expected %d); "
-                        "refetching", bid.hex(), len(data), length)
-            self._drop_corrupt(bid)
-            return None
-        return data
+            log.warning("cache file %s unreadable (%s)", path, exc.strerror)
+            fd = -1
+        try:
+            if fd >= 0:
+                try:
+                    data = _pread(fd, entry[0], offset)
+                except OSError as exc:
+                    log.warning("cache file %s unreadable (%s)", path, exc.strerror)
+                else:
+                    if _matches(data, entry):
+                        return data
+            return self._recheck(bid, entry)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
-    def verify_object(self, bids: list[bytes]) -> int | None:
+    def _recheck(self, bid: bytes, entry: tuple[int, int], fd: int = -1) -> bytes | None:
+        """A read of ``bid`` did not match ``entry``: decide, under the object's lock (no
+        release or put of it can run), whether that was a race or damage.
+
+        A block no longer indexed as ``entry`` was evicted while we read it: a plain miss.
+        One still indexed is read again from its file (opened afresh: the file read first
+        may have been removed and written anew since); if that fails too, it is dropped
+        as corrupt. ``fd`` (verify_object's descriptor) must still be that file, else the
+        file it verified is gone: a miss."""
+        oid, offset = split_block_id(bid)
+        data = None
+        with self._file_lock(oid):
+            if self._entry(bid) != entry:
+                return None  # evicted (or replaced) meanwhile: a plain miss
+            try:
+                current = os.open(self.object_path(oid), os.O_RDONLY)
+            except FileNotFoundError:
+                current = -1
+            except OSError as exc:
+                log.warning("cache file of block %s unreadable (%s)", bid.hex(), exc.strerror)
+                current = -1
+            try:
+                if current >= 0 and fd >= 0 and not os.path.sameopenfile(fd, current):
+                    return None  # the file verified was removed (and written anew): a miss
+                if current >= 0:
+                    data = _pread(current, entry[0], offset)
+            except OSError as exc:
+                log.warning("cached block %s unreadable (%s)", bid.hex(), exc.strerror)
+            finally:
+                if current >= 0:
+                    os.close(current)
+            if data is not None and _matches(data, entry):
+                return data
+        if data is not None:
+            log.warning("cached block %s failed verification (%d bytes, expected %d); "
+                        "refetching", bid.hex(), len(data), entry[0])
+        else:
+            log.warning("cached block %s is missing or unreadable; refetching", bid.hex())
+        self._drop_corrupt(bid, entry)
+        return None
+
+    def verify_object(self, bids: list[bytes], fd: int | None = None) -> int | None:
         """Check every block of one object against the index (worker thread).
 
+        Reads the object's file, or ``fd`` when given (an open descriptor of it, the
+        one then handed to the kernel, so the bytes checked are the bytes served).
         Returns the number of bytes verified, or None when a block is not indexed,
-        is missing or fails its checksum (a failing block is dropped as corrupt).
-        Reading the file also leaves it in the page cache, where the kernel's own
-        reads of it then find it.
+        is missing or fails its checksum (a failing block is dropped as corrupt,
+        unless the failure was an eviction racing this check). Reading the file also
+        leaves it in the page cache, where the kernel's own reads of it then find it.
         """
-        with self._env.read() as txn:
-            raws = [txn.get(b, db=self._blocks_db) for b in bids]
-        if not bids or any(r is None for r in raws):
+        entries = self._entries(bids) if bids else None
+        if entries is None:
             return None
-        path = self.object_path(split_block_id(bids[0])[0])
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return None
+        own = fd is None
+        if fd is None:
+            try:
+                fd = os.open(self.object_path(split_block_id(bids[0])[0]), os.O_RDONLY)
+            except OSError:
+                return None
         total = 0
         try:
-            for bid, raw in zip(bids, raws, strict=True):
-                length, digest, _ = _BLOCK.unpack(raw)  # type: ignore[arg-type]
+            for bid, entry in zip(bids, entries, strict=True):
                 try:
-                    data = os.pread(fd, length, split_block_id(bid)[1])
-                except OSError as exc:
-                    log.warning("cached block %s unreadable (%s); refetching", bid.hex(), exc)
-                    self._drop_corrupt(bid)
-                    return None
-                if len(data) != length or checksum(data) != digest:
-                    log.warning("cached block %s failed verification; refetching", bid.hex())
-                    self._drop_corrupt(bid)
-                    return None
-                total += length
+                    data: bytes | None = _pread(fd, entry[0], split_block_id(bid)[1])
+                except OSError:
+                    data = None
+                if data is None or not _matches(data, entry):
+                    if self._recheck(bid, entry, fd) is None:
+                        return None
+                total += entry[0]
         finally:
-            os.close(fd)
-        now = time.time()
-        for bid in bids:
-            self._touched[bid] = now  # a dict store: safe to race the trio thread's take
+            if own:
+                os.close(fd)
+        self.touch(bids)
         return total
 
-    def _indexed(self, bid: bytes) -> bool:
-        with self._env.read() as txn:
-            return txn.get(bid, db=self._blocks_db) is not None
-
-    def _drop_corrupt(self, bid: bytes) -> None:
+    def _drop_corrupt(self, bid: bytes, entry: tuple[int, int]) -> None:
         metrics.CACHE_CORRUPT_BLOCKS.inc()
         try:
-            self._remove([bid])
+            self._remove([bid], expect={bid: entry})
         except CacheError:
             log.exception("could not drop corrupt block %s", bid.hex())
 
@@ -328,18 +448,18 @@ class BlockCache:
             if not admitted:
                 self._release_bytes(oid, [(offset, len(data))])
         self._release_blocks(evicted)
+        if self._deferred:
+            self.release_deferred()
         return admitted
 
     def _index_put(self, bid: bytes, length: int, digest: int) -> tuple[bool, list[tuple[bytes, int]]]:
         now = time.time()
         evicted: list[tuple[bytes, int]] = []
-        with self._lock:
-            pinned = set(self._pinned)
         with self._env.write() as txn:
+            failpoints.hit("put.index")
             if txn.get(bid, db=self._blocks_db) is not None:
                 return True, []
-            raw_used = txn.get(_USED_KEY, db=self._meta_db)
-            used = int(raw_used) if raw_used else 0
+            used = _int(txn.get(_USED_KEY, db=self._meta_db))
             evicted_bytes = 0
             if used + length > self.capacity:
                 if self.policy == "keep":
@@ -349,7 +469,9 @@ class BlockCache:
                 cur.first()
                 while used - evicted_bytes + length > self.capacity and cur.key():
                     old = bytes(cur.key()[_LRU_TIME.size:])
-                    if old[:OID_LEN] in pinned:
+                    # Pins are read here, inside the write transaction (a pin taken
+                    # after this is caught again when the bytes are released).
+                    if self._is_pinned(old[:OID_LEN]):
                         if not cur.next():
                             break
                         continue
@@ -359,6 +481,7 @@ class BlockCache:
                         n = _BLOCK.unpack(raw)[0]
                         evicted_bytes += n
                         evicted.append((old, n))
+                failpoints.hit("evict.chosen")
                 if used - evicted_bytes + length > self.capacity:
                     # Only pinned blocks are left to evict: do not admit (nothing is lost,
                     # the evictions already made stand).
@@ -382,18 +505,22 @@ class BlockCache:
             metrics.CACHE_EVICTED_BYTES.inc(evicted_bytes)
         self._publish()
 
-    def _remove(self, bids: list[bytes]) -> None:
-        """Drop blocks from the index, then their bytes (worker threads)."""
+    def _remove(self, bids: list[bytes],
+                expect: dict[bytes, tuple[int, int]] | None = None) -> None:
+        """Drop blocks from the index, then their bytes (worker threads). With ``expect``,
+        a block is dropped only while it is still indexed as that (length, checksum)."""
         removed_bytes = 0
         removed: list[tuple[bytes, int]] = []
         with self._env.write() as txn:
-            raw_used = txn.get(_USED_KEY, db=self._meta_db)
-            used = int(raw_used) if raw_used else 0
+            used = _int(txn.get(_USED_KEY, db=self._meta_db))
             for bid in bids:
-                raw = txn.pop(bid, db=self._blocks_db)
+                raw = txn.get(bid, db=self._blocks_db)
                 if raw is None:
                     continue
-                length, _, last = _BLOCK.unpack(raw)
+                length, digest, last = _BLOCK.unpack(raw)
+                if expect is not None and expect.get(bid) != (length, digest):
+                    continue
+                txn.delete(bid, db=self._blocks_db)
                 txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
                 removed_bytes += length
                 removed.append((bid, length))
@@ -412,15 +539,30 @@ class BlockCache:
             oid, offset = split_block_id(bid)
             by_object.setdefault(oid, []).append((offset, length))
         for oid, ranges in by_object.items():
+            failpoints.hit("evict.release")
             with self._file_lock(oid):
                 self._release_bytes(oid, ranges)
 
     def _release_bytes(self, oid: bytes, ranges: list[tuple[int, int]]) -> None:
-        """Remove the object's file if no block of it is indexed, else punch the ranges
-        out of it. The caller holds the object's stripe lock."""
+        """Free the byte ranges of dropped blocks of ``oid``: remove the object's file if
+        the index names none of its blocks, else punch the ranges out of it. Ranges of
+        blocks indexed again meanwhile are kept; a pinned object's release is deferred
+        until its unpin. The caller holds the object's stripe lock."""
+        with self._lock:
+            if oid in self._pinned:
+                self._deferred.setdefault(oid, []).extend(ranges)
+                return
+        try:
+            indexed, any_indexed = self._index_state(oid, [off for off, _ in ranges])
+        except CacheError as exc:
+            self._index_error(exc)
+            return  # keep the bytes: never punch what the index may still name
+        ranges = [(off, n) for off, n in ranges if off not in indexed]
         path = self.object_path(oid)
-        if not self._object_indexed(oid):
+        if not any_indexed:
             _unlink(path)
+            return
+        if not ranges:
             return
         try:
             fd = os.open(path, os.O_WRONLY)
@@ -439,33 +581,65 @@ class BlockCache:
         finally:
             os.close(fd)
 
-    def _object_indexed(self, oid: bytes) -> bool:
-        """Whether any block of ``oid`` is in the index (blocks of one object sort together)."""
+    def _index_state(self, oid: bytes, offsets: list[int]) -> tuple[set[int], bool]:
+        """(the offsets among ``offsets`` whose block is indexed, whether any block of
+        ``oid`` is indexed), from one snapshot. Raises CacheError."""
         with self._env.read() as txn:
+            indexed = {off for off in offsets
+                       if txn.get(block_id_at(oid, off), db=self._blocks_db) is not None}
             cur = txn.cursor(db=self._blocks_db)
-            return bool(cur.set_range(oid)) and bytes(cur.key()[:OID_LEN]) == oid
+            any_indexed = bool(cur.set_range(oid)) and bytes(cur.key()[:OID_LEN]) == oid
+        return indexed, any_indexed
+
+    def release_deferred(self) -> None:
+        """Release the bytes whose release waited for an object's unpin (worker thread)."""
+        with self._lock:
+            jobs = [(oid, self._deferred.pop(oid)) for oid in list(self._deferred)
+                    if oid not in self._pinned]
+        for oid, ranges in jobs:
+            with self._file_lock(oid):
+                self._release_bytes(oid, ranges)  # pinned again meanwhile: deferred again
+
+    def _object_indexed(self, oid: bytes) -> bool:
+        """Whether any block of ``oid`` is in the index (blocks of one object sort
+        together). True when the index cannot be read (nothing is removed then)."""
+        try:
+            return self._index_state(oid, [])[1]
+        except CacheError as exc:
+            self._index_error(exc)
+            return True
 
     # -- maintenance (worker threads, driven by the daemon) -----------------------------
+    def touch(self, bids: Iterable[bytes]) -> None:
+        """Record a use of these blocks now (any thread)."""
+        now = time.time()
+        with self._lock:
+            for bid in bids:
+                self._touched[bid] = now
+
     def take_touches(self) -> dict[bytes, float]:
-        """Hand over pending last-use updates (trio thread)."""
-        touched, self._touched = self._touched, {}
+        """Hand over pending last-use updates (any thread)."""
+        with self._lock:
+            touched, self._touched = self._touched, {}
         return touched
 
     def flush_touches(self, touched: dict[bytes, float]) -> None:
-        """Write last-use times in one transaction (worker thread)."""
-        if not touched:
-            return
-        with self._env.write() as txn:
-            for bid, t in touched.items():
-                raw = txn.get(bid, db=self._blocks_db)
-                if raw is None:
-                    continue
-                length, digest, last = _BLOCK.unpack(raw)
-                if t <= last:
-                    continue
-                txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
-                txn.put(_LRU_TIME.pack(t) + bid, b"", db=self._lru_db)
-                txn.put(bid, _BLOCK.pack(length, digest, t), db=self._blocks_db)
+        """Write last-use times in one transaction (worker thread); then release bytes
+        whose release waited for an unpin."""
+        if touched:
+            with self._env.write() as txn:
+                for bid, t in touched.items():
+                    raw = txn.get(bid, db=self._blocks_db)
+                    if raw is None:
+                        continue
+                    length, digest, last = _BLOCK.unpack(raw)
+                    if t <= last:
+                        continue
+                    txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
+                    txn.put(_LRU_TIME.pack(t) + bid, b"", db=self._lru_db)
+                    txn.put(bid, _BLOCK.pack(length, digest, t), db=self._blocks_db)
+        if self._deferred:
+            self.release_deferred()
 
     def remove_orphans(self, older_than: float) -> int:
         """Delete files the index does not name (worker thread): object files with no
@@ -473,7 +647,8 @@ class BlockCache:
 
         Only files last modified before ``older_than`` (the daemon's start) are
         considered: a block is written just before it is indexed, so a younger
-        file without entries may be a put in progress, not an orphan.
+        file without entries may be a put in progress, not an orphan. Files of
+        pinned objects are kept.
         """
         removed = 0
         for legacy in _LEGACY_DIRS:
@@ -501,12 +676,28 @@ class BlockCache:
                         removed += 1
                     continue
                 with self._file_lock(oid):
-                    if not self._object_indexed(oid) and stale(f):
+                    if not self._is_pinned(oid) and not self._object_indexed(oid) and stale(f):
                         _unlink(f)
                         removed += 1
         if removed:
             log.info("removed %d orphan file(s) from the cache", removed)
         return removed
+
+
+def _int(raw: bytes | None) -> int:
+    """A counter stored as decimal text (0 when missing or unreadable)."""
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        return 0
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    return os.pread(fd, length, offset)
+
+
+def _matches(data: bytes, entry: tuple[int, int]) -> bool:
+    return len(data) == entry[0] and checksum(data) == entry[1]
 
 
 def _write_at(path: Path, data: bytes, offset: int) -> None:
