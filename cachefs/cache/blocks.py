@@ -1,18 +1,18 @@
-"""The persistent block cache on local disk.
+"""The persistent block cache on local disk: verified reads, admission, eviction, pins.
 
-Layout of the cache directory::
+:class:`BlockCache` coordinates three parts, each in its own module:
 
-    DIR/objects/ab/ab12...ef     one sparse file per object version, named by its
-                                 object id (hex); block i lives at its own offset
-    DIR/meta.lmdb/               the index (see cachefs.cache.lmdbenv)
+* :mod:`cachefs.cache.blockid` -- names: object ids (one per object version and
+  block size), block ids (object id + offset), checksums;
+* :mod:`cachefs.cache.objectfiles` -- one sparse file per object version,
+  ``DIR/objects/ab/ab12...ef``, each block at its own offset (keeping a whole
+  object in one file is what lets the kernel read a fully cached object itself:
+  FUSE passthrough, see :mod:`cachefs.passthrough`);
+* :mod:`cachefs.cache.blockindex` -- the LMDB index: block id -> (length,
+  xxh3-64, last use), the LRU order, used bytes, and the eviction policy.
 
-An object version's id is ``xxh3_128(bucket, key, etag, block_size)``; a
-block's id is that object id followed by the block's byte offset (8 bytes,
-big-endian), so a new version of an object never meets the old one's blocks
-and the index keeps the blocks of one object next to each other. The index
-maps block id -> (length, xxh3-64 checksum, last use); ``lru`` orders ids by
-last use. Keeping a whole object in one file is what lets the kernel read a
-fully cached object itself (FUSE passthrough, see :mod:`cachefs.passthrough`).
+This module owns the rules that tie them together: the order of file writes,
+index writes and releases (under the locks below), the pins, and verification.
 
 Contracts:
 
@@ -46,10 +46,7 @@ Contracts:
   released by the next put or :meth:`flush_touches` after that, unless the block
   was stored again meanwhile (a release never punches a block the index names).
 
-Policies: ``keep`` admits until the cache is full and then keeps what it has
-(the optimum for a fresh random permutation every epoch over a dataset larger
-than the cache: hit ratio = cache/dataset, where LRU gets
-c + (1-c) ln(1-c)); ``lru`` evicts least recently used blocks to make room.
+Policies (``keep``, ``lru``): see :mod:`cachefs.cache.blockindex`.
 
 Concurrency: index reads happen on the trio thread and in worker threads,
 always in small synchronous helpers (no LMDB transaction lives across an
@@ -77,64 +74,35 @@ Locks, in the only order they may be taken:
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
-import shutil
-import struct
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import trio
-import xxhash
 
 from cachefs import failpoints, metrics
+from cachefs.cache.blockid import (
+    OID_LEN,
+    block_id,
+    block_id_at,
+    checksum,
+    object_id,
+    split_block_id,
+)
+from cachefs.cache.blockindex import POLICIES, BlockIndex, Entry, PutResult
 from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.objectfiles import ObjectFiles, pread, unlink
 from cachefs.errors import CacheError
 
 log = logging.getLogger(__name__)
 
-_BLOCK = struct.Struct("<IQd")  # length, xxh3-64, last use
-_LRU_TIME = struct.Struct(">d")  # big-endian so byte order == time order (times are > 0)
-_OFFSET = struct.Struct(">Q")  # big-endian so the blocks of one object sort by offset
-_USED_KEY = b"used_bytes"
-_LAYOUT_KEY = b"layout"
-_LAYOUT = b"objects-v2"
-_LEGACY_DIRS = ("blocks", "tmp")  # the one-file-per-block layout of earlier versions
-OID_LEN = 16
-POLICIES = ("keep", "lru")
 _STRIPES = 64
-_PAGE = 4096
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_INDEX_ERROR_LOG_INTERVAL = 60.0
 
-
-def object_id(bucket: str, key: str, etag: str, block_size: int) -> bytes:
-    """The 16-byte id of one object version cut into ``block_size`` blocks."""
-    return xxhash.xxh3_128_digest(f"{bucket}\0{key}\0{etag}\0{block_size}".encode())
-
-
-def block_id(bucket: str, key: str, etag: str, block_size: int, index: int) -> bytes:
-    """The 24-byte id of block ``index``: its object id, then its byte offset."""
-    return block_id_at(object_id(bucket, key, etag, block_size), index * block_size)
-
-
-def block_id_at(oid: bytes, offset: int) -> bytes:
-    """The id of the block at byte ``offset`` of object ``oid``."""
-    return oid + _OFFSET.pack(offset)
-
-
-def split_block_id(bid: bytes) -> tuple[bytes, int]:
-    """(object id, byte offset in the object) of a block id."""
-    return bid[:OID_LEN], _OFFSET.unpack_from(bid, OID_LEN)[0]
-
-
-def checksum(data: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+__all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "checksum",
+           "object_id", "split_block_id"]
 
 
 class BlockCache:
@@ -142,14 +110,10 @@ class BlockCache:
 
     def __init__(self, env: LmdbEnv, root: Path, *, capacity: int, policy: str = "keep",
                  limiter: trio.CapacityLimiter | None = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {policy!r}")
-        self._env = env
-        self._blocks_db = env.db("blocks")
-        self._lru_db = env.db("lru")
-        self._meta_db = env.db("meta")
+        self.index = BlockIndex(env, capacity=capacity, policy=policy)
+        self.files = ObjectFiles(root)
         self.root = root
-        self.objects_dir = root / "objects"
+        self.objects_dir = self.files.objects_dir
         self.capacity = capacity
         self.policy = policy
         self._limiter = limiter or trio.CapacityLimiter(16)
@@ -159,32 +123,12 @@ class BlockCache:
         # Byte ranges of dropped blocks whose release waits for their object's unpin.
         self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
-        self._punch_warned = False
-        self._index_error_logged = 0.0
-        self._index_errors_unlogged = 0
-        try:
-            self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
-        self._adopt_layout()
-        with env.read() as txn:
-            self._used = _int(txn.get(_USED_KEY, db=self._meta_db))
-            self._count = txn.stat(self._blocks_db)["entries"]
+        # An index written by an earlier layout is dropped (the cache is best-effort);
+        # its files are removed by remove_orphans().
+        self.index.adopt_layout()
+        self._used, self._count = self.index.totals()
         metrics.CACHE_CAPACITY_BYTES.set(capacity)
         self._publish()
-
-    def _adopt_layout(self) -> None:
-        """An index written by an earlier layout is dropped (the cache is best-effort);
-        its files are removed by :meth:`remove_orphans`."""
-        with self._env.write() as txn:
-            if txn.get(_LAYOUT_KEY, db=self._meta_db) == _LAYOUT:
-                return
-            if txn.stat(self._blocks_db)["entries"]:
-                log.info("the cache directory holds an older layout: starting with an empty cache")
-            txn.drop(self._blocks_db, delete=False)
-            txn.drop(self._lru_db, delete=False)
-            txn.put(_USED_KEY, b"0", db=self._meta_db)
-            txn.put(_LAYOUT_KEY, _LAYOUT, db=self._meta_db)
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -206,8 +150,7 @@ class BlockCache:
         metrics.CACHE_BLOCKS.set(self._count)
 
     def object_path(self, oid: bytes) -> Path:
-        h = oid.hex()
-        return self.objects_dir / h[:2] / h
+        return self.files.path(oid)
 
     def location(self, bid: bytes) -> tuple[Path, int]:
         """(object file, byte offset) where block ``bid`` is stored."""
@@ -242,57 +185,19 @@ class BlockCache:
             return oid in self._pinned
 
     # -- index lookups (any thread; synchronous, no transaction outlives them) -----------
-    def _index_error(self, exc: Exception) -> None:
-        """An index read failed: the caller treats it as a miss."""
-        metrics.CACHE_INDEX_ERRORS.inc()
-        now = time.monotonic()
-        if now - self._index_error_logged < _INDEX_ERROR_LOG_INTERVAL:
-            self._index_errors_unlogged += 1
-            return
-        more = (f" ({self._index_errors_unlogged} more since the last report)"
-                if self._index_errors_unlogged else "")
-        self._index_error_logged, self._index_errors_unlogged = now, 0
-        log.warning("cache index read failed (%s); served as a cache miss%s", exc, more)
-
-    def _entry(self, bid: bytes) -> tuple[int, int] | None:
-        """(length, checksum) of an indexed block; None when it is not indexed or the
-        index cannot be read (counted: a miss)."""
-        try:
-            raw = self._env.get("blocks", bid)
-            if raw is None:
-                return None
-            length, digest, _ = _BLOCK.unpack(raw)
-        except (CacheError, struct.error) as exc:
-            self._index_error(exc)
-            return None
-        return int(length), int(digest)
+    def _entry(self, bid: bytes) -> Entry | None:
+        return self.index.entry(bid)
 
     def contains(self, bid: bytes) -> bool:
-        return self._entry(bid) is not None
+        return self.index.entry(bid) is not None
 
     def length_of(self, bid: bytes) -> int | None:
-        entry = self._entry(bid)
+        entry = self.index.entry(bid)
         return None if entry is None else entry[0]
 
     def contains_all(self, bids: list[bytes]) -> bool:
         """Whether every block is indexed (one read transaction)."""
-        try:
-            return all(raw is not None for raw in self._env.get_many("blocks", bids))
-        except CacheError as exc:
-            self._index_error(exc)
-            return False
-
-    def _entries(self, bids: list[bytes]) -> list[tuple[int, int]] | None:
-        """(length, checksum) of every block, or None if one is not indexed (or the index
-        cannot be read: counted)."""
-        try:
-            raws = self._env.get_many("blocks", bids)
-            if any(raw is None for raw in raws):
-                return None
-            return [(int(n), int(d)) for n, d, _ in (_BLOCK.unpack(raw) for raw in raws)]  # type: ignore[arg-type]
-        except (CacheError, struct.error) as exc:
-            self._index_error(exc)
-            return None
+        return self.index.contains_all(bids)
 
     # -- verified reads --------------------------------------------------------------
     async def get(self, bid: bytes) -> bytes | None:
@@ -306,7 +211,7 @@ class BlockCache:
             self.touch((bid,))
         return data
 
-    def _read_verified(self, bid: bytes, entry: tuple[int, int]) -> bytes | None:
+    def _read_verified(self, bid: bytes, entry: Entry) -> bytes | None:
         """Block ``bid`` read from its file and checked against ``entry`` (worker thread)."""
         failpoints.hit("read.indexed")
         path, offset = self.location(bid)
@@ -320,7 +225,7 @@ class BlockCache:
         try:
             if fd >= 0:
                 try:
-                    data = _pread(fd, entry[0], offset)
+                    data = pread(fd, entry[0], offset)
                 except OSError as exc:
                     log.warning("cache file %s unreadable (%s)", path, exc.strerror)
                 else:
@@ -331,7 +236,7 @@ class BlockCache:
             if fd >= 0:
                 os.close(fd)
 
-    def _recheck(self, bid: bytes, entry: tuple[int, int], fd: int = -1) -> bytes | None:
+    def _recheck(self, bid: bytes, entry: Entry, fd: int = -1) -> bytes | None:
         """A read of ``bid`` did not match ``entry``: decide, under the object's lock (no
         release or put of it can run), whether that was a race or damage.
 
@@ -356,7 +261,7 @@ class BlockCache:
                 if current >= 0 and fd >= 0 and not os.path.sameopenfile(fd, current):
                     return None  # the file verified was removed (and written anew): a miss
                 if current >= 0:
-                    data = _pread(current, entry[0], offset)
+                    data = pread(current, entry[0], offset)
             except OSError as exc:
                 log.warning("cached block %s unreadable (%s)", bid.hex(), exc.strerror)
             finally:
@@ -382,7 +287,7 @@ class BlockCache:
         unless the failure was an eviction racing this check). Reading the file also
         leaves it in the page cache, where the kernel's own reads of it then find it.
         """
-        entries = self._entries(bids) if bids else None
+        entries = self.index.entries(bids) if bids else None
         if entries is None:
             return None
         own = fd is None
@@ -395,7 +300,7 @@ class BlockCache:
         try:
             for bid, entry in zip(bids, entries, strict=True):
                 try:
-                    data: bytes | None = _pread(fd, entry[0], split_block_id(bid)[1])
+                    data: bytes | None = pread(fd, entry[0], split_block_id(bid)[1])
                 except OSError:
                     data = None
                 if data is None or not _matches(data, entry):
@@ -408,7 +313,7 @@ class BlockCache:
         self.touch(bids)
         return total
 
-    def _drop_corrupt(self, bid: bytes, entry: tuple[int, int]) -> None:
+    def _drop_corrupt(self, bid: bytes, entry: Entry) -> None:
         metrics.CACHE_CORRUPT_BLOCKS.inc()
         try:
             self._remove([bid], expect={bid: entry})
@@ -430,10 +335,9 @@ class BlockCache:
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
         oid, offset = split_block_id(bid)
-        path = self.object_path(oid)
         with self._file_lock(oid):
             try:
-                _write_at(path, data, offset)
+                self.files.write_at(oid, data, offset)
             except OSError as exc:
                 metrics.CACHE_WRITE_ERRORS.inc()
                 log.warning("cannot write block to the cache (%s); serving from memory", exc.strerror)
@@ -453,48 +357,11 @@ class BlockCache:
         return admitted
 
     def _index_put(self, bid: bytes, length: int, digest: int) -> tuple[bool, list[tuple[bytes, int]]]:
-        now = time.time()
-        evicted: list[tuple[bytes, int]] = []
-        with self._env.write() as txn:
-            failpoints.hit("put.index")
-            if txn.get(bid, db=self._blocks_db) is not None:
-                return True, []
-            used = _int(txn.get(_USED_KEY, db=self._meta_db))
-            evicted_bytes = 0
-            if used + length > self.capacity:
-                if self.policy == "keep":
-                    metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return False, []
-                cur = txn.cursor(db=self._lru_db)
-                cur.first()
-                while used - evicted_bytes + length > self.capacity and cur.key():
-                    old = bytes(cur.key()[_LRU_TIME.size:])
-                    # Pins are read here, inside the write transaction (a pin taken
-                    # after this is caught again when the bytes are released).
-                    if self._is_pinned(old[:OID_LEN]):
-                        if not cur.next():
-                            break
-                        continue
-                    cur.delete()  # moves to the next entry
-                    raw = txn.pop(old, db=self._blocks_db)
-                    if raw is not None:
-                        n = _BLOCK.unpack(raw)[0]
-                        evicted_bytes += n
-                        evicted.append((old, n))
-                failpoints.hit("evict.chosen")
-                if used - evicted_bytes + length > self.capacity:
-                    # Only pinned blocks are left to evict: do not admit (nothing is lost,
-                    # the evictions already made stand).
-                    txn.put(_USED_KEY, str(used - evicted_bytes).encode(), db=self._meta_db)
-                    self._account(used - evicted_bytes, -len(evicted), evicted_bytes, len(evicted))
-                    metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return False, evicted
-            txn.put(bid, _BLOCK.pack(length, digest, now), db=self._blocks_db)
-            txn.put(_LRU_TIME.pack(now) + bid, b"", db=self._lru_db)
-            new_used = used - evicted_bytes + length
-            txn.put(_USED_KEY, str(new_used).encode(), db=self._meta_db)
-        self._account(new_used, 1 - len(evicted), evicted_bytes, len(evicted))
-        return True, evicted
+        result: PutResult = self.index.put(bid, length, digest, self._is_pinned)
+        if result.used is not None:
+            delta = (1 if result.admitted else 0) - len(result.evicted)
+            self._account(result.used, delta, result.evicted_bytes, len(result.evicted))
+        return result.admitted, result.evicted
 
     def _account(self, used: int, count_delta: int, evicted_bytes: int, evicted: int) -> None:
         with self._lock:
@@ -505,27 +372,10 @@ class BlockCache:
             metrics.CACHE_EVICTED_BYTES.inc(evicted_bytes)
         self._publish()
 
-    def _remove(self, bids: list[bytes],
-                expect: dict[bytes, tuple[int, int]] | None = None) -> None:
+    def _remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None) -> None:
         """Drop blocks from the index, then their bytes (worker threads). With ``expect``,
         a block is dropped only while it is still indexed as that (length, checksum)."""
-        removed_bytes = 0
-        removed: list[tuple[bytes, int]] = []
-        with self._env.write() as txn:
-            used = _int(txn.get(_USED_KEY, db=self._meta_db))
-            for bid in bids:
-                raw = txn.get(bid, db=self._blocks_db)
-                if raw is None:
-                    continue
-                length, digest, last = _BLOCK.unpack(raw)
-                if expect is not None and expect.get(bid) != (length, digest):
-                    continue
-                txn.delete(bid, db=self._blocks_db)
-                txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
-                removed_bytes += length
-                removed.append((bid, length))
-            used = max(0, used - removed_bytes)
-            txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
+        removed, used = self.index.remove(bids, expect)
         with self._lock:
             self._used = used
             self._count -= len(removed)
@@ -553,43 +403,16 @@ class BlockCache:
                 self._deferred.setdefault(oid, []).extend(ranges)
                 return
         try:
-            indexed, any_indexed = self._index_state(oid, [off for off, _ in ranges])
+            indexed, any_indexed = self.index.state(oid, [off for off, _ in ranges])
         except CacheError as exc:
-            self._index_error(exc)
+            self.index.report_error(exc)
             return  # keep the bytes: never punch what the index may still name
-        ranges = [(off, n) for off, n in ranges if off not in indexed]
-        path = self.object_path(oid)
         if not any_indexed:
-            _unlink(path)
+            self.files.remove(oid)
             return
-        if not ranges:
-            return
-        try:
-            fd = os.open(path, os.O_WRONLY)
-        except OSError:
-            return
-        try:
-            for offset, length in ranges:
-                # Blocks start on multiples of the block size (a power of two >= 64 KiB),
-                # and only an object's last block is short, so rounding the end up to
-                # the page frees the tail page without touching another block's bytes.
-                length = -(-(offset + length) // _PAGE) * _PAGE - offset
-                if not _punch_hole(fd, offset, length) and not self._punch_warned:
-                    self._punch_warned = True
-                    log.warning("the cache file system cannot punch holes: evicted blocks of "
-                                "partly cached objects keep their disk space until the object goes")
-        finally:
-            os.close(fd)
-
-    def _index_state(self, oid: bytes, offsets: list[int]) -> tuple[set[int], bool]:
-        """(the offsets among ``offsets`` whose block is indexed, whether any block of
-        ``oid`` is indexed), from one snapshot. Raises CacheError."""
-        with self._env.read() as txn:
-            indexed = {off for off in offsets
-                       if txn.get(block_id_at(oid, off), db=self._blocks_db) is not None}
-            cur = txn.cursor(db=self._blocks_db)
-            any_indexed = bool(cur.set_range(oid)) and bytes(cur.key()[:OID_LEN]) == oid
-        return indexed, any_indexed
+        ranges = [(off, n) for off, n in ranges if off not in indexed]
+        if ranges:
+            self.files.punch(oid, ranges)
 
     def release_deferred(self) -> None:
         """Release the bytes whose release waited for an object's unpin (worker thread)."""
@@ -604,9 +427,9 @@ class BlockCache:
         """Whether any block of ``oid`` is in the index (blocks of one object sort
         together). True when the index cannot be read (nothing is removed then)."""
         try:
-            return self._index_state(oid, [])[1]
+            return self.index.state(oid, [])[1]
         except CacheError as exc:
-            self._index_error(exc)
+            self.index.report_error(exc)
             return True
 
     # -- maintenance (worker threads, driven by the daemon) -----------------------------
@@ -627,17 +450,7 @@ class BlockCache:
         """Write last-use times in one transaction (worker thread); then release bytes
         whose release waited for an unpin."""
         if touched:
-            with self._env.write() as txn:
-                for bid, t in touched.items():
-                    raw = txn.get(bid, db=self._blocks_db)
-                    if raw is None:
-                        continue
-                    length, digest, last = _BLOCK.unpack(raw)
-                    if t <= last:
-                        continue
-                    txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
-                    txn.put(_LRU_TIME.pack(t) + bid, b"", db=self._lru_db)
-                    txn.put(bid, _BLOCK.pack(length, digest, t), db=self._blocks_db)
+            self.index.flush_touches(touched)
         if self._deferred:
             self.release_deferred()
 
@@ -650,11 +463,7 @@ class BlockCache:
         file without entries may be a put in progress, not an orphan. Files of
         pinned objects are kept.
         """
-        removed = 0
-        for legacy in _LEGACY_DIRS:
-            if (self.root / legacy).is_dir():
-                shutil.rmtree(self.root / legacy, ignore_errors=True)
-                removed += 1
+        removed = self.files.remove_legacy()
 
         def stale(path: Path) -> bool:
             try:
@@ -662,80 +471,20 @@ class BlockCache:
             except FileNotFoundError:
                 return False
 
-        for sub in self.objects_dir.iterdir():
-            if not sub.is_dir():
+        for oid, f in self.files.scan():
+            if oid is None:
+                if stale(f):
+                    unlink(f)
+                    removed += 1
                 continue
-            for f in sub.iterdir():
-                try:
-                    oid = bytes.fromhex(f.name)
-                except ValueError:
-                    oid = b""
-                if len(oid) != OID_LEN:
-                    if stale(f):
-                        _unlink(f)
-                        removed += 1
-                    continue
-                with self._file_lock(oid):
-                    if not self._is_pinned(oid) and not self._object_indexed(oid) and stale(f):
-                        _unlink(f)
-                        removed += 1
+            with self._file_lock(oid):
+                if not self._is_pinned(oid) and not self._object_indexed(oid) and stale(f):
+                    unlink(f)
+                    removed += 1
         if removed:
             log.info("removed %d orphan file(s) from the cache", removed)
         return removed
 
 
-def _int(raw: bytes | None) -> int:
-    """A counter stored as decimal text (0 when missing or unreadable)."""
-    try:
-        return int(raw) if raw else 0
-    except ValueError:
-        return 0
-
-
-def _pread(fd: int, length: int, offset: int) -> bytes:
-    return os.pread(fd, length, offset)
-
-
-def _matches(data: bytes, entry: tuple[int, int]) -> bool:
+def _matches(data: bytes, entry: Entry) -> bool:
     return len(data) == entry[0] and checksum(data) == entry[1]
-
-
-def _write_at(path: Path, data: bytes, offset: int) -> None:
-    """Write ``data`` at ``offset`` of ``path`` (created with its directory if missing).
-    Cached bytes are private to the mounting user whatever the umask (files 0600,
-    directories 0700): the mount's permissions must not be bypassed through the cache."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except FileNotFoundError:
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-    finally:
-        os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> bool:
-    """Free ``length`` bytes at ``offset`` (they read back as zeros); False if unsupported."""
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
-        log.warning("cannot free evicted cache bytes: %s", os.strerror(err))
-    return False
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc.strerror)

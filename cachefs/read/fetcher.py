@@ -49,7 +49,8 @@ import trio
 
 from cachefs import metrics
 from cachefs.background import contained
-from cachefs.cache.blocks import BlockCache, block_id, block_id_at, object_id
+from cachefs.cache.blockid import block_id, block_id_at, object_id
+from cachefs.cache.blocks import BlockCache
 from cachefs.errors import TransientStoreError
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.tiers import BlockRef, DiskTier, MemoryTier, Tier
