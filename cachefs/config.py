@@ -221,8 +221,8 @@ OPTIONS: tuple[Option, ...] = (
            "the conventional cachefs port is 9477).", metavar="HOST:PORT"),
     Option("passthrough", _choice("auto", "off"), "auto",
            "Let the kernel read fully cached files straight from the cache (FUSE passthrough: "
-           "needs the passthrough build of pyfuse3, Linux >= 6.9 and CAP_SYS_ADMIN); 'auto' "
-           "uses it when available.", metavar="auto|off"),
+           "needs Linux >= 6.9 and CAP_SYS_ADMIN); 'auto' uses it when available.",
+           metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
            "again ('inf' for immutable datasets); an expired listing is still answered while "
@@ -239,6 +239,9 @@ OPTIONS: tuple[Option, ...] = (
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
     Option("max_connections", parse_int, 64, "Concurrent S3 requests at most.", metavar="N"),
+    Option("fuse_workers", parse_int, 4,
+           "Threads answering FUSE requests (lookups, opens, reads of cached blocks) at once.",
+           metavar="N"),
     Option("read_ahead", parse_size, "1M",
            "Kernel readahead for the mount (larger FUSE read requests).", metavar="SIZE"),
     Option("allow_other", parse_bool, False, "Let users other than the mounting one read.",
@@ -279,6 +282,7 @@ class MountConfig:
     manifest: str | None
     memory_budget: int
     max_connections: int
+    fuse_workers: int
     read_ahead: int
     allow_other: bool
     uid: int | None
@@ -369,5 +373,7 @@ def _check_ranges(cfg: MountConfig) -> None:
         raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:
         raise ConfigError("--max-connections must be between 1 and 1024")
+    if not 1 <= cfg.fuse_workers <= 64:
+        raise ConfigError("--fuse-workers must be between 1 and 64")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:
         raise ConfigError("--read-ahead must be between 4K and 64M")

@@ -86,6 +86,12 @@ LMDB_READERS = Gauge(
     "cachefs_lmdb_readers", "LMDB reader slots in use (what mdb_stat -r lists)", registry=REGISTRY)
 LMDB_READER_SLOTS = Gauge(
     "cachefs_lmdb_reader_slots", "LMDB reader slots configured", registry=REGISTRY)
+LMDB_TRANSACTIONS = Counter(
+    "cachefs_lmdb_transactions", "LMDB transactions begun, by mode (read, write)", ["mode"],
+    registry=REGISTRY)
+THREAD_HOPS = Counter(
+    "cachefs_thread_hops", "Calls handed from the request loop to a worker thread, by what "
+    "they do", ["op"], registry=REGISTRY)
 
 # --- file system -----------------------------------------------------------
 READ_BYTES = Counter(
@@ -204,7 +210,7 @@ DEAD_MOUNTS_CLEANED = Counter(
 # created at daemon start (create_known_series); other values still appear on first
 # use. Keep them small: every combination is a series on every node.
 FUSE_OPS = ("lookup", "getattr", "statfs", "opendir", "readdir", "releasedir", "open", "read",
-            "release", "access")
+            "release", "access", "getxattr", "listxattr")
 #: The errno an operator must notice (the one every StoreError and internal error ends in).
 FUSE_ALERT_ERRNO = "EIO"
 S3_OPS = ("get", "head", "list")

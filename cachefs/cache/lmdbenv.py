@@ -62,6 +62,9 @@ from cachefs.errors import CacheError
 
 log = logging.getLogger(__name__)
 
+_READ_TXNS = metrics.LMDB_TRANSACTIONS.labels("read")
+_WRITE_TXNS = metrics.LMDB_TRANSACTIONS.labels("write")
+
 FORMAT_VERSION = b"1"
 DB_NAMES = (b"blocks", b"lru", b"listings", b"names", b"inodes", b"stage", b"meta")
 # Databases of earlier layouts, dropped at open (listings are only a cache).
@@ -155,6 +158,7 @@ class LmdbEnv:
     def read(self) -> Iterator[Any]:
         """A read-only snapshot, for synchronous code only (see the module docstring:
         never in a coroutine). Safe on the trio thread. LMDB errors become CacheError."""
+        _READ_TXNS.inc()
         try:
             txn = self.env.begin(write=False, buffers=False)
         except lmdb.ReadersFullError as exc:
@@ -192,6 +196,7 @@ class LmdbEnv:
     @contextmanager
     def write(self) -> Iterator[Any]:
         """A write transaction. Worker threads only (it may wait for the writer lock)."""
+        _WRITE_TXNS.inc()
         try:
             with self.env.begin(write=True) as txn:
                 yield txn

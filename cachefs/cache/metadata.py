@@ -279,6 +279,59 @@ class Metadata:
             return View(listing.version, listing.water)
         return None
 
+    # -- the same, from any thread (request workers): no side effects -----------
+    # These read LMDB and the listing state (dictionary lookups, atomic under the GIL)
+    # and never start a listing; ``due`` tells the caller to run view(prefix) on the
+    # trio thread, which starts the refresh a stale listing needs.
+    def _due(self, prefix: str, listed_at: float) -> bool:
+        """Whether view() would start a refresh of ``prefix`` now (read-only twin of
+        _revalidate's test)."""
+        if self._store is None or prefix in self._inflight:
+            return False
+        now = self._clock()
+        if prefix in self._stale or now - listed_at >= self._ttl:
+            return now >= self._retry_after.get(prefix, 0.0)
+        return False
+
+    def view_now(self, prefix: str) -> tuple[View | None, bool]:
+        """(what view() returns, whether a refresh is due). Any thread."""
+        row = self._index.row(prefix)
+        if row is not None:
+            return View(row[0], None), self._due(prefix, row[1])
+        listing = self._inflight.get(prefix)
+        if listing is not None and listing.version is not None:
+            return View(listing.version, listing.water), False
+        return None, False
+
+    def lookup_now(self, prefix: str, name: bytes) -> tuple[bool, Entry | None, bool]:
+        """(known, entry, refresh due): ``known`` False when lookup() would wait for a
+        listing (then ask it on the trio thread). Any thread."""
+        v, due = self.view_now(prefix)
+        if v is not None and (v.limit is None or name < v.limit):
+            return True, self._get(v.version, name), due
+        if v is None and self._store is None:
+            return True, None, False  # a manifest mount: not there
+        return False, None, due
+
+    def resolve_now(self, ino: int) -> tuple[tuple[str, Entry] | None, str | None]:
+        """(what resolve() returns, the prefix whose refresh is due or None). Any thread."""
+        found = self._index.inode(ino)
+        if found is None:
+            return None, None
+        pid, name, row = found
+        due = None
+        if row is not None:
+            version, listed_at, prefix = row
+            if self._due(prefix, listed_at):
+                due = prefix
+        else:
+            listing = self._inflight_ids.get(pid)
+            if listing is None or listing.version is None:
+                return None, None
+            version, prefix = listing.version, listing.prefix
+        entry = self._index.get(version, name)
+        return ((prefix, entry) if entry is not None and entry.ino == ino else None), due
+
     async def _wait(self, prefix: str) -> _Listing:
         """Start (or join) the listing of ``prefix`` and wait for its next progress."""
         listing = self._start(prefix)
