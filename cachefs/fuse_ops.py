@@ -54,6 +54,15 @@ _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (CacheError, errno.EIO),
 )
 
+#: The operations served, with the name their metrics carry (READDIR and READDIRPLUS are
+#: both "readdir"; everything else gets ENOSYS or, when it would modify, EROFS).
+OP_NAMES: dict[int, str] = {
+    abi.LOOKUP: "lookup", abi.GETATTR: "getattr", abi.STATFS: "statfs", abi.ACCESS: "access",
+    abi.OPEN: "open", abi.READ: "read", abi.RELEASE: "release", abi.OPENDIR: "opendir",
+    abi.READDIRPLUS: "readdir", abi.READDIR: "readdir", abi.RELEASEDIR: "releasedir",
+    abi.GETXATTR: "getxattr", abi.LISTXATTR: "listxattr",
+}
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 _ENOATTR = getattr(errno, "ENOATTR", errno.ENODATA)
 
@@ -95,21 +104,22 @@ class Operations(Handlers):
 
     # -- the server's interface ----------------------------------------------------------
     def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
-        return {
-            abi.LOOKUP: ("lookup", self.lookup, self.lookup_async),
-            abi.GETATTR: ("getattr", self.getattr, None),
-            abi.STATFS: ("statfs", self.statfs, None),
-            abi.ACCESS: ("access", self.access, None),
-            abi.OPEN: ("open", self.open, None),
-            abi.READ: ("read", self.read, self.read_async),
-            abi.RELEASE: ("release", self.release, None),
-            abi.OPENDIR: ("opendir", None, self.opendir),
-            abi.READDIRPLUS: ("readdir", None, self.readdirplus),
-            abi.READDIR: ("readdir", None, self.readdir),
-            abi.RELEASEDIR: ("releasedir", self.releasedir, None),
-            abi.GETXATTR: ("getxattr", self.getxattr, None),
-            abi.LISTXATTR: ("listxattr", self.listxattr, None),
+        handlers: dict[int, tuple[InlineHandler | None, AsyncHandler | None]] = {
+            abi.LOOKUP: (self.lookup, self.lookup_async),
+            abi.GETATTR: (self.getattr, None),
+            abi.STATFS: (self.statfs, None),
+            abi.ACCESS: (self.access, None),
+            abi.OPEN: (self.open, None),
+            abi.READ: (self.read, self.read_async),
+            abi.RELEASE: (self.release, None),
+            abi.OPENDIR: (None, self.opendir),
+            abi.READDIRPLUS: (None, self.readdirplus),
+            abi.READDIR: (None, self.readdir),
+            abi.RELEASEDIR: (self.releasedir, None),
+            abi.GETXATTR: (self.getxattr, None),
+            abi.LISTXATTR: (self.listxattr, None),
         }
+        return {op: (OP_NAMES[op], *pair) for op, pair in handlers.items()}
 
     def error_code(self, op: str, exc: BaseException) -> int:
         if isinstance(exc, NeedsWait):  # an inline-only handler cannot wait: a bug
