@@ -103,7 +103,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name of a process (threads of one name summed)."""
+    """CPU seconds per thread name and kind ("main.user", "python.sys"...) of a process
+    (threads of one name summed; the main thread is "main")."""
     out: dict[str, float] = {}
     with contextlib.suppress(FileNotFoundError):
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -113,9 +114,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
                 continue
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2:].split()
-            cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
             key = "main" if tid == str(pid) else name
-            out[key] = out.get(key, 0.0) + cpu
+            for part, i in (("user", 11), ("sys", 12)):
+                k = f"{key}.{part}"
+                out[k] = out.get(k, 0.0) + int(fields[i]) / CLK_TCK
     return out
 
 
@@ -277,7 +279,8 @@ def summary(rows: list[dict[str, Any]], link_MBps: float) -> str:
             share = f"{r['MB_per_s'] / link_MBps:.2f} of link"
         cpu = "-"
         if "cpu_us_per_file" in r:
-            main = r.get("thread_cpu_us_per_file", {}).get("main", 0.0)
+            th = r.get("thread_cpu_us_per_file", {})
+            main = th.get("main.user", 0.0) + th.get("main.sys", 0.0)
             cpu = f"{r['cpu_us_per_file']:.0f} ({main:.0f})"
         fuse = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("fuse_per_file", {}).items()))
         lmdb = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("lmdb_txn_per_file", {}).items()))

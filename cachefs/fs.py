@@ -281,8 +281,13 @@ class FileSystem:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         obj = ObjectVersion(node.path, node.etag, node.size)
-        # Prefetch decisions belong to the trio thread; the open does not wait for them.
-        self.post(self._opened, node, reader)
+        # Prefetches start on the trio thread; the open does not wait for them, and only
+        # an open that moves a hinted order or a walk in order costs a hand-over.
+        if self.read_order.moves(node.path):
+            self.post(self.read_order.on_open, node.path)
+        due = self.lookahead.observe(node.parent_prefix, node.name, node.ino, reader)
+        if due:
+            self.post(self.lookahead.issue, due)
         backing_id = self.backing.open(ino, obj) if self.backing else 0
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(
@@ -291,10 +296,6 @@ class FileSystem:
                        max_window=self.max_readahead),
             backing_id)
         return fh, True, backing_id
-
-    def _opened(self, node: Node, reader: int) -> None:
-        self.read_order.on_open(node.path)
-        self.lookahead.on_open(node.parent_prefix, node.name, reader)
 
     async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
         return self.open_now(ino, reader)

@@ -11,6 +11,8 @@ from cachefs.read.lookahead import DirectoryLookahead
 
 NAMES = [f"img{i:05d}.jpg".encode() for i in range(2000)]
 DIR = "train/c000/"
+# A listing numbers a directory's names in name order (cachefs.cache.index).
+INO = {name: 100 + i for i, name in enumerate(NAMES)}
 
 
 class FakePrefetcher:
@@ -29,7 +31,8 @@ class FakePrefetcher:
 def iter_after(prefix: str, after: bytes) -> Iterator[Entry]:
     for name in NAMES:
         if name > after:
-            yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
+            yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                        ino=INO[name])
 
 
 def make() -> tuple[DirectoryLookahead, FakePrefetcher]:
@@ -40,7 +43,7 @@ def make() -> tuple[DirectoryLookahead, FakePrefetcher]:
 def test_one_reader_in_order_prefetches_ahead_and_not_behind() -> None:
     la, f = make()
     for name in NAMES[:40]:
-        la.on_open(DIR, name)
+        la.on_open(DIR, name, INO[name])
     assert f.prefetched, "an in-order walk starts prefetch"
     keys = [DIR + n.decode() for n in NAMES]
     assert all(keys.index(k) >= 3 for k in f.prefetched), "nothing before the walk"
@@ -53,7 +56,7 @@ def test_interleaved_readers_each_walking_in_order_are_detected() -> None:
     workers, batch = 8, 32
     for step in range(batch):
         for w in range(workers):
-            la.on_open(DIR, NAMES[w * batch + step], reader=1000 + w)
+            la.on_open(DIR, NAMES[w * batch + step], INO[NAMES[w * batch + step]], reader=1000 + w)
     keys = {DIR + n.decode() for n in NAMES}
     assert len(f.prefetched) >= workers * 8, f"only {len(f.prefetched)} files prefetched"
     assert set(f.prefetched) <= keys
@@ -66,7 +69,7 @@ def test_random_opens_prefetch_nothing() -> None:
     order = list(range(len(NAMES)))
     random.Random(5).shuffle(order)
     for i in order[:500]:
-        la.on_open(DIR, NAMES[i])
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]])
     # A random order ascends by an adjacent step now and then, never three times running
     # for long: at most a handful of small windows.
     assert len(f.prefetched) < 25, len(f.prefetched)
@@ -75,14 +78,14 @@ def test_random_opens_prefetch_nothing() -> None:
 def test_a_thread_pool_taking_turns_over_one_sequence_is_detected() -> None:
     la, f = make()
     for i in range(64):  # 8 threads, file i opened by thread i % 8
-        la.on_open(DIR, NAMES[i], reader=2000 + i % 8)
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=2000 + i % 8)
     assert DIR + NAMES[80].decode() in f.prefetched
 
 
 def test_walks_are_bounded() -> None:
     la, _ = make()
     for r in range(la.max_walks + 100):
-        la.on_open(f"d{r}/", NAMES[0], reader=r + 1)
+        la.on_open(f"d{r}/", NAMES[0], INO[NAMES[0]], reader=r + 1)
     assert len(la._walks) == la.max_walks
 
 
@@ -95,11 +98,12 @@ def test_a_shuffled_epoch_over_small_directories_prefetches_little() -> None:
     def small_dir(prefix: str, after: bytes) -> Iterator[Entry]:
         for name in NAMES[:50]:
             if name > after:
-                yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
+                yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=INO[name])
 
     f = FakePrefetcher()
     la = DirectoryLookahead(f, small_dir)  # type: ignore[arg-type]
     random.Random(11).shuffle(files)
     for i, (d, n) in enumerate(files):
-        la.on_open(d, n, reader=3000 + i % 8)  # 8 workers
+        la.on_open(d, n, INO[n], reader=3000 + i % 8)  # 8 workers
     assert len(f.prefetched) < 0.02 * len(files), f"{len(f.prefetched)} of {len(files)} prefetched"

@@ -1,129 +1,198 @@
 """Directory lookahead: prefetch the next files of a directory walked in name order.
 
-Concurrency: trio thread only; :meth:`DirectoryLookahead.on_open` is called by
-the file system on every open and only starts fetches (``Prefetcher.want``
-never waits).
+A walk is recognised by *where* its opens land, not by their order alone. Files
+are placed by inode number: a listing gives the names of a directory
+consecutive numbers in name order (:mod:`cachefs.cache.index`), so "the next
+files" are the next numbers. A walk keeps the 64 positions below the furthest
+one opened and which of them were opened; it is *in order* when at least
+``min_opens`` of them were, and they fill at least ``density`` of the span
+they cover. A reader walking the directory fills every position; a pool of
+readers taking turns over one sequence fills all but the few still in flight;
+a shuffled reader leaves most positions of its span empty. An open behind the
+walk, or more than ``adjacency`` positions past the furthest file opened (or
+requested ahead), restarts it.
+
+Walks are followed per reader and per directory: each open steps both the walk
+of its reader (the FUSE request's thread id: one DataLoader worker, one
+thread) and the directory's shared walk (a thread pool over one in-order
+sequence). While a walk is in order, up to ``window`` files after it are
+requested (doubling with the files it opened, at most ``max_files``); each open
+consumes one, and only the shortfall is issued, continuing after the last file
+requested.
+
+Speculation must not waste: files requested ahead that a directory's readers
+never reach (its shared walk restarted elsewhere: shuffled readers that looked
+ordered for a moment) count against the directory, and each such miss doubles
+the opens its walks need before they are trusted again (up to ``min_opens <<
+MAX_PENALTY``); a walk that consumes its window undoes one doubling.
+
+Concurrency: :meth:`DirectoryLookahead.observe` runs on the FUSE request
+workers (any thread) and only updates walks, under ``_lock``; when a walk is
+due to request files it returns it, and :meth:`DirectoryLookahead.issue` (trio
+thread: it starts fetches through ``Prefetcher.want``, which never waits) does
+the requesting. :meth:`on_open` does both, for callers on the trio thread.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.prefetcher import DIRECTORY, Prefetcher
 
+#: Positions a walk remembers below the furthest one opened.
+SPAN = 64
+#: Misses double the opens a directory's walks need, at most this many times.
+MAX_PENALTY = 4
+_MASK = (1 << SPAN) - 1
+
+WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
+
 
 class _Walk:
-    __slots__ = ("ahead", "issued_until", "last", "streak")
+    __slots__ = ("ahead", "hi", "issued_ino", "issued_until", "last", "lo", "opened")
 
-    def __init__(self, name: bytes) -> None:
-        self.last = name
-        self.streak = 0
-        self.ahead = 0  # files requested ahead of the readers (approximate)
-        self.issued_until: bytes | None = None
+    def __init__(self, name: bytes, ino: int) -> None:
+        self.lo = self.hi = ino
+        self.opened = 1  # bit i: position hi - i was opened
+        self.last = name  # the name at position hi
+        self.ahead = 0  # files requested ahead and not reached yet
+        self.issued_until: bytes | None = None  # the last name requested ahead
+        self.issued_ino = 0
+
+    def count(self) -> int:
+        return self.opened.bit_count()
+
+    def span(self) -> int:
+        return min(SPAN, self.hi - self.lo + 1)
 
 
 class DirectoryLookahead:
-    """Prefetch the next files of a directory when readers open its files in name order.
-
-    Walks are followed per reader and per directory: each open steps both the
-    walk of its reader (the FUSE request's thread id: one DataLoader worker,
-    one thread) and the directory's shared walk (readers taking turns over one
-    in-order sequence, such as a thread pool). A walk advances when the file is
-    among the ``adjacency`` entries after its previous file (or among the files
-    it already requested ahead); any other open restarts it. After
-    ``min_streak`` advances, up to ``window(streak)`` files after the walk are
-    requested (doubling with the streak, at most ``max_files``). Each open
-    consumes one file of the window; only the shortfall is issued, continuing
-    after the last file requested, so the cost per open is a few index lookups
-    however large the window. A random order does not advance a walk three
-    times running, so random readers pay nothing. Blocks go through
-    ``Prefetcher.want`` (never waits, bounded by budget).
-    """
+    """Prefetch the next files of a directory when readers open its files in name order
+    (see the module docstring)."""
 
     def __init__(self, prefetcher: Prefetcher,
                  iter_after: Callable[[str, bytes], Iterator[Entry]], *,
-                 max_files: int = 256, min_streak: int = 3, max_walks: int = 4096,
-                 adjacency: int = 8) -> None:
+                 max_files: int = 256, min_opens: int = 4, density: float = 0.75,
+                 max_walks: int = 4096, adjacency: int = 8) -> None:
         self._prefetcher = prefetcher
         self._iter_after = iter_after
         self.adjacency = adjacency
         self.max_files = max_files
-        self.min_streak = min_streak
+        self.min_opens = min_opens
+        self.density = density
         self.max_walks = max_walks
-        # (directory, reader) -> walk, least recently used first; reader 0 = shared walk
-        self._walks: dict[tuple[str, int], _Walk] = {}
+        # (directory, reader) -> walk, least recently used first
+        self._walks: dict[WalkKey, _Walk] = {}
+        # directory -> doublings of min_opens after requests ahead its walks never reached
+        self._penalty: dict[str, int] = {}
+        self._lock = threading.Lock()
 
-    def _follows(self, prefix: str, last: bytes, name: bytes, walk: _Walk) -> bool:
-        """Whether ``name`` is among the next few files after ``last`` (or among those
-        already requested ahead): a reader walking the directory in order, but not a
-        random order that happens to ascend."""
-        if walk.issued_until is not None and last < name <= walk.issued_until:
-            return True
-        entries = self._iter_after(prefix, last)
-        try:
-            for i, entry in enumerate(entries):
-                if entry.name == name:
-                    return True
-                if i + 1 >= self.adjacency or entry.name > name:
-                    return False
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
-        return False
+    # -- following walks (any thread) ---------------------------------------------------
+    def observe(self, prefix: str, name: bytes, ino: int, reader: int = 0) -> list[WalkKey]:
+        """Record an open of ``name`` (inode ``ino``) in ``prefix`` by ``reader`` (a thread
+        id; 0 if unknown); returns the walks now due to request files ahead (hand them
+        to :meth:`issue` on the trio thread)."""
+        due = []
+        with self._lock:
+            keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
+            for key in keys:
+                walk = self._step(key, name, ino)
+                if self._wanted(key, walk) > 0:
+                    due.append(key)
+        return due
 
-    def on_open(self, prefix: str, name: bytes, reader: int = 0) -> int:
-        """Record an open by ``reader`` (a thread id; 0 if unknown); returns how many
-        files were newly requested."""
-        issued = self._on_open(prefix, name, (prefix, 0))
-        if reader:
-            issued += self._on_open(prefix, name, (prefix, reader))
-        return issued
-
-    def _step(self, key: tuple[str, int], name: bytes) -> _Walk:
-        prefix = key[0]
+    def _step(self, key: WalkKey, name: bytes, ino: int) -> _Walk:
         walk = self._walks.pop(key, None)
         if walk is None:
-            walk = _Walk(name)
-        elif name > walk.last and self._follows(prefix, walk.last, name, walk):
-            walk.streak += 1
-            walk.last = name
-            walk.ahead = max(0, walk.ahead - 1)
-        elif name != walk.last:
-            walk = _Walk(name)
+            walk = _Walk(name, ino)
+        elif ino > walk.hi and (ino - walk.hi <= self.adjacency or ino <= walk.issued_ino):
+            shift = ino - walk.hi
+            walk.opened = ((walk.opened << shift) | 1) & _MASK
+            walk.hi, walk.last = ino, name
+            walk.ahead = max(0, walk.ahead - shift)
+            if walk.ahead == 0 and walk.issued_until is not None:
+                self._forgive(key[0])
+        elif walk.lo <= ino <= walk.hi and walk.hi - ino < SPAN:
+            walk.opened |= 1 << (walk.hi - ino)  # a file a slower reader of the pool opened
+        else:
+            if walk.ahead > 0 and key[1] == 0:
+                # The directory's readers left it with files requested ahead unread. (Not
+                # counted for one reader's walk: DataLoader workers each read a run of
+                # files and jump, and what one requested past its run the next one reads.)
+                self._punish(key[0])
+            walk = _Walk(name, ino)
         self._walks[key] = walk  # most recently used last
         if len(self._walks) > self.max_walks:
             self._walks.pop(next(iter(self._walks)))
         return walk
 
-    def _on_open(self, prefix: str, name: bytes, key: tuple[str, int]) -> int:
-        walk = self._step(key, name)
-        if walk.streak < self.min_streak:
+    def _in_order(self, prefix: str, walk: _Walk) -> bool:
+        need = self.min_opens << self._penalty.get(prefix, 0)
+        n = walk.count()
+        return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
+
+    def _wanted(self, key: WalkKey, walk: _Walk) -> int:
+        """Files the walk should request now (0 when not in order)."""
+        if not self._in_order(key[0], walk):
             return 0
-        window = min(self.max_files, 2 ** (walk.streak - self.min_streak + 2))
-        if walk.issued_until is None or walk.issued_until <= name:
-            walk.issued_until, walk.ahead = name, 0
-        want = window - walk.ahead
+        window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
+        if walk.issued_ino <= walk.hi:
+            walk.issued_until, walk.issued_ino, walk.ahead = walk.last, walk.hi, 0
+        return int(window - walk.ahead)
+
+    def _punish(self, prefix: str) -> None:
+        self._penalty[prefix] = min(MAX_PENALTY, self._penalty.get(prefix, 0) + 1)
+        if len(self._penalty) > self.max_walks:
+            self._penalty.pop(next(iter(self._penalty)))
+
+    def _forgive(self, prefix: str) -> None:
+        n = self._penalty.get(prefix, 0)
+        if n > 1:
+            self._penalty[prefix] = n - 1
+        elif n:
+            del self._penalty[prefix]
+
+    # -- requesting files ahead (trio thread) -------------------------------------------------
+    def issue(self, keys: list[WalkKey]) -> int:
+        """Request the files ahead that the walks ``keys`` want now; returns how many
+        files were newly requested."""
         issued = 0
-        if want <= 0:
-            return 0
-        entries = self._iter_after(prefix, walk.issued_until)
-        try:
-            for entry in entries:
-                if entry.is_dir:
+        for key in keys:
+            with self._lock:
+                walk = self._walks.get(key)
+                if walk is None:
                     continue
-                obj = ObjectVersion(prefix + entry.name.decode(), entry.etag, entry.size)
-                if self._prefetcher.want_object(obj, DIRECTORY) is None:
-                    break  # memory budget full
-                walk.issued_until = entry.name
-                walk.ahead += 1
-                issued += 1
-                if issued >= want:
-                    break
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
+                want = self._wanted(key, walk)
+                if want <= 0 or walk.issued_until is None:
+                    continue
+                prefix = key[0]
+                entries = self._iter_after(prefix, walk.issued_until)
+                try:
+                    n = 0
+                    for entry in entries:
+                        if entry.is_dir:
+                            continue
+                        obj = ObjectVersion(
+                            prefix + entry.name.decode("utf-8", "surrogateescape"),
+                            entry.etag, entry.size)
+                        if self._prefetcher.want_object(obj, DIRECTORY) is None:
+                            break  # memory budget full
+                        walk.issued_until, walk.issued_ino = entry.name, entry.ino
+                        walk.ahead += 1
+                        n += 1
+                        if n >= want:
+                            break
+                finally:
+                    close = getattr(entries, "close", None)
+                    if close is not None:
+                        close()
+                issued += n
         return issued
+
+    def on_open(self, prefix: str, name: bytes, ino: int, reader: int = 0) -> int:
+        """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
+        due = self.observe(prefix, name, ino, reader)
+        return self.issue(due) if due else 0
