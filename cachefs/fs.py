@@ -98,8 +98,8 @@ class FileHandle:
     fh: int
     node: Node
     obj: ObjectVersion
-    stream: ReadStream
     backing_id: int = 0  # > 0: the kernel reads the cache file itself (passthrough)
+    stream: ReadStream | None = None  # made at the first read through the trio thread
 
 
 @dataclasses.dataclass(slots=True)
@@ -290,11 +290,7 @@ class FileSystem:
             self.post(self.lookahead.issue, due)
         backing_id = self.backing.open(ino, obj) if self.backing else 0
         fh = next(self._next_fh)
-        self._handles[fh] = FileHandle(
-            fh, node, obj,
-            ReadStream(size=obj.size, block_size=self.fetcher.block_size,
-                       max_window=self.max_readahead),
-            backing_id)
+        self._handles[fh] = FileHandle(fh, node, obj, backing_id)
         return fh, True, backing_id
 
     async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
@@ -323,6 +319,9 @@ class FileSystem:
         obj = handle.obj
         # Prefetch flights are started first but cannot starve this read: they may use
         # only a share of the S3 connections (see Fetcher), and never wait for budget.
+        if handle.stream is None:
+            handle.stream = ReadStream(size=obj.size, block_size=self.fetcher.block_size,
+                                       max_window=self.max_readahead)
         self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
             return await self.fetcher.read(obj, offset, size)

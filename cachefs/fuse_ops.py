@@ -99,7 +99,9 @@ class Operations(Handlers):
         self._timeout = abi.split_timeout(attr_timeout)
         self._statfs_bytes = statfs_bytes
         self._on_init = on_init
-        self._open_handles = metrics.OPEN_HANDLES
+        self._opened = metrics.FastCounter()
+        self._released = metrics.FastCounter()
+        metrics.OPEN_HANDLES.set_function(lambda: self._opened.value - self._released.value)
         self._read_bytes = metrics.READ_BYTES
 
     # -- the server's interface ----------------------------------------------------------
@@ -185,7 +187,7 @@ class Operations(Handlers):
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid)
-        self._open_handles.inc()
+        self._opened.inc()
         if backing_id:
             # The kernel reads the cache file itself; it refuses keep_cache with it.
             return abi.open_out(fh, abi.FOPEN_PASSTHROUGH, backing_id)
@@ -208,7 +210,7 @@ class Operations(Handlers):
 
     def release(self, req: Request) -> Reply:
         self.fs.release(abi.RELEASE_IN.unpack_from(req.body)[0])
-        self._open_handles.dec()
+        self._released.inc()
         return None
 
     # -- directories ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 
 from cachefs.cache.metadata import Entry
@@ -107,3 +108,88 @@ def test_a_shuffled_epoch_over_small_directories_prefetches_little() -> None:
     for i, (d, n) in enumerate(files):
         la.on_open(d, n, INO[n], reader=3000 + i % 8)  # 8 workers
     assert len(f.prefetched) < 0.02 * len(files), f"{len(f.prefetched)} of {len(files)} prefetched"
+
+
+def test_shuffled_epochs_after_an_in_order_one_prefetch_nothing() -> None:
+    # An in-order epoch leaves every directory's walk at its end; shuffled epochs after it
+    # must not keep it (a walk that covered the whole directory is not a walk of theirs).
+    la, f = make()
+    files = NAMES[:60]
+    for name in files:
+        la.on_open(DIR, name, INO[name], reader=5000)
+    before = len(f.prefetched)
+    rnd = random.Random(3)
+    for epoch in range(3):
+        order = files[:]
+        rnd.shuffle(order)
+        for i, name in enumerate(order):
+            la.on_open(DIR, name, INO[name], reader=6000 + epoch * 10 + i % 4)
+    assert len(f.prefetched) == before
+
+
+def test_shuffled_epochs_over_twenty_file_folders_prefetch_nothing() -> None:
+    # The issue's keep-policy case: 200 files in 10 folders, a fresh shuffle every epoch,
+    # 8 readers. Anything requested ahead here is fetched for nobody.
+    dirs = [f"train/c{c:02d}/" for c in range(10)]
+    files = [(d, n) for d in dirs for n in NAMES[:20]]
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after)  # type: ignore[arg-type]
+    rnd = random.Random(12)
+    per_epoch = []
+    for _ in range(20):
+        rnd.shuffle(files)
+        before = len(f.prefetched)
+        for i, (d, n) in enumerate(files):
+            la.on_open(d, n, INO[n], reader=7000 + i % 8)
+        per_epoch.append(len(f.prefetched) - before)
+    # A walk may look ordered now and then (a few files at first); every miss makes its
+    # directory harder to convince, so the waste dies out instead of going on.
+    assert sum(per_epoch) < 0.01 * 20 * len(files), per_epoch
+    assert sum(per_epoch[10:]) == 0, per_epoch
+
+
+def test_a_directory_whose_readers_leave_requests_unread_needs_longer_walks() -> None:
+    la, f = make()
+    run = NAMES[:6]
+    for name in run:  # looks like a walk: files requested ahead
+        la.on_open(DIR, name, INO[name])
+    assert f.prefetched
+    la.on_open(DIR, NAMES[500], INO[NAMES[500]])  # ...and the readers go elsewhere
+    assert la._penalty[DIR] == 1
+    f.prefetched.clear()
+    for name in NAMES[600:606]:  # the same short run no longer convinces
+        la.on_open(DIR, name, INO[name])
+    assert not f.prefetched
+    for name in NAMES[606:640]:  # a real walk still does, and earns the trust back
+        la.on_open(DIR, name, INO[name])
+    assert f.prefetched
+    assert DIR not in la._penalty
+
+
+def test_walks_followed_from_many_threads_at_once() -> None:
+    # The request workers observe opens concurrently; the walks stay consistent and an
+    # in-order walk among them is still found.
+    la, f = make()
+    errors: list[BaseException] = []
+
+    def shuffled(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            for _ in range(2000):
+                name = rnd.choice(NAMES)
+                for key in la.observe(f"d{seed}/", name, INO[name], reader=seed):
+                    assert key[0] == f"d{seed}/"
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=shuffled, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    due = []
+    for name in NAMES[:100]:
+        due += la.observe(DIR, name, INO[name], reader=1)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert (DIR, 1) in due and (DIR, 0) in due
+    assert la.issue(due) > 0 and DIR + NAMES[100].decode() in f.prefetched

@@ -306,7 +306,11 @@ class Metadata:
     def lookup_now(self, prefix: str, name: bytes) -> tuple[bool, Entry | None, bool]:
         """(known, entry, refresh due): ``known`` False when lookup() would wait for a
         listing (then ask it on the trio thread). Any thread."""
-        v, due = self.view_now(prefix)
+        found = self._index.lookup(prefix, name)  # the listing and the name: one snapshot
+        if found is not None:
+            row, entry = found
+            return True, entry, self._due(prefix, row[1])
+        v, due = self.view_now(prefix)  # a first listing in progress, or none
         if v is not None and (v.limit is None or name < v.limit):
             return True, self._get(v.version, name), due
         if v is None and self._store is None:
@@ -315,21 +319,21 @@ class Metadata:
 
     def resolve_now(self, ino: int) -> tuple[tuple[str, Entry] | None, str | None]:
         """(what resolve() returns, the prefix whose refresh is due or None). Any thread."""
-        found = self._index.inode(ino)
+        found = self._index.resolve(ino)
         if found is None:
             return None, None
-        pid, name, row = found
+        pid, name, row, entry = found
         due = None
         if row is not None:
-            version, listed_at, prefix = row
-            if self._due(prefix, listed_at):
+            prefix = row[2]
+            if self._due(prefix, row[1]):
                 due = prefix
         else:
             listing = self._inflight_ids.get(pid)
             if listing is None or listing.version is None:
                 return None, None
-            version, prefix = listing.version, listing.prefix
-        entry = self._index.get(version, name)
+            prefix = listing.prefix
+            entry = self._index.get(listing.version, name)
         return ((prefix, entry) if entry is not None and entry.ino == ino else None), due
 
     async def _wait(self, prefix: str) -> _Listing:

@@ -112,8 +112,9 @@ class RequestServer:
         self._open_fd = open_fd  # a new descriptor of the connection, owned by the caller
         self._handlers = handlers
         self._table = handlers.table()
-        self._stats = {op: (metrics.FUSE_REQUESTS.labels(name), metrics.FUSE_LATENCY.labels(name))
-                       for op, (name, _, _) in self._table.items()}
+        self._op_index = {op: metrics.FUSE_STATS.index[name]
+                          for op, (name, _, _) in self._table.items()}
+        self._trio_stats = metrics.FUSE_STATS.shard()  # replies written on the trio thread
         self.workers = max(1, workers)
         self.want_passthrough = want_passthrough
         self.negotiated: abi.Negotiated | None = None
@@ -125,7 +126,7 @@ class RequestServer:
         self._post_lock = threading.Lock()
         self._lock = threading.Lock()
         self._running = 0
-        self.active = 0  # requests being handled by workers right now
+        self._busy: list[bool] = []  # per worker: inside a handler now
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._stopped: trio.Event | None = None
@@ -142,8 +143,9 @@ class RequestServer:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._running = len(fds)
+                self._busy = [False] * len(fds)
                 for i, fd in enumerate(fds):
-                    t = threading.Thread(target=self._worker, args=(fd,), daemon=True,
+                    t = threading.Thread(target=self._worker, args=(i, fd), daemon=True,
                                          name=f"cachefs-fuse-{i}")
                     self._threads.append(t)
                     t.start()
@@ -169,19 +171,22 @@ class RequestServer:
         given up: a worker still blocked in its read is left to the process's exit)."""
         self._set_stopped()
 
+    @property
+    def active(self) -> int:
+        """Workers inside a handler now."""
+        return sum(self._busy)
+
     def stop(self, timeout: float) -> bool:
         """From now on answer every request EIO without a handler, and wait until no
-        worker is inside one (any thread); returns whether none is."""
+        worker is inside one (any thread); returns whether none is. (A worker checks the
+        flag after marking itself busy, so one that missed it is still waited for.)"""
         deadline = time.monotonic() + timeout
-        with self._lock:
-            self._stopping = True
-        while True:
-            with self._lock:
-                if self.active == 0:
-                    return True
+        self._stopping = True
+        while any(self._busy):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
+        return True
 
     def post(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` on the trio thread soon, in the order posted (any thread).
@@ -221,11 +226,11 @@ class RequestServer:
         try:
             token.run_sync_soon(self._start_deferred, req, handler)
         except trio.RunFinishedError:
-            self._reply_error(req, errno.EIO)
+            _write(req.fd, req.unique, -errno.EIO, None)
 
     def _start_deferred(self, req: Request, handler: AsyncHandler) -> None:
         if self._nursery is None:
-            self._reply_error(req, errno.EIO)
+            _write(req.fd, req.unique, -errno.EIO, None)
             return
         self._nursery.start_soon(self._serve_deferred, req, handler)
 
@@ -234,9 +239,9 @@ class RequestServer:
         try:
             reply = await handler(req)
         except Exception as exc:
-            self._reply_error(req, self._handlers.error_code(name, exc))
+            self._reply_error(req, self._handlers.error_code(name, exc), self._trio_stats)
         else:
-            self._reply(req, reply)
+            self._reply(req, reply, self._trio_stats)
 
     # -- the workers ---------------------------------------------------------------------
     def _init(self, fd: int) -> abi.Negotiated:
@@ -259,11 +264,14 @@ class RequestServer:
             _write(fd, unique, 0, body)
             return result
 
-    def _worker(self, fd: int) -> None:
+    def _worker(self, index: int, fd: int) -> None:
         buf = bytearray(abi.BUFFER_SIZE)
         view = memoryview(buf)
         unpack = abi.IN_HEADER.unpack_from
         table = self._table
+        busy = self._busy
+        stats = metrics.FUSE_STATS.shard()
+        clock = time.perf_counter
         try:
             while True:
                 n = _read(fd, buf)
@@ -276,29 +284,27 @@ class RequestServer:
                         return
                     continue
                 req = Request(fd, opcode, unique, nodeid, uid, pid,
-                              view[abi.IN_HEADER.size:length], time.perf_counter())
+                              view[abi.IN_HEADER.size:length], clock())
                 _, inline, deferred = entry
                 if inline is None:
                     assert deferred is not None
                     self._defer(req, deferred)
                     continue
-                with self._lock:
+                busy[index] = True
+                try:
                     if self._stopping:
                         _write(fd, unique, -errno.EIO, None)
                         continue
-                    self.active += 1
-                try:
                     reply = inline(req)
                 except Deferred:
                     assert deferred is not None
                     self._defer(req, deferred)
                 except Exception as exc:
-                    self._reply_error(req, self._handlers.error_code(entry[0], exc))
+                    self._reply_error(req, self._handlers.error_code(entry[0], exc), stats)
                 else:
-                    self._reply(req, reply)
+                    self._reply(req, reply, stats)
                 finally:
-                    with self._lock:
-                        self.active -= 1
+                    busy[index] = False
         except Exception:
             log.exception("FUSE request worker failed; it stops")
         finally:
@@ -308,6 +314,11 @@ class RequestServer:
         """Requests without a handler; returns True when the worker must stop."""
         if opcode in (abi.FORGET, abi.BATCH_FORGET):
             return False  # nothing is kept per inode; no reply
+        if opcode == abi.IOCTL:
+            # Sent for every open() by Python's isatty() check (TCGETS), and the kernel
+            # does not remember a refusal: answer at once, as a local file would.
+            _write(fd, unique, -errno.ENOTTY, None)
+            return False
         if opcode == abi.INTERRUPT:
             # Interrupts are not supported: ENOSYS tells the kernel to stop sending them.
             _write(fd, abi.INTERRUPT_IN.unpack_from(body)[0], -errno.ENOSYS, None)
@@ -334,18 +345,13 @@ class RequestServer:
             self._stopped.set()
 
     # -- replies ---------------------------------------------------------------------------
-    def _reply(self, req: Request, reply: Reply) -> None:
-        requests, latency = self._stats[req.opcode]
-        requests.inc()
-        latency.observe(time.perf_counter() - req.t0)
+    def _reply(self, req: Request, reply: Reply, stats: metrics.RequestShard) -> None:
+        stats.observe(self._op_index[req.opcode], time.perf_counter() - req.t0)
         _write(req.fd, req.unique, 0, reply)
 
-    def _reply_error(self, req: Request, code: int) -> None:
-        name = self._table[req.opcode][0] if req.opcode in self._table else str(req.opcode)
-        if req.opcode in self._stats:
-            requests, latency = self._stats[req.opcode]
-            requests.inc()
-            latency.observe(time.perf_counter() - req.t0)
+    def _reply_error(self, req: Request, code: int, stats: metrics.RequestShard) -> None:
+        name = self._table[req.opcode][0]
+        stats.observe(self._op_index[req.opcode], time.perf_counter() - req.t0)
         metrics.FUSE_ERRORS.labels(name, errno.errorcode.get(code, str(code))).inc()
         _write(req.fd, req.unique, -code, None)
 

@@ -3,14 +3,20 @@
 A walk is recognised by *where* its opens land, not by their order alone. Files
 are placed by inode number: a listing gives the names of a directory
 consecutive numbers in name order (:mod:`cachefs.cache.index`), so "the next
-files" are the next numbers. A walk keeps the 64 positions below the furthest
-one opened and which of them were opened; it is *in order* when at least
-``min_opens`` of them were, and they fill at least ``density`` of the span
-they cover. A reader walking the directory fills every position; a pool of
-readers taking turns over one sequence fills all but the few still in flight;
-a shuffled reader leaves most positions of its span empty. An open behind the
-walk, or more than ``adjacency`` positions past the furthest file opened (or
-requested ahead), restarts it.
+files" are the next numbers. A walk has a frontier (the furthest position
+opened) and remembers which of the 64 positions below it were opened. An open
+at most ``adjacency`` positions past the frontier (or among the files
+requested ahead) moves it; an open at most ``adjacency`` behind it (a slower
+reader of a pool) is recorded; any other open restarts the walk, and so does
+a position more than ``adjacency`` behind the frontier left unopened (a walk
+in order leaves no file behind). One reader's own walk allows a step of 2 (a
+sub-directory between two files) instead of ``adjacency``: a reader reads its
+files one after the other. A walk is *in order* when at least
+``min_opens`` positions were opened and they fill at least ``density`` of the
+span they cover: a reader walking the directory fills every position, a pool
+of readers taking turns over one sequence all but the few still in flight,
+while a shuffled reader keeps restarting its walk (its next open is rarely
+just past the last one, and its jumps leave holes behind).
 
 Walks are followed per reader and per directory: each open steps both the walk
 of its reader (the FUSE request's thread id: one DataLoader worker, one
@@ -52,7 +58,8 @@ WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shar
 
 
 class _Walk:
-    __slots__ = ("ahead", "hi", "issued_ino", "issued_until", "last", "lo", "opened")
+    __slots__ = ("ahead", "end", "hi", "hits", "issued_ino", "issued_until", "last", "lo",
+                 "opened", "spread")
 
     def __init__(self, name: bytes, ino: int) -> None:
         self.lo = self.hi = ino
@@ -61,6 +68,9 @@ class _Walk:
         self.ahead = 0  # files requested ahead and not reached yet
         self.issued_until: bytes | None = None  # the last name requested ahead
         self.issued_ino = 0
+        self.end = False  # nothing after issued_until: the directory is all requested
+        self.hits = 0  # opens of files requested ahead, since the last forgiveness
+        self.spread = 0  # the furthest behind the frontier an open landed
 
     def count(self) -> int:
         return self.opened.bit_count()
@@ -88,6 +98,7 @@ class DirectoryLookahead:
         self._walks: dict[WalkKey, _Walk] = {}
         # directory -> doublings of min_opens after requests ahead its walks never reached
         self._penalty: dict[str, int] = {}
+        self._where: dict[int, str] = {}  # reader -> the directory of its last open
         self._lock = threading.Lock()
 
     # -- following walks (any thread) ---------------------------------------------------
@@ -97,6 +108,13 @@ class DirectoryLookahead:
         to :meth:`issue` on the trio thread)."""
         due = []
         with self._lock:
+            if reader and self._where.get(reader) != prefix:
+                # A reader walking a directory opens nothing else meanwhile.
+                self._walks.pop((prefix, reader), None)
+                self._where.pop(reader, None)
+                self._where[reader] = prefix
+                if len(self._where) > self.max_walks:
+                    self._where.pop(next(iter(self._where)))
             keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
             for key in keys:
                 walk = self._step(key, name, ino)
@@ -106,37 +124,52 @@ class DirectoryLookahead:
 
     def _step(self, key: WalkKey, name: bytes, ino: int) -> _Walk:
         walk = self._walks.pop(key, None)
+        # One reader walks strictly in order (a step of 2 passes a sub-directory); a pool
+        # of readers taking turns arrives up to ``adjacency`` files out of order.
+        near = self.adjacency if key[1] == 0 else 2
         if walk is None:
             walk = _Walk(name, ino)
-        elif ino > walk.hi and (ino - walk.hi <= self.adjacency or ino <= walk.issued_ino):
+        elif ino > walk.hi and (ino - walk.hi <= near or ino <= walk.issued_ino):
             shift = ino - walk.hi
+            if ino <= walk.issued_ino:
+                walk.hits += 1
+                if walk.hits >= self.min_opens << self._penalty.get(key[0], 0):
+                    self._forgive(key[0])  # it walked as far as it had to before
+                    walk.hits = 0
             walk.opened = ((walk.opened << shift) | 1) & _MASK
             walk.hi, walk.last = ino, name
             walk.ahead = max(0, walk.ahead - shift)
-            if walk.ahead == 0 and walk.issued_until is not None:
-                self._forgive(key[0])
-        elif walk.lo <= ino <= walk.hi and walk.hi - ino < SPAN:
+        elif walk.lo <= ino <= walk.hi and walk.hi - ino <= near:
             walk.opened |= 1 << (walk.hi - ino)  # a file a slower reader of the pool opened
+            walk.spread = max(walk.spread, walk.hi - ino)
         else:
-            if walk.ahead > 0 and key[1] == 0:
-                # The directory's readers left it with files requested ahead unread. (Not
-                # counted for one reader's walk: DataLoader workers each read a run of
-                # files and jump, and what one requested past its run the next one reads.)
-                self._punish(key[0])
-            walk = _Walk(name, ino)
+            walk = self._restart(key, walk, name, ino)
+        behind = ((1 << walk.span()) - 1) & ~((1 << (near + 1)) - 1)
+        if walk.opened & behind != behind:
+            walk = self._restart(key, walk, name, ino)  # it left a file behind: not a walk
         self._walks[key] = walk  # most recently used last
         if len(self._walks) > self.max_walks:
             self._walks.pop(next(iter(self._walks)))
         return walk
 
+    def _restart(self, key: WalkKey, walk: _Walk, name: bytes, ino: int) -> _Walk:
+        if walk.ahead > 0 and key[1] == 0:
+            # The directory's readers left it with files requested ahead unread. (Not
+            # counted for one reader's walk: DataLoader workers each read a run of
+            # files and jump, and what one requested past its run the next one reads.)
+            self._punish(key[0])
+        return _Walk(name, ino)
+
     def _in_order(self, prefix: str, walk: _Walk) -> bool:
-        need = self.min_opens << self._penalty.get(prefix, 0)
+        # Opens arriving out of order by k positions need 2k more to tell a pool of readers
+        # in order from shuffled readers in a small directory.
+        need = (self.min_opens << self._penalty.get(prefix, 0)) + 2 * walk.spread
         n = walk.count()
         return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
 
     def _wanted(self, key: WalkKey, walk: _Walk) -> int:
         """Files the walk should request now (0 when not in order)."""
-        if not self._in_order(key[0], walk):
+        if walk.end or not self._in_order(key[0], walk):
             return 0
         window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
         if walk.issued_ino <= walk.hi:
@@ -172,19 +205,22 @@ class DirectoryLookahead:
                 entries = self._iter_after(prefix, walk.issued_until)
                 try:
                     n = 0
+                    walk.end = True  # unless the loop stops before the last entry
                     for entry in entries:
                         if entry.is_dir:
                             continue
+                        if n >= want:
+                            walk.end = False
+                            break
                         obj = ObjectVersion(
                             prefix + entry.name.decode("utf-8", "surrogateescape"),
                             entry.etag, entry.size)
                         if self._prefetcher.want_object(obj, DIRECTORY) is None:
+                            walk.end = False
                             break  # memory budget full
                         walk.issued_until, walk.issued_ino = entry.name, entry.ino
                         walk.ahead += 1
                         n += 1
-                        if n >= want:
-                            break
                 finally:
                     close = getattr(entries, "close", None)
                     if close is not None:
