@@ -228,7 +228,12 @@ class Daemon:
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
                                lookahead_bytes=max_readahead * 4)
-        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries)
+        root = cfg.source.prefix
+
+        def next_dir(prefix: str) -> str | None:
+            return metadata.next_dir(prefix, root)
+
+        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
                         read_order=read_order, lookahead=lookahead, backing=passthrough)

@@ -193,3 +193,61 @@ def test_walks_followed_from_many_threads_at_once() -> None:
     assert not errors, errors
     assert (DIR, 1) in due and (DIR, 0) in due
     assert la.issue(due) > 0 and DIR + NAMES[100].decode() in f.prefetched
+
+
+def test_a_walk_in_order_goes_on_into_the_next_directory() -> None:
+    # Class folders read one after the other in directory order by a pool of 4 readers:
+    # the next folder's files are requested before its first open (no stall of a round
+    # trip per folder), and only while the walk is in order.
+    folders = [f"train/c{c:03d}/" for c in range(5)]
+    per = 60
+    names: dict[str, list[bytes]] = {d: NAMES[:per] for d in folders}
+    ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(folders) for j, n in enumerate(names[d])}
+
+    def iter_after_dirs(prefix: str, after: bytes) -> Iterator[Entry]:
+        for n in names.get(prefix, []):
+            if n > after:
+                yield Entry(name=n, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=ino[(prefix, n)])
+
+    asked: list[str] = []
+
+    def next_dir(prefix: str) -> str | None:
+        asked.append(prefix)
+        i = folders.index(prefix)
+        return folders[i + 1] if i + 1 < len(folders) else None
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir)  # type: ignore[arg-type]
+    order = [(d, n) for d in folders for n in names[d]]
+    misses = []
+    for i, (d, n) in enumerate(order):
+        if d + n.decode() not in f.prefetched:
+            misses.append(d + n.decode())
+        la.on_open(d, n, ino[(d, n)], reader=9000 + i % 4)
+    # Only the first folder's walk has to prove itself; every later folder is requested
+    # ahead of its readers.
+    assert all(m.startswith(folders[0]) for m in misses), misses
+    assert len(misses) <= 8, misses
+    assert folders[0] in asked  # its successor was asked for early (listed ahead)
+    assert len(set(f.prefetched)) == len(f.prefetched)
+
+
+def test_shuffled_readers_are_not_carried_into_the_next_directory() -> None:
+    folders = [f"train/c{c:03d}/" for c in range(10)]
+    files = [(d, n) for d in folders for n in NAMES[:20]]
+    carried: list[str] = []
+
+    def next_dir(prefix: str) -> str | None:
+        carried.append(prefix)
+        i = folders.index(prefix)
+        return folders[i + 1] if i + 1 < len(folders) else None
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after, next_dir=next_dir)  # type: ignore[arg-type]
+    rnd = random.Random(5)
+    for _ in range(10):
+        rnd.shuffle(files)
+        for i, (d, n) in enumerate(files):
+            la.on_open(d, n, INO[n], reader=7000 + i % 8)
+    assert len(f.prefetched) < 0.01 * 10 * len(files), len(f.prefetched)

@@ -72,6 +72,10 @@ from cachefs.cache.index import (
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 
+#: Names of a parent's listing next_dir() looks at past a directory (files between it
+#: and the next directory are skipped).
+NEXT_DIR_SCAN = 4096
+
 __all__ = ["Entry", "Metadata", "View", "entries_from_listing", "invalid_name_reason",
            "split_points", "watermark"]
 
@@ -466,6 +470,35 @@ class Metadata:
                 if len(subdirs) >= row[3] or len(subdirs) >= AHEAD_QUEUE:
                     break
         self._queue_ahead(subdirs)
+
+    def next_dir(self, prefix: str, root: str) -> str | None:
+        """The directory after ``prefix`` in its parent's listing, or None (``prefix``
+        is ``root`` or outside it, the last directory of its parent, or the parent's
+        listing is not here). When that directory has no listing, one is queued for the
+        list-ahead workers. Trio thread; looks at most NEXT_DIR_SCAN names."""
+        if prefix == root or not prefix.startswith(root):
+            return None
+        parent = prefix[:prefix.rstrip("/").rfind("/") + 1]
+        v = self.view(parent)
+        if v is None:
+            return None
+        entries = self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
+        found = None
+        try:
+            for i, entry in enumerate(entries):
+                if entry.is_dir:
+                    found = parent + entry.name.decode("utf-8", "surrogateescape") + "/"
+                    break
+                if i >= NEXT_DIR_SCAN:
+                    break
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
+        if (found is not None and self._store is not None and self.list_ahead_workers
+                and found not in self._inflight and self._index.row(found) is None):
+            self._queue_ahead([found])
+        return found
 
     def _queue_ahead(self, subdirs: list[str]) -> None:
         self._ahead.extend(reversed(subdirs))  # the first sub-directory is taken first

@@ -26,6 +26,16 @@ requested (doubling with the files it opened, at most ``max_files``); each open
 consumes one, and only the shortfall is issued, continuing after the last file
 requested.
 
+A walk that requests the last file of its directory goes on into the next
+directory of the parent's listing (``next_dir``; a DataLoader over class
+folders in directory order reads them one after the other): the files of
+that directory it still wants are requested there, and the directory gets a
+shared walk that starts trusted, so its readers keep the requests flowing
+without first proving their order again (and without a stall of one round trip
+per directory). ``next_dir`` also has that directory listed early: it is asked
+as soon as a walk is in order, so the listing is there when the walk needs it.
+A directory not listed yet when the walk ends is not carried into.
+
 Speculation must not waste: files requested ahead that a directory's readers
 never reach (its shared walk restarted elsewhere: shuffled readers that looked
 ordered for a moment) count against the directory, and each such miss doubles
@@ -58,8 +68,8 @@ WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shar
 
 
 class _Walk:
-    __slots__ = ("ahead", "end", "hi", "hits", "issued_ino", "issued_until", "last", "lo",
-                 "opened", "spread")
+    __slots__ = ("ahead", "asked_next", "carried", "end", "hi", "hits", "issued_ino",
+                 "issued_until", "last", "lo", "opened", "spread")
 
     def __init__(self, name: bytes, ino: int) -> None:
         self.lo = self.hi = ino
@@ -71,6 +81,8 @@ class _Walk:
         self.end = False  # nothing after issued_until: the directory is all requested
         self.hits = 0  # opens of files requested ahead, since the last forgiveness
         self.spread = 0  # the furthest behind the frontier an open landed
+        self.asked_next = False  # next_dir() was asked (its listing started early)
+        self.carried = False  # at its end, and went on into the next directory (or none)
 
     def count(self) -> int:
         return self.opened.bit_count()
@@ -85,10 +97,14 @@ class DirectoryLookahead:
 
     def __init__(self, prefetcher: Prefetcher,
                  iter_after: Callable[[str, bytes], Iterator[Entry]], *,
+                 next_dir: Callable[[str], str | None] | None = None,
                  max_files: int = 256, min_opens: int = 4, density: float = 0.75,
                  max_walks: int = 4096, adjacency: int = 8) -> None:
         self._prefetcher = prefetcher
         self._iter_after = iter_after
+        # directory -> the next directory of its parent's listing, or None (trio thread;
+        # may start that directory's listing)
+        self._next_dir = next_dir
         self.adjacency = adjacency
         self.max_files = max_files
         self.min_opens = min_opens
@@ -169,7 +185,7 @@ class DirectoryLookahead:
 
     def _wanted(self, key: WalkKey, walk: _Walk) -> int:
         """Files the walk should request now (0 when not in order)."""
-        if walk.end or not self._in_order(key[0], walk):
+        if walk.carried or not self._in_order(key[0], walk):
             return 0
         window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
         if walk.issued_ino <= walk.hi:
@@ -202,31 +218,71 @@ class DirectoryLookahead:
                 if want <= 0 or walk.issued_until is None:
                     continue
                 prefix = key[0]
-                entries = self._iter_after(prefix, walk.issued_until)
-                try:
-                    n = 0
-                    walk.end = True  # unless the loop stops before the last entry
-                    for entry in entries:
-                        if entry.is_dir:
-                            continue
-                        if n >= want:
-                            walk.end = False
-                            break
-                        obj = ObjectVersion(
-                            prefix + entry.name.decode("utf-8", "surrogateescape"),
-                            entry.etag, entry.size)
-                        if self._prefetcher.want_object(obj, DIRECTORY) is None:
-                            walk.end = False
-                            break  # memory budget full
-                        walk.issued_until, walk.issued_ino = entry.name, entry.ino
-                        walk.ahead += 1
-                        n += 1
-                finally:
-                    close = getattr(entries, "close", None)
-                    if close is not None:
-                        close()
+                n = 0 if walk.end else self._request(prefix, walk, walk.issued_until, want)
                 issued += n
+                if self._next_dir is None:
+                    walk.carried = walk.end
+                elif not walk.asked_next or walk.end:
+                    walk.asked_next = True
+                    nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
+                    if walk.end:
+                        if nxt is None:
+                            walk.carried = True  # the parent's last directory
+                        elif n < want and self._carry(nxt, want - n, walk):
+                            walk.carried = True
+                        # (else its listing is not here yet: tried again at the next open)
         return issued
+
+    def _request(self, prefix: str, walk: _Walk, after: bytes, want: int) -> int:
+        """Request up to ``want`` files of ``prefix`` after name ``after`` for ``walk``
+        (under ``_lock``); sets ``walk.end`` when the directory's last file is among
+        them. Returns how many were requested."""
+        entries = self._iter_after(prefix, after)
+        n = 0
+        try:
+            walk.end = True  # unless the loop stops before the last entry
+            for entry in entries:
+                if entry.is_dir:
+                    continue
+                if n >= want:
+                    walk.end = False
+                    break
+                obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
+                                    entry.etag, entry.size)
+                if self._prefetcher.want_object(obj, DIRECTORY) is None:
+                    walk.end = False
+                    break  # memory budget full
+                walk.issued_until, walk.issued_ino = entry.name, entry.ino
+                walk.ahead += 1
+                n += 1
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
+        return n
+
+    def _carry(self, prefix: str, want: int, prev: _Walk) -> int:
+        """A walk in order ended its directory: request ``want`` files of the next
+        directory ``prefix`` and give it a trusted shared walk positioned before its
+        first file (under ``_lock``). Nothing when it is not listed yet or already has
+        a walk."""
+        key = (prefix, 0)
+        if key in self._walks:
+            prev.carried = True
+            return 0  # its readers are there already (or it was carried into before)
+        first = next((e for e in self._iter_after(prefix, b"") if not e.is_dir), None)
+        if first is None:
+            return 0  # not listed yet, or no files
+        walk = _Walk(b"", first.ino - 1)
+        walk.opened = _MASK  # trusted: as if the positions before its first file were read
+        walk.lo = walk.hi - SPAN + 1
+        walk.issued_until, walk.issued_ino = b"", walk.hi
+        n = self._request(prefix, walk, b"", want)
+        if n:
+            self._walks[key] = walk
+            if len(self._walks) > self.max_walks:
+                self._walks.pop(next(iter(self._walks)))
+        return n
 
     def on_open(self, prefix: str, name: bytes, ino: int, reader: int = 0) -> int:
         """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
