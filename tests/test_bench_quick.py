@@ -137,6 +137,8 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
         "cachefs",
         "--datasets",
         "images",
+        "--epochs",
+        "50",  # a run that cannot end on its own in the half second before the signal
         "--workdir",
         str(work),
     ]
