@@ -270,7 +270,13 @@ class DirectoryLookahead:
         if key in self._walks:
             prev.carried = True
             return 0  # its readers are there already (or it was carried into before)
-        first = next((e for e in self._iter_after(prefix, b"") if not e.is_dir), None)
+        entries = self._iter_after(prefix, b"")
+        try:
+            first = next((e for e in entries if not e.is_dir), None)
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()  # (its snapshot ends now, not when the generator is collected)
         if first is None:
             return 0  # not listed yet, or no files
         walk = _Walk(b"", first.ino - 1)
