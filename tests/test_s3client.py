@@ -154,6 +154,9 @@ def test_cut_answers_are_transient_short_bodies(bucket, s3_endpoint, fault: str)
             with pytest.raises(TransientStoreError) as info:
                 store.get("c.bin", etag, 0, 5000, whole=whole)
             assert info.value.reason == "short_body"
+        with pytest.raises(TransientStoreError) as info:  # a listing cut short: retried too
+            store.list_page("", None)
+        assert info.value.reason == "short_body"
 
 
 def test_whole_object_get_sends_no_range_and_reports_checksums(bucket, s3_endpoint) -> None:

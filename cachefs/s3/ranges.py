@@ -326,7 +326,14 @@ class RangeClient:
                                 f"s3://{self.bucket}/{prefix}")
         if answer.status != 200:
             raise self._error("list", answer, None)
-        return parse_list_page(answer.body)
+        try:
+            return parse_list_page(answer.body)
+        except StoreError as exc:
+            # A 200 whose XML does not parse was cut or garbled on the way (a server that
+            # always answers garbage fails at the retry deadline instead).
+            metrics.S3_ERRORS.labels("list", "TransientStoreError").inc()
+            raise TransientStoreError(f"s3://{self.bucket}/{prefix}: {exc}",
+                                      reason="short_body") from exc
 
     def full_checksum(self, key: str, etag: str,
                       exchange: Exchange | None = None) -> Checksum | None:
