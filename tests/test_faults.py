@@ -28,6 +28,10 @@ from tests.faultproxy import FaultProxy, ForwardProxy
 pytestmark = pytest.mark.fuse
 
 
+def differing_bytes(a: bytes, b: bytes) -> int:
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+
 def report(fault: str, stats: dict[str, Any]) -> None:
     line = json.dumps({"fault": fault, **stats}, sort_keys=True)
     print(line)
@@ -428,10 +432,11 @@ def test_altered_bytes_never_reach_whole_object_reads_nor_stay_cached(
                           "--passthrough", "off", cache_dir=cache, start=False)
         m.endpoint = proxy.url
         m.start()
-        wrong_small = wrong_large = 0
+        wrong_small = wrong_large = wrong_bytes = 0
         for key, data in files.items():
             got = (m.path / key).read_bytes()
             if got != data:
+                wrong_bytes += differing_bytes(got, data)
                 if key.startswith("small/"):
                     wrong_small += 1
                 else:
@@ -449,6 +454,7 @@ def test_altered_bytes_never_reach_whole_object_reads_nor_stay_cached(
         report("8 bytes flipped in 10% of GET bodies (plain HTTP)",
                {"reads": len(files), "failed": 0, "wrong": wrong_small + wrong_large,
                 "wrong_whole_object_reads": wrong_small, "wrong_ranged_reads": wrong_large,
+                "wrong_bytes": wrong_bytes,
                 "bodies_altered": flipped, "integrity_errors": integrity,
                 "wrong_after_remount": len(stale), "longest_read_s": None, "recovery_s": None})
         assert flipped > 0 and integrity > 0
