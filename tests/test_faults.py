@@ -29,7 +29,7 @@ pytestmark = pytest.mark.fuse
 
 
 def differing_bytes(a: bytes, b: bytes) -> int:
-    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+    return sum(x != y for x, y in zip(a, b, strict=False)) + abs(len(a) - len(b))
 
 
 def report(fault: str, stats: dict[str, Any]) -> None:
