@@ -184,3 +184,68 @@ def test_whole_object_get_sends_no_range_and_reports_checksums(bucket, s3_endpoi
         assert body.checksum is None and body.etag_md5  # moto keeps no checksum unasked
         assert store.full_checksum("crc.bin", crc_etag).kind == "crc64nvme"  # type: ignore[union-attr]
         assert store.full_checksum("plain.bin", plain) is None
+
+
+@pytest.mark.slow
+def test_checksums_as_seaweedfs_keeps_them(tmp_path) -> None:
+    """SeaweedFS (the throughput test server) states checksums as moto does: the ones the
+    upload sent, on whole-object GETs and HEADs, none on ranged GETs; cachefs checks them."""
+    import base64
+    import os
+
+    import boto3
+    import botocore.config
+    import trio
+
+    from benchmarks.origin import ACCESS_KEY as WEED_KEY
+    from benchmarks.origin import SECRET_KEY as WEED_SECRET
+    from benchmarks.origin import SeaweedOrigin
+    from cachefs.s3 import integrity
+    from cachefs.s3.origin import Origin
+
+    with SeaweedOrigin(tmp_path / "weed", bucket="sums") as weed:
+        client = boto3.client(
+            "s3", endpoint_url=weed.endpoint, region_name="us-east-1",
+            aws_access_key_id=WEED_KEY, aws_secret_access_key=WEED_SECRET,
+            config=botocore.config.Config(request_checksum_calculation="when_supported",
+                                          s3={"addressing_style": "path"}))
+        small = os.urandom(70_000)
+        client.put_object(Bucket="sums", Key="plain", Body=small, ChecksumAlgorithm="CRC32")
+        client.put_object(Bucket="sums", Key="c64", Body=small, ChecksumAlgorithm="CRC64NVME")
+        big = os.urandom(11 << 20)
+        mp = client.create_multipart_upload(Bucket="sums", Key="mp", ChecksumAlgorithm="CRC64NVME",
+                                            ChecksumType="FULL_OBJECT")
+        parts = []
+        for n, (lo, hi) in enumerate([(0, 6 << 20), (6 << 20, 11 << 20)], start=1):
+            p = client.upload_part(Bucket="sums", Key="mp", UploadId=mp["UploadId"], PartNumber=n,
+                                   Body=big[lo:hi], ChecksumAlgorithm="CRC64NVME")
+            parts.append({"PartNumber": n, "ETag": p["ETag"],
+                          "ChecksumCRC64NVME": p["ChecksumCRC64NVME"]})
+        full = integrity.digest("crc64nvme", big)
+        client.complete_multipart_upload(
+            Bucket="sums", Key="mp", UploadId=mp["UploadId"], ChecksumType="FULL_OBJECT",
+            ChecksumCRC64NVME=base64.b64encode(full).decode(), MultipartUpload={"Parts": parts})
+        etags = {k: client.head_object(Bucket="sums", Key=k)["ETag"].strip('"')
+                 for k in ("plain", "c64", "mp")}
+        store = S3Store("sums", endpoint_url=weed.endpoint)  # SeaweedFS takes any credentials
+        assert store.get("plain", etags["plain"], 0, 70_000, whole=True).checksum.kind == "crc32"  # type: ignore[union-attr]
+        assert store.get("c64", etags["c64"], 0, 70_000, whole=True).checksum.kind == "crc64nvme"  # type: ignore[union-attr]
+        stated = store.full_checksum("mp", etags["mp"])
+        assert stated is not None and stated.digest == full  # type: ignore[union-attr]
+        origin = Origin(store, max_connections=4, deadline=5)
+
+        async def main() -> int:
+            got = await origin.get("c64", etags["c64"], 0, 70_000, whole=True)
+            assert got.data == small and got.check == "crc64nvme"
+            combined = None
+            block = 4 << 20
+            for start in range(0, len(big), block):
+                end = min(len(big), start + block)
+                part = await origin.get("mp", etags["mp"], start, end, crc_kind="crc64nvme")
+                assert part.crc is not None
+                combined = part.crc if combined is None else integrity.combine(
+                    "crc64nvme", combined, part.crc, end - start)
+            assert combined is not None
+            return combined
+
+        assert trio.run(main) == stated.crc  # the blocks' CRCs combine to SeaweedFS's
