@@ -212,8 +212,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("endpoint_url", _endpoint_url, None,
            "S3 endpoint URL (default: AWS, or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL).",
            metavar="URL"),
-    Option("region", _opt_str, None, "AWS region of the bucket (default: from the AWS config).",
-           metavar="REGION"),
+    Option("region", _opt_str, None,
+           "Region to sign requests for (default: the bucket's own region, asked from S3 at "
+           "mount; else the AWS config's).", metavar="REGION"),
     Option("no_sign_request", parse_bool, False, "Send anonymous requests (public buckets).",
            flag=True),
     Option("metrics_addr", _opt_str, None,
@@ -239,6 +240,9 @@ OPTIONS: tuple[Option, ...] = (
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
     Option("max_connections", parse_int, 64, "Concurrent S3 requests at most.", metavar="N"),
+    Option("retry_deadline", parse_duration, "5m",
+           "How long a read or listing keeps retrying S3 through outages, throttling and "
+           "timeouts before it fails with EIO ('inf' never gives up).", metavar="DURATION"),
     Option("read_ahead", parse_size, "1M",
            "Kernel readahead for the mount (larger FUSE read requests).", metavar="SIZE"),
     Option("allow_other", parse_bool, False, "Let users other than the mounting one read.",
@@ -279,6 +283,7 @@ class MountConfig:
     manifest: str | None
     memory_budget: int
     max_connections: int
+    retry_deadline: float
     read_ahead: int
     allow_other: bool
     uid: int | None
@@ -369,5 +374,7 @@ def _check_ranges(cfg: MountConfig) -> None:
         raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:
         raise ConfigError("--max-connections must be between 1 and 1024")
+    if cfg.retry_deadline < 1:
+        raise ConfigError("--retry-deadline must be at least 1s")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:
         raise ConfigError("--read-ahead must be between 4K and 64M")

@@ -7,9 +7,10 @@ Order of start-up (each step fails with one clear CachefsError line):
 2. cache directory: created 0700 (wider modes tightened), writable, locked for
    this daemon only, large enough for ``--cache-size``;
 3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
-4. S3: one probe request (bucket exists, credentials work, endpoint answers:
-   a one-key listing, or HeadBucket for a manifest mount, which never lists);
-   with ``--manifest``, the manifest loaded into the index (skipped when unchanged);
+4. S3: the bucket's region looked up (unless ``--region``), then one probe
+   request (bucket exists, credentials work, endpoint answers: a one-key
+   listing, or HeadBucket for a manifest mount, which never lists); with
+   ``--manifest``, the manifest loaded into the index (skipped when unchanged);
 5. metrics endpoint bound (if asked);
 6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
@@ -17,12 +18,14 @@ Order of start-up (each step fails with one clear CachefsError line):
 Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
 the fetcher's flights, the listings (background refreshes, listing ahead),
 the maintenance loop (last-use batches, LMDB sync), the orphan scan, the
-control socket, and the signal watcher. SIGTERM/SIGINT unmount cleanly. No
-background task ends the daemon on an error: each unit of work runs in
-:func:`cachefs.background.contained` (logged, counted, goes on); only
-cancellation ends them.
-When the request loop ends (unmounted), pending cache writes are drained
-(bounded wait), then the rest is cancelled and the index synced and closed.
+control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
+unmount cleanly. No background task ends the daemon on an error: each unit of
+work runs in :func:`cachefs.background.contained` (logged, counted, goes on);
+only cancellation ends them.
+When the request loop ends (unmounted), S3 requests in flight and retry
+waits are stopped at once (:meth:`Origin.close`), pending cache writes are
+drained (bounded wait), then the rest is cancelled and the index synced and
+closed.
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.s3.boto import S3Store
-from cachefs.s3.retry import RetryingStore
+from cachefs.s3.origin import Origin
 from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
 
 log = logging.getLogger(__name__)
 
 MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
+UNMOUNT_POLL = 1.0  # how often the mount table is checked for our mount
 STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
 DRAIN_TIMEOUT = 30.0
 
@@ -105,6 +109,15 @@ def sd_notify(message: str) -> None:
         log.warning("sd_notify failed: %s", exc)
 
 
+def _device_mounted(device: str) -> bool:
+    """Whether a file system with this ``major:minor`` is mounted (this mount namespace)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(line.split(maxsplit=3)[2] == device for line in f)
+    except OSError:
+        return True  # cannot tell: assume it is
+
+
 def _source_identity(cfg: MountConfig) -> bytes:
     # A manifest mount and a listing mount of the same source do not share listings.
     manifest = f"|manifest={cfg.manifest}" if cfg.manifest else ""
@@ -125,11 +138,26 @@ def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
 
 
 def make_store(cfg: MountConfig) -> S3Store:
+    """The S3 store of ``cfg``, signing for the bucket's own region: S3 is asked at mount
+    (HeadBucket) unless ``--region`` overrides it. A failed lookup keeps the configured
+    region (the probe that follows reports what is wrong)."""
     try:
-        return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                       max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+        store = S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                        max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
     except ValueError as exc:  # botocore: "Invalid endpoint: ..." (e.g. AWS_ENDPOINT_URL)
         raise ConfigError(f"invalid S3 endpoint: {exc}") from None
+    if cfg.region is not None:
+        return store
+    try:
+        region = store.bucket_region()
+    except StoreError as exc:
+        log.debug("bucket region lookup failed: %s", exc)
+        return store
+    if region and region != store.region:
+        log.info("bucket %s is in %s: signing requests for it (the AWS config says %s)",
+                 cfg.source.bucket, region, store.region)
+        store = store.for_region(region)
+    return store
 
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:
@@ -176,14 +204,14 @@ class Daemon:
         _drop_foreign_metadata(env, cfg)
         s3 = make_store(cfg)
         probe_store(s3, cfg)
-        store = RetryingStore(s3)
+        log.info("S3 endpoint %s, region %s", s3.endpoint, s3.region)
+        origin = Origin(s3, max_connections=cfg.max_connections, deadline=cfg.retry_deadline)
         metrics.START_TIME.set(self.started_at)
         metrics.create_known_series()
         if cfg.metrics_addr:
             host, port = metrics.serve_metrics(cfg.metrics_addr)
             log.info("metrics at http://%s:%d/metrics", host, port)
 
-        s3_limiter = trio.CapacityLimiter(cfg.max_connections)
         disk_limiter = trio.CapacityLimiter(16)
         cache = BlockCache(env, cfg.cache_dir, capacity=cfg.cache_size, policy=cfg.cache_policy,
                            limiter=disk_limiter)
@@ -193,10 +221,14 @@ class Daemon:
         hot = cfg.memory_budget // 4
         budget = MemoryBudget(cfg.memory_budget - hot)
         ledger = PrefetchLedger()
-        fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
-                          s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger)
-        metadata = Metadata(env, None if manifest_path else store, ttl=cfg.metadata_ttl,
-                            limiter=s3_limiter, list_ahead=cfg.list_ahead)
+        fetcher = Fetcher(origin, cache, block_size=cfg.block_size, budget=budget,
+                          hot_capacity=hot, notes=ledger)
+        # Listing threads wait on the origin's pages (and their retries) holding no S3
+        # connection; this bounds how many wait at once.
+        listing_threads = trio.CapacityLimiter(cfg.max_connections)
+        metadata = Metadata(env, None if manifest_path else origin.blocking(),
+                            ttl=cfg.metadata_ttl, limiter=listing_threads,
+                            list_ahead=cfg.list_ahead)
         if manifest_path is not None:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
@@ -237,7 +269,8 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            trio.run(self._serve, fetcher, metadata, read_order, control, passthrough, cache,
+            trio.run(self._serve, origin, fetcher, metadata, read_order, control, passthrough,
+                     cache,
                      env, on_ready)
             unmounted = True
         finally:
@@ -250,7 +283,8 @@ class Daemon:
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, fetcher: Fetcher, metadata: Metadata, read_order: ReadOrder,
+    async def _serve(self, origin: Origin, fetcher: Fetcher, metadata: Metadata,
+                     read_order: ReadOrder,
                      control: ControlServer, passthrough: Passthrough, cache: BlockCache,
                      env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
@@ -259,7 +293,7 @@ class Daemon:
             await nursery.start(metadata.run)
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
-            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._watch_signals, origin)
             await nursery.start(read_order.run)
             await nursery.start(control.serve)
             async with trio.open_nursery() as fuse_nursery:
@@ -276,10 +310,28 @@ class Daemon:
                 log.info("mounted %s at %s (cache %s, %s policy, passthrough %s)", cfg.source,
                          cfg.mountpoint, cfg.cache_dir, cfg.cache_policy,
                          "on" if passthrough.enabled else "off")
+                nursery.start_soon(self._watch_unmount, origin)
             log.info("unmounted; finishing cache writes")
+            origin.close()  # S3 requests and retry waits end now, even in an outage
             with trio.move_on_after(DRAIN_TIMEOUT):
                 await fetcher.drain()
             nursery.cancel_scope.cancel()
+
+    async def _watch_unmount(self, origin: Origin) -> None:
+        """Stop S3 requests as soon as the mount is gone from the mount table.
+
+        pyfuse3's loop returns only once every request in flight is answered, and an
+        unmount (plain, with the kernel's own readahead in flight, or lazy, with readers
+        still blocked) says nothing to the daemon: reads waiting on S3 through an outage
+        would hold the daemon until their retry deadline. They fail at once instead.
+        """
+        device = await trio.to_thread.run_sync(registry.mount_device, self.cfg.mountpoint)
+        if device is None:
+            return
+        while await trio.to_thread.run_sync(_device_mounted, device):
+            await trio.sleep(UNMOUNT_POLL)
+        log.info("%s was unmounted; stopping S3 requests in flight", self.cfg.mountpoint)
+        origin.close()
 
     def _publish_status(self) -> None:
         cfg = self.cfg
@@ -293,12 +345,15 @@ class Daemon:
             "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
         })
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(self, origin: Origin) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for signum in sigs:
                 if signum == signal.SIGHUP:
                     continue
                 log.info("received %s; unmounting", signal.Signals(signum).name)
+                # pyfuse3's loop ends once the requests in flight are answered: reads
+                # waiting on S3 (an outage) fail now instead of at their retry deadline.
+                origin.close()
                 pyfuse3.terminate()
                 return
 

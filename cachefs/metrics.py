@@ -126,7 +126,40 @@ S3_REQUESTS = Counter(
 S3_ERRORS = Counter(
     "cachefs_s3_errors", "S3 requests that failed", ["op", "kind"], registry=REGISTRY)
 S3_RETRIES = Counter(
-    "cachefs_s3_retries", "S3 requests retried after a transient failure", ["op"],
+    "cachefs_s3_retries", "S3 requests retried after a transient failure, by reason (throttled, "
+    "server_error, timeout, connection, unreachable, short_body, integrity)", ["op", "reason"],
+    registry=REGISTRY)
+S3_DEADLINE_EXCEEDED = Counter(
+    "cachefs_s3_deadline_exceeded", "S3 requests given up because they kept failing until the "
+    "retry deadline (--retry-deadline): each one failed a read (EIO)", ["op"], registry=REGISTRY)
+S3_HEDGES_SENT = Counter(
+    "cachefs_s3_hedges_sent", "Second GETs sent because the first went silent for longer "
+    "than the hedge delay", registry=REGISTRY)
+S3_HEDGES_WON = Counter(
+    "cachefs_s3_hedges_won", "Hedged GETs whose second request answered first",
+    registry=REGISTRY)
+S3_HEDGE_DELAY = Gauge(
+    "cachefs_s3_hedge_delay_seconds", "Silence after which a GET is hedged (from the p99 of "
+    "recent first-byte latencies, with a floor)", registry=REGISTRY)
+S3_CONCURRENCY_LIMIT = Gauge(
+    "cachefs_s3_concurrency_limit", "S3 requests allowed in flight now (--max-connections, "
+    "lowered while S3 throttles)", registry=REGISTRY)
+S3_INTEGRITY_ERRORS = Counter(
+    "cachefs_s3_integrity_errors", "S3 answers whose bytes disagreed with the object's checksum "
+    "or ETag (altered in transit): dropped and fetched again; check=crc64nvme, crc32c, crc32, "
+    "sha256, sha1, etag_md5, or combined_<crc> for a multi-block object", ["check"],
+    registry=REGISTRY)
+S3_VERIFIED_BYTES = Counter(
+    "cachefs_s3_verified_bytes", "Object bytes received from S3 by the check they passed before "
+    "use (none: ranged blocks, checked as a whole object once complete where S3 keeps a CRC)",
+    ["check"], registry=REGISTRY)
+S3_CHECKSUM_DISAGREEMENTS = Counter(
+    "cachefs_s3_checksum_disagreements", "Objects S3 served with the same bytes twice, both "
+    "disagreeing with its stated checksum or ETag (served: S3 is the truth)", ["check"],
+    registry=REGISTRY)
+S3_ASSEMBLED_CHECKS = Counter(
+    "cachefs_s3_assembled_checks", "Multi-block objects checked against S3's full-object CRC "
+    "once all their blocks were cached (result=ok or mismatch: blocks dropped)", ["result"],
     registry=REGISTRY)
 S3_THROTTLES = Counter(
     "cachefs_s3_throttles", "S3 requests answered 503 SlowDown / 429", ["op"], registry=REGISTRY)
@@ -208,6 +241,11 @@ FUSE_OPS = ("lookup", "getattr", "statfs", "opendir", "readdir", "releasedir", "
 #: The errno an operator must notice (the one every StoreError and internal error ends in).
 FUSE_ALERT_ERRNO = "EIO"
 S3_OPS = ("get", "head", "list")
+#: TransientStoreError.reason values (cachefs.errors) that a retry is counted under.
+S3_RETRY_REASONS = ("throttled", "server_error", "timeout", "connection", "unreachable",
+                    "short_body", "integrity")
+#: Checks a body can fail or pass (cachefs.s3.integrity.CHECKS and the ETag's MD5).
+S3_CHECKS = ("crc64nvme", "crc32c", "crc32", "sha256", "sha1", "etag_md5")
 #: The kind a failing or throttling S3 endpoint produces (cachefs.errors).
 S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
@@ -228,9 +266,17 @@ def create_known_series() -> None:
     for op in S3_OPS:
         S3_REQUESTS.labels(op)
         S3_LATENCY.labels(op)
-        S3_RETRIES.labels(op)
         S3_THROTTLES.labels(op)
+        S3_DEADLINE_EXCEEDED.labels(op)
         S3_ERRORS.labels(op, S3_ALERT_KIND)
+        for reason in S3_RETRY_REASONS:
+            S3_RETRIES.labels(op, reason)
+    for check in S3_CHECKS:
+        S3_INTEGRITY_ERRORS.labels(check)
+        S3_VERIFIED_BYTES.labels(check)
+    S3_VERIFIED_BYTES.labels("none")
+    for result in ("ok", "mismatch"):
+        S3_ASSEMBLED_CHECKS.labels(result)
     for reason in SKIP_REASONS:
         SKIPPED_KEYS.labels(reason)
     for reason in PASSTHROUGH_DECLINE_REASONS:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONTRACT_VALUE_KEYS = {
     "cache_dir", "cache_size", "endpoint_url", "region", "metrics_addr", "metadata_ttl",
     "cache_policy", "uid", "gid", "file_mode", "dir_mode", "log_level", "memory_budget",
-    "block_size", "list_ahead", "manifest",
+    "block_size", "list_ahead", "manifest", "retry_deadline",
 }
 CONTRACT_FLAG_KEYS = {"allow_other"}
 

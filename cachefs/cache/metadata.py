@@ -36,10 +36,13 @@ directory of 200,000 names is listed in about the time of 25 sequential
 pages instead of 200. The watermark then follows the first unfinished range.
 
 Concurrency: every listing runs in the nursery of :meth:`Metadata.run` (its
-owner): its ranges in worker threads under the S3 capacity limiter, so a
-caller that gives up (an interrupted FUSE request) does not cancel a listing
-others wait for. One listing per directory at a time (single flight); an
-invalidate() during a listing makes it run once more. Listing ahead:
+owner): its ranges in worker threads under ``limiter``, so a caller that gives
+up (an interrupted FUSE request) does not cancel a listing others wait for.
+In the daemon ``store`` is the :class:`~cachefs.s3.origin.Origin`'s blocking
+face: each page is a request through the origin (retried until the retry
+deadline, its waits holding no S3 connection) while the range's thread waits.
+One listing per directory at a time (single flight); an invalidate() during a
+listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker) and ``list_ahead`` workers list them before
 the walker gets there. Reads of LMDB run on the trio thread (lock-free

@@ -92,6 +92,11 @@ class MemoryTier:
     def __contains__(self, bid: bytes) -> bool:
         return bid in self._blocks
 
+    def discard(self, bid: bytes) -> None:
+        old = self._blocks.pop(bid, None)
+        if old is not None:
+            self.used -= len(old)
+
     def contains(self, ref: BlockRef) -> bool:
         return ref.bid in self._blocks
 
