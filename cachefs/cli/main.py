@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="objects warmed at once (default 16)")
     warm.add_argument("--check", action="store_true",
                       help="only report what share is cached; fetch nothing")
+    warm.add_argument("--shard", metavar="I/N",
+                      help="cluster warm: fetch only node I's share of the blocks (0 <= I < N, "
+                      "a stable hash of each block) into the shared cache tier and the local "
+                      "cache; run it on N nodes with I = 0..N-1 and the dataset crosses "
+                      "regions once (needs --shared-cache on the mount)")
 
     probe = sub.add_parser("probe", help="measure latency and throughput to a bucket")
     probe.add_argument("source", help="s3://BUCKET[/PREFIX] with some objects to read")
@@ -259,7 +264,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from cachefs.cli.warm import warm_main
 
     return warm_main(args.mountpoint, args.paths, manifest=args.manifest,
-                     parallel=args.parallel, check=args.check)
+                     parallel=args.parallel, check=args.check, shard=args.shard)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

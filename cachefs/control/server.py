@@ -8,7 +8,8 @@ and reads JSON lines until the server closes the connection. Requests:
 * ``{"op": "hint", "paths": [relative paths in read order]}``
   -> ``{"event": "ok", "accepted": N, "unknown": M}``
 * ``{"op": "warm", "paths": [...], "parallel": N, "check": false}``
-  -> ``{"event": "progress", ...}`` every half second, then ``{"event": "done", ...}``
+  -> ``{"event": "progress", ...}`` every half second, then ``{"event": "done", ...}``;
+  an optional ``"shard": [I, N]`` warms only node I's share into the shared tier
 * anything else -> ``{"event": "error", "message": "..."}``
 
 Paths are relative to the mount root. Each connection is served by its own
@@ -28,6 +29,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.control.warm import Warmer, WarmProgress
+from cachefs.errors import CachefsError
 from cachefs.read.hints import ReadOrder
 
 log = logging.getLogger(__name__)
@@ -109,8 +111,18 @@ class ControlServer:
             async def report(progress: WarmProgress) -> None:
                 await _send(stream, {"event": "progress", **progress.as_dict()})
 
-            result = await self.warmer.warm(paths, parallel=parallel,
-                                            check=bool(request.get("check")), on_progress=report)
+            shard = request.get("shard")
+            if shard is not None:
+                if (not isinstance(shard, list) or len(shard) != 2
+                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
+                        or not 0 <= shard[0] < shard[1]):
+                    raise ValueError("shard must be [I, N] with 0 <= I < N")
+            try:
+                result = await self.warmer.warm(
+                    paths, parallel=parallel, check=bool(request.get("check")),
+                    on_progress=report, shard=None if shard is None else (shard[0], shard[1]))
+            except CachefsError as exc:
+                raise ValueError(str(exc)) from None
             await _send(stream, {"event": "done", **result.as_dict()})
         else:
             raise ValueError(f"unknown op {op!r}")
