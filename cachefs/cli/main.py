@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--workers", type=int, default=8, help="DataLoader workers (default 8)")
     plan.add_argument("--in-flight", type=int, default=96,
                       help="requests cachefs keeps in flight when prefetching (default 96)")
+    plan.add_argument("--nodes", type=int, default=1, metavar="N",
+                      help="nodes of the training job sharing the link: adds cross-region bytes "
+                      "and warm-up with and without a shared cache tier (default 1)")
+    plan.add_argument("--shared-cache-size", metavar="SIZE",
+                      help="capacity of the shared cache tier (default: the whole dataset)")
     plan.add_argument("--json", action="store_true")
 
     status = sub.add_parser("status", help="show cachefs mounts on this node")

@@ -64,13 +64,14 @@ class ObjectClient:
     ``credentials`` is a botocore credentials object (refreshable) or None
     (``anonymous`` then says whether that is intended). ``express`` turns on
     S3 Express session auth (default: on for directory-bucket names unless
-    ``AWS_S3_DISABLE_EXPRESS_SESSION_AUTH`` is set).
+    ``AWS_S3_DISABLE_EXPRESS_SESSION_AUTH`` is set); ``session_mode`` None asks for
+    the most the policies allow (ReadWrite, else ReadOnly).
     """
 
     def __init__(self, bucket: str, *, endpoint_url: str, region: str, credentials: Any,
                  anonymous: bool = False, express_sessions: bool | None = None,
                  max_connections: int = 32, connect_timeout: float = 1.0,
-                 read_timeout: float = 2.0, session_mode: str = "ReadWrite") -> None:
+                 read_timeout: float = 2.0, session_mode: str | None = None) -> None:
         self.bucket = bucket
         url = urllib.parse.urlsplit(endpoint_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -160,8 +161,9 @@ class ObjectClient:
         if self._credentials is None:
             raise CredentialsError(NO_CREDENTIALS)
         path = (self._path_prefix or "") + "/?session"
-        request = AWSRequest("GET", self._base + path,
-                             headers={"x-amz-create-session-mode": self._session_mode})
+        headers = {} if self._session_mode is None else {
+            "x-amz-create-session-mode": self._session_mode}
+        request = AWSRequest("GET", self._base + path, headers=headers)
         S3SigV4Auth(self._credentials.get_frozen_credentials(), express.SIGNING_NAME,
                     self.region).add_auth(request)
         status, _, body = self._send("session", "GET", path, dict(request.headers.items()), b"")
