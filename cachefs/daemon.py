@@ -284,7 +284,6 @@ class Daemon:
         # With a shared tier, an eighth of the budget holds blocks waiting to be published.
         publish_queue = cfg.memory_budget // 8 if cfg.shared_cache else 0
         budget = MemoryBudget(cfg.memory_budget - hot - publish_queue)
-        metrics.create_shared_series()
         shared = make_shared_tier(cfg, publish_queue)
         self.shared = shared
         ledger = PrefetchLedger()

@@ -212,7 +212,8 @@ TIERS = ("memory", "disk", "shared", "s3")
 
 def create_shared_series() -> None:
     """Create the labelled series of the shared tier and of the tiers at zero, so that a
-    dashboard shows 0 (not "No data") on mounts without a shared tier. Idempotent."""
+    dashboard shows 0 (not "No data") on mounts without a shared tier. Idempotent (part
+    of create_known_series)."""
     for op in SHARED_OPS:
         SHARED_REQUESTS.labels(op)
         SHARED_LATENCY.labels(op)
@@ -285,6 +286,7 @@ def create_known_series() -> None:
         PREFETCH_ISSUED_BYTES.labels(policy)
         PREFETCH_USED_BYTES.labels(policy)
         PREFETCH_WASTED_BYTES.labels(policy)
+    create_shared_series()
 
 
 def parse_metrics_addr(value: str) -> tuple[str, int]:
