@@ -359,3 +359,29 @@ def test_seaweedfs_honours_if_none_match_under_a_race(seaweed, tier):
         with ThreadPoolExecutor(writers) as pool:
             winners.append(sum(pool.map(put, range(writers))))
     assert winners == [1] * rounds
+
+
+def test_a_tier_that_is_down_from_the_start_never_stops_the_mount(bucket, mount_factory):
+    from tests.conftest import free_port
+
+    client, name = bucket
+    data = _dataset(client, name, files=3, seed=7)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--shared-cache", "s3://cache/x",
+                      "--shared-cache-endpoint-url", dead)
+    _read_all(m, data)
+    assert m.gets() == _blocks(data)
+    assert _fuse_errors(m) == 0
+    log = m.log()
+    assert "start-up check failed" in log and log.count("circuit breaker open") == 1
+
+
+def test_a_bad_shared_cache_profile_is_one_line(bucket, mount_factory):
+    _, name = bucket
+    m = mount_factory(f"s3://{name}", "--shared-cache", "s3://cache/x",
+                      "--shared-cache-profile", "no-such-profile", start=False)
+    proc = run_cachefs("mount", m.source, str(m.path), "--cache-dir", str(m.cache_dir),
+                       "--endpoint-url", m.endpoint, *m.extra)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("cachefs: error: --shared-cache-profile: AWS profile "
+                                   "'no-such-profile' not found"), proc.stderr
