@@ -230,7 +230,7 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
     try:
         client = ObjectClient(url.bucket, endpoint_url=endpoint, region=region,
                               credentials=credentials, anonymous=anonymous,
-                              connect_timeout=min(timeout, 1.0), read_timeout=max(timeout, 5.0))
+                              connect_timeout=timeout, read_timeout=timeout)
     except ValueError as exc:
         raise ConfigError(f"--shared-cache-endpoint-url: {exc}") from None
     settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),

@@ -326,7 +326,7 @@ def test_concurrent_misses_of_one_file_cost_one_origin_fetch(bucket, tier, seawe
 
     origin = sum(m.gets() for m in nodes)
     # Each origin GET is explained: the lease winner's, or a waiter's that gave up.
-    assert total("error") == 0
+    assert total("error") == 0 and total("skipped") == 0  # too few leases to sample
     assert origin == total("won") + total("lost_timeout")
     # One winner per block (a lease window turning over mid-test may add one).
     assert 16 <= total("won") <= 17

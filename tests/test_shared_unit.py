@@ -18,7 +18,15 @@ from cachefs.errors import AccessDenied, EndpointUnreachable, StoreError
 from cachefs.read.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.publishq import Publish, PublishQueue
-from cachefs.read.shared import STAMP, SharedLayout, SharedSettings, SharedTier
+from cachefs.read.shared import (
+    HARD_LIMIT,
+    LEASE_HISTORY,
+    LEASE_SAMPLE,
+    STAMP,
+    SharedLayout,
+    SharedSettings,
+    SharedTier,
+)
 from cachefs.read.tiers import BlockRef
 from cachefs.s3.objects import Response
 
@@ -58,18 +66,18 @@ class MemoryObjects:
         if self.fail is not None:
             raise self.fail
 
-    def get(self, key: str) -> Response | None:
+    def get(self, key: str, *, timeout: float | None = None) -> Response | None:
         self._enter("get")
         item = self.objects.get(key)
         return None if item is None else Response(item[0], dict(item[1]))
 
-    def head(self, key: str) -> dict[str, str] | None:
+    def head(self, key: str, *, timeout: float | None = None) -> dict[str, str] | None:
         self._enter("head")
         item = self.objects.get(key)
         return None if item is None else dict(item[1])
 
     def put(self, key: str, body: bytes, *, metadata: dict[str, str] | None = None,
-            if_none_match: bool = False, op: str = "put") -> bool:
+            if_none_match: bool = False, op: str = "put", timeout: float | None = None) -> bool:
         self._enter(op)
         with self._lock:
             if if_none_match and self.honour and key in self.objects:
@@ -77,7 +85,7 @@ class MemoryObjects:
             self.objects[key] = (body, {f"x-amz-meta-{k}": v for k, v in (metadata or {}).items()})
         return True
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
         self._enter("delete")
         self.objects.pop(key, None)
 
@@ -269,6 +277,35 @@ def test_lease_loser_gives_up_after_the_wait() -> None:
     assert leases("lost_timeout") == timeouts + 1
 
 
+def test_without_contention_only_a_sample_of_misses_takes_a_lease() -> None:
+    store = MemoryObjects()
+    a, b = tier(store), tier(store)
+    many = ObjectVersion("many", "e", 1000 * BS)
+
+    async def main() -> None:
+        for i in range(LEASE_HISTORY):  # disjoint misses: every lease won
+            assert await a.get(BlockRef(many, i, BS, b"")) is None
+        leases_before = store.counts["lease"]
+        for i in range(LEASE_HISTORY, LEASE_HISTORY + 4 * LEASE_SAMPLE):
+            assert await a.get(BlockRef(many, i, BS, b"")) is None
+        assert store.counts["lease"] - leases_before == 4  # one miss in LEASE_SAMPLE
+        # Contention: b holds the lease of the next sampled miss; a loses it, waits, and
+        # takes a lease on every miss again.
+        nxt = LEASE_HISTORY + 4 * LEASE_SAMPLE
+        for i in range(nxt, nxt + LEASE_SAMPLE):
+            assert await b.get(BlockRef(many, i, BS, b"")) is None
+        for i in range(nxt, nxt + LEASE_SAMPLE):
+            assert await a.get(BlockRef(many, i, BS, b"")) is None
+        leases_before = store.counts["lease"]
+        for i in range(nxt + LEASE_SAMPLE, nxt + 2 * LEASE_SAMPLE):
+            assert await a.get(BlockRef(many, i, BS, b"")) is None
+        assert store.counts["lease"] - leases_before == LEASE_SAMPLE
+    skipped, timeouts = leases("skipped"), leases("lost_timeout")
+    run(main, a, b)
+    assert leases("skipped") >= skipped + 4 * (LEASE_SAMPLE - 1)
+    assert leases("lost_timeout") == timeouts + 1
+
+
 def test_leases_are_off_when_the_store_ignores_if_none_match(caplog) -> None:
     store = MemoryObjects(honour_if_none_match=False)
     a = tier(store)
@@ -300,7 +337,7 @@ def test_a_failing_store_opens_the_breaker_and_lookups_stop(caplog) -> None:
     assert sum("circuit breaker open" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_stalled_store_costs_one_budget_per_failure_then_nothing() -> None:
+def test_a_stalled_store_costs_a_bounded_wait_per_failure_then_nothing() -> None:
     store = MemoryObjects()
     a = tier(store, timeout=0.1, breaker_cooldown=30.0, leases=False)
 
@@ -314,9 +351,11 @@ def test_a_stalled_store_costs_one_budget_per_failure_then_nothing() -> None:
         return trio.current_time() - t0
     timeouts = lookups("timeout")
     elapsed = run(main, a)
-    assert lookups("timeout") == timeouts + 3  # three budgets, then the breaker is open
+    assert lookups("timeout") == timeouts + 3  # three failures, then the breaker is open
     assert a.breaker.state == OPEN
-    assert elapsed < 10 * 0.1  # fewer than ten budgets: skipped once open
+    # A thread that never returns is given up after HARD_LIMIT budgets; the seven
+    # lookups after the breaker opened cost nothing.
+    assert elapsed < 4 * HARD_LIMIT * 0.1
 
 
 def test_refused_writes_stop_publishing_but_not_reads(caplog) -> None:

@@ -34,14 +34,22 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   (wall clock), so a lease of a node that died expires without a delete. At
   start the tier checks that the store honours ``If-None-Match`` (a second
   conditional write of one key must fail); if not, leases are off and it says
-  so once.
-* Never a single point of failure: every request runs in a worker thread
-  under a latency budget (``timeout``); an error or a blown budget is a miss,
-  and ``breaker_threshold`` of them in a row open the
+  so once. A lease costs one in-region write per miss and pays off only when
+  another node misses the same block at the same moment, which disjoint
+  readers (DistributedSampler) never do: after ``LEASE_HISTORY`` leases in a row
+  won without contention, only one miss in ``LEASE_SAMPLE`` takes a lease (to
+  notice contention coming back); a lease found taken turns them all on again.
+* Never a single point of failure: every request has a latency budget
+  (``timeout``): the client's socket timeouts fail a request whose store does
+  not answer within it (in the worker thread), and the trio side gives up on
+  a request after ``HARD_LIMIT`` budgets whatever it is doing. An error or a
+  timeout is a miss, and ``breaker_threshold`` of them in a row open the
   :class:`~cachefs.read.breaker.CircuitBreaker`: lookups and publishes are
-  then skipped at once until a trial request succeeds. Writes refused for
-  good reasons (access denied, store full) stop publishing and leases only
-  (one log line), for ``PUBLISH_RETRY`` seconds; reads go on.
+  then skipped at once until a trial request succeeds. Time spent waiting for
+  a free worker thread (local congestion) is not the store's fault and does
+  not count against the budget. Writes refused for good reasons (access
+  denied, store full) stop publishing and leases only (one log line), for
+  ``PUBLISH_RETRY`` seconds; reads go on.
 * Cluster warm: :meth:`shard_of` assigns every block to one of N nodes by its
   identity hash (stable across nodes); :meth:`ensure_published` makes sure a
   block this node holds is in the shared tier (``cachefs warm --shard``).
@@ -61,7 +69,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -73,19 +81,23 @@ from cachefs.errors import AccessDenied, CredentialsError, StoreError, Transient
 from cachefs.read.breaker import CircuitBreaker
 from cachefs.read.publishq import Publish, PublishQueue
 from cachefs.read.tiers import BlockRef
-from cachefs.s3.objects import ObjectClient, Response
+from cachefs.s3.objects import ObjectClient, RequestTimeout, Response
 
 log = logging.getLogger(__name__)
 
 FORMAT = "v1"
 STAMP = "cachefs-block"  # user metadata key (x-amz-meta-cachefs-block)
 PUBLISH_RETRY = 300.0  # seconds publishing stays off after a refused write
+HARD_LIMIT = 3  # budgets after which the trio side abandons a request
+LEASE_HISTORY = 32  # leases won in a row without contention before sampling
+LEASE_SAMPLE = 8  # while sampling, one miss in this many takes a lease
+POLL_FIRST, POLL_MAX = 0.05, 0.4  # a lease loser's polls: backoff from, up to (s)
 
 T = TypeVar("T")
 
 
-class BudgetExceeded(TransientStoreError):
-    """A shared-tier request did not finish within its latency budget."""
+class BudgetExceeded(RequestTimeout):
+    """A shared-tier request did not finish within HARD_LIMIT latency budgets."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +209,9 @@ class SharedTier:
         self._bad = _Keys(s.remembered_keys)  # seen corrupt or foreign: overwrite on publish
         self._leased = _Keys(s.remembered_keys)  # this node holds the fetch lease
         self._publish_off_until = 0.0  # monotonic; publishing refused until then
+        # Recent lease outcomes (True: another node held it) and misses since a lease.
+        self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
+        self._unleased_misses = 0
         self._node = f"{socket.gethostname()}:{os.getpid()}"
         metrics.SHARED_ENABLED.set(1)
         metrics.SHARED_PUBLISH_ENABLED.set(1)
@@ -253,13 +268,15 @@ class SharedTier:
 
     # -- requests ---------------------------------------------------------------------------
     async def _call(self, budget: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` in a worker thread within ``budget`` seconds. Raises
-        StoreError (BudgetExceeded when over budget)."""
-        call = functools.partial(fn, *args, **kwargs)
-        with trio.move_on_after(budget):
+        """``fn(*args, timeout=budget, **kwargs)`` in a worker thread: the client fails a
+        request the store does not answer within ``budget`` (RequestTimeout); the wait
+        for a free thread does not count; past HARD_LIMIT budgets in all, the request is
+        abandoned (BudgetExceeded). Raises StoreError."""
+        call = functools.partial(fn, *args, timeout=budget, **kwargs)
+        with trio.move_on_after(budget * HARD_LIMIT):
             return await trio.to_thread.run_sync(call, abandon_on_cancel=True,
                                                  limiter=self._limiter)
-        raise BudgetExceeded(f"no answer within {budget:g}s")
+        raise BudgetExceeded(f"no answer within {budget * HARD_LIMIT:g}s")
 
     def _failed(self, exc: StoreError) -> None:
         self.breaker.failure(str(exc))
@@ -291,7 +308,7 @@ class SharedTier:
         "foreign" | "error" | "timeout"), counted."""
         try:
             resp = await self._call(self.settings.timeout, self.client.get, key)
-        except BudgetExceeded as exc:
+        except RequestTimeout as exc:
             metrics.SHARED_LOOKUPS.labels("timeout").inc()
             self._failed(exc)
             return None, "timeout"
@@ -315,9 +332,23 @@ class SharedTier:
         self._confirmed.add(key)
         return data, result
 
+    def _lease_wanted(self) -> bool:
+        """Take a lease for this miss? Always while contention was seen recently (or too
+        few leases were taken to tell); else one miss in LEASE_SAMPLE."""
+        if len(self._contention) < LEASE_HISTORY or any(self._contention):
+            return True
+        self._unleased_misses += 1
+        if self._unleased_misses >= LEASE_SAMPLE:
+            self._unleased_misses = 0
+            return True
+        metrics.SHARED_LEASES.labels("skipped").inc()
+        return False
+
     async def _lease_or_wait(self, ref: BlockRef, key: str) -> bytes | None:
         """After a miss: take the block's fetch lease (None: fetch it from the origin) or
         wait for the node that holds it to publish the block."""
+        if not self._lease_wanted():
+            return None
         window = int(time.time() // self.settings.lease_window)
         lease = self.layout.lease_key(ref, window)
         try:
@@ -328,15 +359,16 @@ class SharedTier:
             self._write_failed(exc)
             return None
         self.breaker.success()
+        self._contention.append(not won)
         if won:
             metrics.SHARED_LEASES.labels("won").inc()
             self._leased.add(key)
             return None
         deadline = trio.current_time() + self.settings.lease_wait
-        delay = 0.02
+        delay = POLL_FIRST
         while trio.current_time() < deadline:
             await trio.sleep(min(delay, max(0.0, deadline - trio.current_time())))
-            delay = min(delay * 2, 0.25)
+            delay = min(delay * 2, POLL_MAX)
             if not self.breaker.allow():
                 break
             data, result = await self._lookup(ref, key)

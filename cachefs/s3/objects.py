@@ -23,6 +23,16 @@ Directory buckets: requests are signed with the session's credentials
 (``x-amz-s3session-token``); an answer saying the session expired or is
 invalid drops the session and the request is sent once more with a new one.
 
+Timeouts: ``connect_timeout`` bounds a connection attempt and every request's
+``timeout`` (default ``read_timeout``) bounds each wait for the server (sending,
+the answer's first byte, each later read): a store that stops answering fails
+the request within that time, in the calling thread.
+
+Payloads are sent unsigned (``UNSIGNED-PAYLOAD``, which S3, S3 Express and
+SeaweedFS accept): hashing every block for the signature would cost the CPU of
+a SHA-256 over each published block; the block's stamp (checked on every read,
+see :mod:`cachefs.read.shared`) is what guards its content.
+
 Thread-safety: as :class:`cachefs.s3.ranges.RangeClient`: connections are
 taken from and returned to a LIFO pool; credentials are read per request.
 """
@@ -49,7 +59,18 @@ from cachefs.s3 import express
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+
+
+class _UnsignedPayload:
+    """A stand-in for botocore's client config: S3SigV4Auth reads ``s3`` from it and then
+    signs the payload as UNSIGNED-PAYLOAD."""
+
+    s3 = {"payload_signing_enabled": False}
 _SESSION_ERRORS = ("ExpiredToken", "InvalidToken", "TokenRefreshRequired")
+
+
+class RequestTimeout(TransientStoreError):
+    """The store did not answer within the request's timeout."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -145,6 +166,7 @@ class ObjectClient:
     def _sign(self, method: str, path: str, headers: dict[str, str], body: bytes,
               session: express.SessionCredentials | None) -> dict[str, str]:
         request = AWSRequest(method, self._base + path, headers=headers, data=body)
+        request.context["client_config"] = _UnsignedPayload()
         if session is not None:
             creds = Credentials(session.access_key, session.secret_key, session.token)
             S3ExpressAuth(creds, express.SIGNING_NAME, self.region,
@@ -176,12 +198,14 @@ class ObjectClient:
         return self._path_prefix + "/" + urllib.parse.quote(key, safe="/~")
 
     def _send(self, op: str, method: str, path: str, headers: dict[str, str],
-              body: bytes) -> tuple[int, dict[str, str], bytes]:
+              body: bytes, timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
         metrics.SHARED_REQUESTS.labels(op).inc()
         t0 = time.monotonic()
         conn: http.client.HTTPConnection | None = None
         try:
             conn = self._connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(self._read_timeout if timeout is None else timeout)
             conn.request(method, path, body=body or None, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
@@ -190,6 +214,12 @@ class ObjectClient:
             reusable = not resp.will_close
         except StoreError:
             raise
+        except TimeoutError as exc:
+            if conn is not None:
+                conn.close()
+            raise RequestTimeout(f"{self._base}: {op}: no answer within "
+                                 f"{self._read_timeout if timeout is None else timeout:g}s"
+                                 ) from exc
         except (OSError, http.client.HTTPException) as exc:
             if conn is not None:
                 conn.close()
@@ -203,12 +233,13 @@ class ObjectClient:
         return status, got, data
 
     def _request(self, op: str, method: str, key: str, headers: dict[str, str],
-                 body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+                 body: bytes = b"", timeout: float | None = None
+                 ) -> tuple[int, dict[str, str], bytes]:
         path = self._path(key)
         for attempt in (0, 1):
             session = self.sessions.get() if self.sessions is not None else None
             signed = self._sign(method, path, dict(headers), body, session)
-            status, got, data = self._send(op, method, path, signed, body)
+            status, got, data = self._send(op, method, path, signed, body, timeout)
             if (session is not None and attempt == 0 and status in (400, 403)
                     and self._code(data) in _SESSION_ERRORS):
                 assert self.sessions is not None
@@ -228,8 +259,8 @@ class ObjectClient:
             return StoreError(f"s3://{self.bucket}: store is full ({code or status})")
         return error_for_response(status, code, self.bucket, key, f"HTTP {status}")
 
-    def get(self, key: str) -> Response | None:
-        status, headers, body = self._request("get", "GET", key, {})
+    def get(self, key: str, *, timeout: float | None = None) -> Response | None:
+        status, headers, body = self._request("get", "GET", key, {}, timeout=timeout)
         if status == 404 and self._code(body) != "NoSuchBucket":
             return None
         if status != 200:
@@ -238,8 +269,8 @@ class ObjectClient:
             raise TransientStoreError(f"s3://{self.bucket}/{key}: short body")
         return Response(body, headers)
 
-    def head(self, key: str) -> dict[str, str] | None:
-        status, headers, body = self._request("head", "HEAD", key, {})
+    def head(self, key: str, *, timeout: float | None = None) -> dict[str, str] | None:
+        status, headers, body = self._request("head", "HEAD", key, {}, timeout=timeout)
         if status == 404:
             return None
         if status != 200:
@@ -247,12 +278,12 @@ class ObjectClient:
         return headers
 
     def put(self, key: str, body: bytes, *, metadata: dict[str, str] | None = None,
-            if_none_match: bool = False, op: str = "put") -> bool:
+            if_none_match: bool = False, op: str = "put", timeout: float | None = None) -> bool:
         headers = {f"x-amz-meta-{k}": v for k, v in (metadata or {}).items()}
         headers["Content-Type"] = "application/octet-stream"
         if if_none_match:
             headers["If-None-Match"] = "*"
-        status, _, data = self._request(op, "PUT", key, headers, body)
+        status, _, data = self._request(op, "PUT", key, headers, body, timeout=timeout)
         if status in (200, 201, 204):
             return True
         if if_none_match and (status == 412 or (status == 409 and self._code(data) ==
@@ -260,7 +291,7 @@ class ObjectClient:
             return False
         raise self._error(status, data, key)
 
-    def delete(self, key: str) -> None:
-        status, _, body = self._request("delete", "DELETE", key, {})
+    def delete(self, key: str, *, timeout: float | None = None) -> None:
+        status, _, body = self._request("delete", "DELETE", key, {}, timeout=timeout)
         if status not in (200, 204, 404):
             raise self._error(status, body, key)
