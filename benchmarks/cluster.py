@@ -175,6 +175,10 @@ def node_counters(snap: dict[str, float]) -> dict[str, float]:
         "leases_won": metric(snap, "cachefs_shared_leases_total", result="won"),
         "leases_served": metric(snap, "cachefs_shared_leases_total", result="lost_served"),
         "leases_timeout": metric(snap, "cachefs_shared_leases_total", result="lost_timeout"),
+        "leases_raced": metric(snap, "cachefs_shared_leases_total", result="raced"),
+        "leases_error": metric(snap, "cachefs_shared_leases_total", result="error"),
+        "lookup_timeouts": metric(snap, "cachefs_shared_lookups_total", result="timeout"),
+        "lookup_errors": metric(snap, "cachefs_shared_lookups_total", result="error"),
         "fuse_errors": metric(snap, "cachefs_fuse_errors_total"),
         **{f"{op}_{k}": v for op in ("get", "lease", "put") for k, v in latency(snap, op).items()},
     }
@@ -626,12 +630,14 @@ def render(args: argparse.Namespace, summary: dict[str, Any], ds: Dataset, plot_
         won = sum(n["leases_won"] for n in s["per_node"])
         served = sum(n["leases_served"] for n in s["per_node"])
         timeouts = sum(n["leases_timeout"] for n in s["per_node"])
+        raced = sum(n["leases_raced"] for n in s["per_node"])
         L.append(f"`same`: {args.nodes} nodes read the same {s['files']} files in the same order "
                  f"at the same moment (fresh tier): {s['link_gets']} GETs to the origin for "
                  f"{s['blocks']} blocks ({_mb(s['link_get_bytes'])} MB for "
                  f"{_mb(s['link_unique_bytes'])} MB of distinct bytes), duplicate rate "
                  f"**{s['duplicate_rate']:.3f}** (without leases up to {args.nodes - 1}); leases won "
-                 f"{won:.0f}, waited and served {served:.0f}, waited and gave up {timeouts:.0f}; "
+                 f"{won:.0f}, waited and served {served:.0f}, waited and gave up {timeouts:.0f}, "
+                 f"raced {raced:.0f}; "
                  f"{s['failed']} failed, {s['wrong']} wrong reads.")
         L.append("")
     L.append("Targets (issue 12):")

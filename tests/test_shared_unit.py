@@ -21,7 +21,6 @@ from cachefs.read.publishq import Publish, PublishQueue
 from cachefs.read.shared import (
     HARD_LIMIT,
     LEASE_HISTORY,
-    LEASE_SAMPLE,
     STAMP,
     SharedLayout,
     SharedSettings,
@@ -55,12 +54,15 @@ class MemoryObjects:
         self.counts: Counter[str] = Counter()
         self.fail: StoreError | None = None
         self.gate: threading.Event | None = None
+        self.gates: dict[str, threading.Event] = {}  # by op
         self.honour = honour_if_none_match
         self._lock = threading.Lock()
 
     def _enter(self, op: str) -> None:
         if self.gate is not None:
             self.gate.wait(10)
+        if op in self.gates:
+            self.gates[op].wait(10)
         with self._lock:
             self.counts[op] += 1
         if self.fail is not None:
@@ -277,33 +279,38 @@ def test_lease_loser_gives_up_after_the_wait() -> None:
     assert leases("lost_timeout") == timeouts + 1
 
 
-def test_without_contention_only_a_sample_of_misses_takes_a_lease() -> None:
+def test_without_contention_leases_are_written_in_the_background() -> None:
     store = MemoryObjects()
     a, b = tier(store), tier(store)
     many = ObjectVersion("many", "e", 1000 * BS)
 
+    def block_ref(i: int) -> BlockRef:
+        return BlockRef(many, i, BS, b"")
+
     async def main() -> None:
-        for i in range(LEASE_HISTORY):  # disjoint misses: every lease won
-            assert await a.get(BlockRef(many, i, BS, b"")) is None
-        leases_before = store.counts["lease"]
-        for i in range(LEASE_HISTORY, LEASE_HISTORY + 4 * LEASE_SAMPLE):
-            assert await a.get(BlockRef(many, i, BS, b"")) is None
-        assert store.counts["lease"] - leases_before == 4  # one miss in LEASE_SAMPLE
-        # Contention: b holds the lease of the next sampled miss; a loses it, waits, and
-        # takes a lease on every miss again.
-        nxt = LEASE_HISTORY + 4 * LEASE_SAMPLE
-        for i in range(nxt, nxt + LEASE_SAMPLE):
-            assert await b.get(BlockRef(many, i, BS, b"")) is None
-        for i in range(nxt, nxt + LEASE_SAMPLE):
-            assert await a.get(BlockRef(many, i, BS, b"")) is None
-        leases_before = store.counts["lease"]
-        for i in range(nxt + LEASE_SAMPLE, nxt + 2 * LEASE_SAMPLE):
-            assert await a.get(BlockRef(many, i, BS, b"")) is None
-        assert store.counts["lease"] - leases_before == LEASE_SAMPLE
-    skipped, timeouts = leases("skipped"), leases("lost_timeout")
+        for i in range(LEASE_HISTORY):  # disjoint misses: every lease won, each awaited
+            assert await a.get(block_ref(i)) is None
+        # No contention seen: a miss no longer waits for its lease write ...
+        store.gates["lease"] = threading.Event()
+        with trio.fail_after(1):
+            assert await a.get(block_ref(100)) is None
+        store.gates["lease"].set()
+        await trio.sleep(0.2)  # ... which still lands, for nodes that miss it later
+        assert any(k.startswith("pfx/leases/") and f"/{100:010d}." in k for k in store.objects)
+        # Contention: b holds block 101's lease; a's background write finds it taken
+        # (both fetch that block), and a's next miss waits for its lease's answer again.
+        assert await b.get(block_ref(101)) is None
+        assert await a.get(block_ref(101)) is None
+        await trio.sleep(0.2)
+        store.gates["lease"] = threading.Event()
+        with trio.move_on_after(0.5) as waited:
+            await a.get(block_ref(102))
+        assert waited.cancelled_caught
+        store.gates["lease"].set()
+
+    raced = leases("raced")
     run(main, a, b)
-    assert leases("skipped") >= skipped + 4 * (LEASE_SAMPLE - 1)
-    assert leases("lost_timeout") == timeouts + 1
+    assert leases("raced") == raced + 1
 
 
 def test_leases_are_off_when_the_store_ignores_if_none_match(caplog) -> None:

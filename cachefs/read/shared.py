@@ -37,8 +37,10 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   so once. A lease costs one in-region write per miss and pays off only when
   another node misses the same block at the same moment, which disjoint
   readers (DistributedSampler) never do: after ``LEASE_HISTORY`` leases in a row
-  won without contention, only one miss in ``LEASE_SAMPLE`` takes a lease (to
-  notice contention coming back); a lease found taken turns them all on again.
+  won without contention, a miss writes its lease in the background and
+  fetches at once (other nodes that miss the block a moment later still find
+  the lease and wait); a lease found taken (``raced``: both nodes fetch that
+  block) makes misses wait for their lease's answer again.
 * Never a single point of failure: every request has a latency budget
   (``timeout``): the client's socket timeouts fail a request whose store does
   not answer within it (in the worker thread), and the trio side gives up on
@@ -57,7 +59,8 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
 Concurrency: every method runs on the trio thread; blocking client calls run
 in worker threads under ``threads`` (a CapacityLimiter); a call over budget is
 abandoned (its thread ends when the socket times out). The publisher tasks and
-the start-up probe are owned by :meth:`run`'s nursery.
+the start-up probe and background lease writes are owned by :meth:`run`'s
+nursery.
 """
 
 from __future__ import annotations
@@ -89,8 +92,8 @@ FORMAT = "v1"
 STAMP = "cachefs-block"  # user metadata key (x-amz-meta-cachefs-block)
 PUBLISH_RETRY = 300.0  # seconds publishing stays off after a refused write
 HARD_LIMIT = 3  # budgets after which the trio side abandons a request
-LEASE_HISTORY = 32  # leases won in a row without contention before sampling
-LEASE_SAMPLE = 8  # while sampling, one miss in this many takes a lease
+LEASE_HISTORY = 32  # leases won in a row without contention before announcing without waiting
+MAX_ANNOUNCING = 64  # lease writes in flight that nobody waits for
 POLL_FIRST, POLL_MAX = 0.05, 0.4  # a lease loser's polls: backoff from, up to (s)
 
 T = TypeVar("T")
@@ -105,7 +108,7 @@ class SharedSettings:
     timeout: float = 1.0  # latency budget of one lookup, lease or HEAD
     publish_timeout: float = 5.0  # of one block PUT (background)
     queue_bytes: int = 64 << 20
-    publishers: int = 4
+    publishers: int = 8
     threads: int = 32
     leases: bool = True
     lease_window: float = 30.0
@@ -209,9 +212,10 @@ class SharedTier:
         self._bad = _Keys(s.remembered_keys)  # seen corrupt or foreign: overwrite on publish
         self._leased = _Keys(s.remembered_keys)  # this node holds the fetch lease
         self._publish_off_until = 0.0  # monotonic; publishing refused until then
-        # Recent lease outcomes (True: another node held it) and misses since a lease.
+        # Recent lease outcomes (True: another node held it); background lease writes.
         self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
-        self._unleased_misses = 0
+        self._announcing = 0
+        self._nursery: trio.Nursery | None = None
         self._node = f"{socket.gethostname()}:{os.getpid()}"
         metrics.SHARED_ENABLED.set(1)
         metrics.SHARED_PUBLISH_ENABLED.set(1)
@@ -246,11 +250,15 @@ class SharedTier:
                   ) -> None:
         """Own the publisher tasks and the start-up probe; returns when cancelled."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery  # also owns the background lease writes
             for _ in range(max(1, self.settings.publishers)):
                 nursery.start_soon(self._publisher)
             nursery.start_soon(self._probe)
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
 
     async def drain(self) -> None:
         """Wait until every queued block has been published or given up."""
@@ -332,25 +340,14 @@ class SharedTier:
         self._confirmed.add(key)
         return data, result
 
-    def _lease_wanted(self) -> bool:
-        """Take a lease for this miss? Always while contention was seen recently (or too
-        few leases were taken to tell); else one miss in LEASE_SAMPLE."""
-        if len(self._contention) < LEASE_HISTORY or any(self._contention):
-            return True
-        self._unleased_misses += 1
-        if self._unleased_misses >= LEASE_SAMPLE:
-            self._unleased_misses = 0
-            return True
-        metrics.SHARED_LEASES.labels("skipped").inc()
-        return False
+    def _contended(self) -> bool:
+        """Wait for a lease's answer before fetching? While contention was seen among the
+        last LEASE_HISTORY leases, or fewer were taken."""
+        return len(self._contention) < LEASE_HISTORY or any(self._contention)
 
-    async def _lease_or_wait(self, ref: BlockRef, key: str) -> bytes | None:
-        """After a miss: take the block's fetch lease (None: fetch it from the origin) or
-        wait for the node that holds it to publish the block."""
-        if not self._lease_wanted():
-            return None
-        window = int(time.time() // self.settings.lease_window)
-        lease = self.layout.lease_key(ref, window)
+    async def _write_lease(self, lease: str) -> bool | None:
+        """One conditional lease write: True won, False another node holds it, None the
+        write failed (counted)."""
         try:
             won = await self._call(self.settings.timeout, self.client.put, lease,
                                    self._node.encode(), if_none_match=True, op="lease")
@@ -362,6 +359,35 @@ class SharedTier:
         self._contention.append(not won)
         if won:
             metrics.SHARED_LEASES.labels("won").inc()
+        return won
+
+    async def _announce(self, lease: str, key: str) -> None:
+        """A lease written while this node already fetches the block (no contention seen
+        lately): other nodes that miss it now wait for this node's publish."""
+        try:
+            won = await self._write_lease(lease)
+        finally:
+            self._announcing -= 1
+        if won is False:  # another node is fetching it too: both do; leases wait again
+            metrics.SHARED_LEASES.labels("raced").inc()
+            self._leased.discard(key)
+
+    async def _lease_or_wait(self, ref: BlockRef, key: str) -> bytes | None:
+        """After a miss: take the block's fetch lease (None: fetch it from the origin) or
+        wait for the node that holds it to publish the block."""
+        lease = self.layout.lease_key(ref, int(time.time() // self.settings.lease_window))
+        if not self._contended():
+            if self._nursery is not None and self._announcing < MAX_ANNOUNCING:
+                self._announcing += 1
+                self._leased.add(key)
+                self._nursery.start_soon(self._announce, lease, key)
+            else:
+                metrics.SHARED_LEASES.labels("skipped").inc()
+            return None
+        won = await self._write_lease(lease)
+        if won is None:
+            return None
+        if won:
             self._leased.add(key)
             return None
         deadline = trio.current_time() + self.settings.lease_wait
