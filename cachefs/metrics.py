@@ -202,9 +202,9 @@ SHARED_PUBLISH_ENABLED = Gauge(
 SHARED_LEASES = Counter(
     "cachefs_shared_leases", "Fetch leases by outcome: won (this node fetches from the origin), "
     "lost_served (another node's fetch was waited for), lost_timeout (waited, then fetched "
-    "from the origin), raced (written in the background without contention seen lately, "
-    "found taken: two nodes fetched the block), error, skipped (none written: too many in "
-    "flight)", ["result"], registry=REGISTRY)
+    "from the origin), raced (answered after its miss went ahead, found taken: two nodes "
+    "fetched the block), error, skipped (none written: too many in flight)", ["result"],
+    registry=REGISTRY)
 
 SHARED_LOOKUP_RESULTS = ("hit", "miss", "corrupt", "foreign", "error", "timeout", "skipped")
 SHARED_PUBLISH_RESULTS = ("stored", "present", "dropped_full", "dropped_unavailable", "failed")

@@ -325,11 +325,13 @@ def test_concurrent_misses_of_one_file_cost_one_origin_fetch(bucket, tier, seawe
         return sum(m.metric(f'cachefs_shared_leases_total{{result="{result}"}}') for m in nodes)
 
     origin = sum(m.gets() for m in nodes)
-    # Each origin GET is explained: the lease winner's, or a waiter's that gave up.
-    assert total("error") == 0 and total("skipped") == 0  # too few leases to sample
-    assert origin == total("won") + total("lost_timeout")
-    # One winner per block (a lease window turning over mid-test may add one).
-    assert 16 <= total("won") <= 17
+    # Each origin GET is explained: the lease winner's, a node's that went ahead before
+    # its lease was answered (raced), or a waiter's that gave up.
+    assert total("error") == 0 and total("skipped") == 0
+    assert origin == total("won") + total("raced") + total("lost_timeout")
+    # One winner per block (a lease window turning over mid-test may add one); with a
+    # 10 s budget a miss waits up to 1 s for its lease's answer: no races.
+    assert 16 <= total("won") <= 17 and total("raced") == 0
     hits = sum(m.metric('cachefs_shared_lookups_total{result="hit"}') for m in nodes)
     assert hits + origin >= 3 * 16  # every node got every block from somewhere
 

@@ -238,7 +238,7 @@ def test_a_block_put_by_one_node_is_a_verified_hit_on_another() -> None:
     a, b = tier(store), tier(store)
 
     async def main() -> None:
-        assert await b.get(ref(0)) is None  # miss (b now holds the fetch lease)
+        assert await b.get(ref(0)) is None  # miss (b writes the block's fetch lease)
         await a.put(ref(0), block(0))
         await a.drain()
         assert await b.get(ref(0)) == block(0)
@@ -279,34 +279,38 @@ def test_lease_loser_gives_up_after_the_wait() -> None:
     assert leases("lost_timeout") == timeouts + 1
 
 
-def test_without_contention_leases_are_written_in_the_background() -> None:
+def test_a_slow_lease_answer_is_waited_for_briefly_until_contention_is_seen() -> None:
     store = MemoryObjects()
-    a, b = tier(store), tier(store)
+    a, b = tier(store, timeout=1.0), tier(store)
     many = ObjectVersion("many", "e", 1000 * BS)
 
     def block_ref(i: int) -> BlockRef:
         return BlockRef(many, i, BS, b"")
 
-    async def main() -> None:
-        for i in range(LEASE_HISTORY):  # disjoint misses: every lease won, each awaited
-            assert await a.get(block_ref(i)) is None
-        # No contention seen: a miss no longer waits for its lease write ...
-        store.gates["lease"] = threading.Event()
-        with trio.fail_after(1):
-            assert await a.get(block_ref(100)) is None
-        store.gates["lease"].set()
-        await trio.sleep(0.2)  # ... which still lands, for nodes that miss it later
-        assert any(k.startswith("pfx/leases/") and f"/{100:010d}." in k for k in store.objects)
-        # Contention: b holds block 101's lease; a's background write finds it taken
-        # (both fetch that block), and a's next miss waits for its lease's answer again.
-        assert await b.get(block_ref(101)) is None
-        assert await a.get(block_ref(101)) is None
-        await trio.sleep(0.2)
+    async def miss_waits_for_lease(t: SharedTier, i: int) -> bool:
+        """Whether a miss of block i waits for its lease write (held back here) longer
+        than the grace of LEASE_GRACE budgets."""
         store.gates["lease"] = threading.Event()
         with trio.move_on_after(0.5) as waited:
-            await a.get(block_ref(102))
-        assert waited.cancelled_caught
+            assert await t.get(block_ref(i)) is None
         store.gates["lease"].set()
+        await trio.sleep(0.2)
+        return waited.cancelled_caught
+
+    async def main() -> None:
+        # No contention seen: a miss waits 0.1 s for its lease, then fetches anyway ...
+        assert not await miss_waits_for_lease(a, 0)
+        # ... and the write still lands, for nodes that miss the block later.
+        assert any(k.startswith("pfx/leases/") and f"/{0:010d}." in k for k in store.objects)
+        # b holds block 1's lease; a's slow write finds it taken after a went ahead
+        # (raced: both fetch it), and a's next misses wait for their lease's answer ...
+        assert await b.get(block_ref(1)) is None
+        assert not await miss_waits_for_lease(a, 1)
+        assert await miss_waits_for_lease(a, 2)
+        # ... until LEASE_HISTORY leases in a row were won (block 2's was given up).
+        for i in range(3, 3 + LEASE_HISTORY):
+            assert await a.get(block_ref(i)) is None
+        assert not await miss_waits_for_lease(a, 3 + LEASE_HISTORY)
 
     raced = leases("raced")
     run(main, a, b)

@@ -36,11 +36,11 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   conditional write of one key must fail); if not, leases are off and it says
   so once. A lease costs one in-region write per miss and pays off only when
   another node misses the same block at the same moment, which disjoint
-  readers (DistributedSampler) never do: after ``LEASE_HISTORY`` leases in a row
-  won without contention, a miss writes its lease in the background and
-  fetches at once (other nodes that miss the block a moment later still find
-  the lease and wait); a lease found taken (``raced``: both nodes fetch that
-  block) makes misses wait for their lease's answer again.
+  readers (DistributedSampler) never do. So a miss first writes its lease in
+  the background and fetches at once (nodes that miss the block a moment later
+  still find the lease and wait); only once a lease was found taken
+  (``raced``: both nodes fetched that block) do misses wait for their lease's
+  answer before fetching, until ``LEASE_HISTORY`` leases in a row were won.
 * Never a single point of failure: every request has a latency budget
   (``timeout``): the client's socket timeouts fail a request whose store does
   not answer within it (in the worker thread), and the trio side gives up on
@@ -92,8 +92,9 @@ FORMAT = "v1"
 STAMP = "cachefs-block"  # user metadata key (x-amz-meta-cachefs-block)
 PUBLISH_RETRY = 300.0  # seconds publishing stays off after a refused write
 HARD_LIMIT = 3  # budgets after which the trio side abandons a request
-LEASE_HISTORY = 32  # leases won in a row without contention before announcing without waiting
-MAX_ANNOUNCING = 64  # lease writes in flight that nobody waits for
+LEASE_HISTORY = 32  # leases won in a row after contention before misses stop waiting on them
+MAX_ANNOUNCING = 64  # lease writes in flight in the background, at most
+LEASE_GRACE = 0.1  # without contention, a miss waits this share of the budget for its lease
 POLL_FIRST, POLL_MAX = 0.05, 0.4  # a lease loser's polls: backoff from, up to (s)
 
 T = TypeVar("T")
@@ -101,6 +102,17 @@ T = TypeVar("T")
 
 class BudgetExceeded(RequestTimeout):
     """A shared-tier request did not finish within HARD_LIMIT latency budgets."""
+
+
+class _LeaseWrite:
+    """A lease write in the background: its answer, and whether its miss went ahead."""
+
+    __slots__ = ("abandoned", "done", "won")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.won: bool | None = None
+        self.abandoned = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,8 +354,8 @@ class SharedTier:
 
     def _contended(self) -> bool:
         """Wait for a lease's answer before fetching? While contention was seen among the
-        last LEASE_HISTORY leases, or fewer were taken."""
-        return len(self._contention) < LEASE_HISTORY or any(self._contention)
+        last LEASE_HISTORY leases."""
+        return any(self._contention)
 
     async def _write_lease(self, lease: str) -> bool | None:
         """One conditional lease write: True won, False another node holds it, None the
@@ -361,14 +373,15 @@ class SharedTier:
             metrics.SHARED_LEASES.labels("won").inc()
         return won
 
-    async def _announce(self, lease: str, key: str) -> None:
-        """A lease written while this node already fetches the block (no contention seen
-        lately): other nodes that miss it now wait for this node's publish."""
+    async def _background_lease(self, lease: str, key: str, write: _LeaseWrite) -> None:
+        """Write a lease whose miss may not wait for the answer (see _lease_or_wait)."""
         try:
-            won = await self._write_lease(lease)
+            write.won = await self._write_lease(lease)
         finally:
             self._announcing -= 1
-        if won is False:  # another node is fetching it too: both do; leases wait again
+            write.done.set()
+        if write.abandoned and write.won is False:
+            # The miss went ahead and fetched; so does the node holding the lease.
             metrics.SHARED_LEASES.labels("raced").inc()
             self._leased.discard(key)
 
@@ -376,15 +389,23 @@ class SharedTier:
         """After a miss: take the block's fetch lease (None: fetch it from the origin) or
         wait for the node that holds it to publish the block."""
         lease = self.layout.lease_key(ref, int(time.time() // self.settings.lease_window))
-        if not self._contended():
-            if self._nursery is not None and self._announcing < MAX_ANNOUNCING:
-                self._announcing += 1
-                self._leased.add(key)
-                self._nursery.start_soon(self._announce, lease, key)
-            else:
+        if self._contended():
+            won = await self._write_lease(lease)
+        else:
+            # Wait for the answer only briefly; the write goes on in the background.
+            if self._nursery is None or self._announcing >= MAX_ANNOUNCING:
                 metrics.SHARED_LEASES.labels("skipped").inc()
-            return None
-        won = await self._write_lease(lease)
+                return None
+            write = _LeaseWrite()
+            self._announcing += 1
+            self._leased.add(key)
+            self._nursery.start_soon(self._background_lease, lease, key, write)
+            with trio.move_on_after(self.settings.timeout * LEASE_GRACE):
+                await write.done.wait()
+            if not write.done.is_set():
+                write.abandoned = True
+                return None
+            won = write.won
         if won is None:
             return None
         if won:
