@@ -119,8 +119,13 @@ def _base_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _empty_cache(run_dir: Path) -> Iterator[Path]:
-    """RUN_DIR/cache, emptied for the run and removed after it."""
+def _empty_cache(run_dir: Path, keep: Path | None = None) -> Iterator[Path]:
+    """RUN_DIR/cache, emptied for the run and removed after it; or ``keep``, a cache
+    directory used as it is and left in place (a remount over an earlier cache)."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
     cache = run_dir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
@@ -131,10 +136,11 @@ def _empty_cache(run_dir: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def mount_cachefs(
-    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None
+    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None,
+    keep_cache: Path | None = None,
 ) -> Iterator[Mounted]:
     mnt = run_dir / "mnt"
-    with _empty_cache(run_dir) as cache:
+    with _empty_cache(run_dir, keep_cache) as cache:
         (mport,) = free_ports(1)
         args = [
             sys.executable, "-m", "cachefs", "mount", f"s3://{bucket}/{prefix}", str(mnt),
@@ -156,7 +162,8 @@ def mount_cachefs(
 
 @contextlib.contextmanager
 def mount_rclone(
-    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None
+    endpoint: str, bucket: str, prefix: str, run_dir: Path, cache_size: str = "64G", extra: list[str] | None = None,
+    keep_cache: Path | None = None,
 ) -> Iterator[Mounted]:
     """rclone mount, VFS cache mode full, tuned per rclone's docs for a
     read-only dataset on a high-latency object store: parallel chunk streams,
@@ -165,7 +172,7 @@ def mount_rclone(
     rclone = _rclone()
     assert rclone
     mnt = run_dir / "mnt"
-    with _empty_cache(run_dir) as cache:
+    with _empty_cache(run_dir, keep_cache) as cache:
         args = [
             rclone, "mount", f":s3:{bucket}/{prefix}", str(mnt),
             "--config", str(run_dir / "rclone.conf"),

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ def parse_size(value: str | int) -> int:
         if value < 0:
             raise ConfigError(f"size {value} is negative")
         return value
+    if str(value).strip().startswith("-"):
+        raise ConfigError(f"invalid size {value!r}: sizes cannot be negative")
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ConfigError(f"invalid size {value!r}: expected a number with an optional "
@@ -175,6 +178,23 @@ def _opt_str(value: Any) -> str | None:
     return None if value is None or value == "" else str(value)
 
 
+def _endpoint_url(value: Any) -> str | None:
+    """An S3 endpoint: ``http://`` or ``https://`` with a host and an optional port."""
+    text = _opt_str(value)
+    if text is None:
+        return None
+    try:
+        url = urllib.parse.urlsplit(text)
+        host, _port = url.hostname, url.port  # .port raises ValueError for "host:abc"
+    except ValueError:
+        host = None
+        url = urllib.parse.urlsplit("")
+    if url.scheme.lower() not in ("http", "https") or not host:
+        raise ConfigError(f"invalid URL {text!r}: expected http://HOST[:PORT] or "
+                          "https://HOST[:PORT]")
+    return text
+
+
 def _opt_int(value: Any) -> int | None:
     return None if value is None or value == "" else parse_int(value)
 
@@ -197,7 +217,7 @@ OPTIONS: tuple[Option, ...] = (
            "(optimal for epochs over a dataset larger than the cache); 'lru' evicts the least "
            "recently used block.", metavar="POLICY"),
     Option("block_size", parse_size, "4M", "Cache block and ranged-GET size.", metavar="SIZE"),
-    Option("endpoint_url", _opt_str, None,
+    Option("endpoint_url", _endpoint_url, None,
            "S3 endpoint URL (default: AWS, or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL).",
            metavar="URL"),
     Option("region", _opt_str, None, "AWS region of the bucket (default: from the AWS config).",
@@ -213,7 +233,16 @@ OPTIONS: tuple[Option, ...] = (
            "uses it when available.", metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
-           "again ('inf' for immutable datasets).", metavar="DURATION"),
+           "again ('inf' for immutable datasets); an expired listing is still answered while "
+           "it is refreshed in the background.", metavar="DURATION"),
+    Option("list_ahead", parse_int, 16,
+           "Directories listed ahead of a directory walk at once (the sub-directories of each "
+           "opened directory are queued); 0 lists only on demand.", metavar="N"),
+    Option("manifest", _opt_str, None,
+           "Mount from a manifest instead of listing the bucket: JSON lines or CSV of key, "
+           "size, ETag[, mtime], or an S3 Inventory manifest.json (CSV; Parquet needs "
+           "pyarrow). Objects not in it are not visible; nothing is ever listed.",
+           metavar="FILE"),
     Option("memory_budget", parse_size, "512M",
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
@@ -272,6 +301,8 @@ class MountConfig:
     no_sign_request: bool
     metrics_addr: str | None
     metadata_ttl: float
+    list_ahead: int
+    manifest: str | None
     memory_budget: int
     max_connections: int
     read_ahead: int
@@ -365,6 +396,8 @@ def _check_ranges(cfg: MountConfig) -> None:
     if cfg.memory_budget < 4 * cfg.block_size:
         raise ConfigError(f"--memory-budget {cfg.memory_budget} bytes is too small: it must "
                           f"hold at least 4 blocks ({4 * cfg.block_size} bytes)")
+    if cfg.list_ahead > 256:
+        raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:
         raise ConfigError("--max-connections must be between 1 and 1024")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:

@@ -2,27 +2,31 @@
 
 Order of start-up (each step fails with one clear CachefsError line):
 
-1. mount point: exists, is a directory, is empty, is not a (dead) mount;
-2. cache directory: created, writable, locked for this daemon only, large
-   enough for ``--cache-size``;
+1. mount point: exists, is a directory, is empty, holds no mount; a dead
+   cachefs mount (its daemon was killed) is detached first (:mod:`cachefs.startup`);
+2. cache directory: created 0700 (wider modes tightened), writable, locked for
+   this daemon only, large enough for ``--cache-size``;
 3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
-4. S3: one probe request (bucket exists, credentials work, endpoint answers);
+4. S3: one probe request (bucket exists, credentials work, endpoint answers:
+   a one-key listing, or HeadBucket for a manifest mount, which never lists);
+   with ``--manifest``, the manifest loaded into the index (skipped when unchanged);
 5. metrics endpoint bound (if asked);
 6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
 
 Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
-the fetcher's flights, the maintenance loop (last-use batches, LMDB sync),
-the orphan scan, and the signal watcher. SIGTERM/SIGINT unmount cleanly.
+the fetcher's flights, the listings (background refreshes, listing ahead),
+the maintenance loop (last-use batches, LMDB sync), the orphan scan, the
+control socket, and the signal watcher. SIGTERM/SIGINT unmount cleanly. No
+background task ends the daemon on an error: each unit of work runs in
+:func:`cachefs.background.contained` (logged, counted, goes on); only
+cancellation ends them.
 When the request loop ends (unmounted), pending cache writes are drained
 (bounded wait), then the rest is cancelled and the index synced and closed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import logging
 import os
 import signal
@@ -30,21 +34,21 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pyfuse3
 import trio
 
 from cachefs import metrics
+from cachefs.background import contained
+from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
-from cachefs.config import MountConfig, format_size
+from cachefs.config import MountConfig
 from cachefs.control import registry
 from cachefs.control.server import ControlServer
 from cachefs.control.warm import Warmer
 from cachefs.errors import (
-    CacheError,
     CachefsError,
     ConfigError,
     CredentialsError,
@@ -64,76 +68,13 @@ from cachefs.s3 import express
 from cachefs.s3.boto import S3Store
 from cachefs.s3.objects import ObjectClient
 from cachefs.s3.retry import RetryingStore
+from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
 
 log = logging.getLogger(__name__)
 
 MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
 STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
 DRAIN_TIMEOUT = 30.0
-
-
-def check_mountpoint(path: Path) -> None:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"mount point {path} does not exist") from None
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise ConfigError(f"mount point {path} is a dead mount (transport endpoint is not "
-                              f"connected): run 'cachefs unmount {path}' first") from None
-        raise ConfigError(f"mount point {path}: {exc.strerror}") from None
-    import stat as stat_mod
-    if not stat_mod.S_ISDIR(st.st_mode):
-        raise ConfigError(f"mount point {path} is not a directory")
-    if os.path.ismount(path):
-        raise ConfigError(f"mount point {path} is already a mount point")
-    try:
-        if any(os.scandir(path)):
-            raise ConfigError(f"mount point {path} is not empty")
-    except PermissionError:
-        raise ConfigError(f"mount point {path}: permission denied") from None
-
-
-def prepare_cache_dir(path: Path, cache_size: int) -> None:
-    """Create the cache directory and check it is writable and big enough."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CacheError(f"cannot create cache directory {path}: {exc.strerror}") from None
-    if not path.is_dir():
-        raise CacheError(f"cache directory {path} is not a directory")
-    probe = path / f".write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as exc:
-        raise CacheError(f"cache directory {path} is not writable: {exc.strerror}") from None
-    st = os.statvfs(path)
-    total = st.f_blocks * st.f_frsize
-    if cache_size > total:
-        raise ConfigError(f"--cache-size {format_size(cache_size)} is larger than the file system "
-                          f"holding {path} ({format_size(total)})")
-
-
-
-
-@contextlib.contextmanager
-def lock_cache_dir(path: Path) -> Any:
-    """Hold an exclusive lock on the cache directory for the daemon's lifetime."""
-    lock_path = path / "lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise CacheError(f"cache directory {path} is in use by another cachefs daemon "
-                             f"(pid {owner})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
 
 
 def set_kernel_readahead(mountpoint: Path, read_ahead: int) -> None:
@@ -168,7 +109,9 @@ def sd_notify(message: str) -> None:
 
 
 def _source_identity(cfg: MountConfig) -> bytes:
-    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}".encode()
+    # A manifest mount and a listing mount of the same source do not share listings.
+    manifest = f"|manifest={cfg.manifest}" if cfg.manifest else ""
+    return f"{cfg.endpoint_url or ''}|{cfg.source.bucket}|{cfg.source.prefix}{manifest}".encode()
 
 
 def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
@@ -178,20 +121,26 @@ def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
     if stored != ident:
         if stored is not None:
             log.info("cache directory was used for another source; dropping its listings")
-        env.drop("dirs")
-        env.drop("entries")
+        for name in ("listings", "names", "inodes"):
+            env.drop(name)
         with env.write() as txn:
             txn.put(b"source", ident, db=env.db("meta"))
 
 
 def make_store(cfg: MountConfig) -> S3Store:
-    return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                   max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+    try:
+        return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                       max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+    except ValueError as exc:  # botocore: "Invalid endpoint: ..." (e.g. AWS_ENDPOINT_URL)
+        raise ConfigError(f"invalid S3 endpoint: {exc}") from None
 
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:
     try:
-        store.probe(cfg.source.prefix)
+        if cfg.manifest:
+            store.probe_bucket()  # no LIST at all with a manifest
+        else:
+            store.probe(cfg.source.prefix)
     except EndpointUnreachable:
         where = cfg.endpoint_url or "the AWS S3 endpoint"
         raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and the "
@@ -253,7 +202,7 @@ class Daemon:
         failure (nothing is left mounted)."""
         cfg = self.cfg
         check_mountpoint(cfg.mountpoint)
-        prepare_cache_dir(cfg.cache_dir, cfg.cache_size)
+        prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
         with lock_cache_dir(cfg.cache_dir):
             self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb")
             try:
@@ -263,6 +212,7 @@ class Daemon:
 
     def _run_locked(self, env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
+        manifest_path = manifest.check_path(cfg.manifest) if cfg.manifest else None
         _drop_foreign_metadata(env, cfg)
         s3 = make_store(cfg)
         probe_store(s3, cfg)
@@ -290,7 +240,11 @@ class Daemon:
         fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
                           s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger,
                           lower_tiers=[shared] if shared is not None else [])
-        metadata = Metadata(env, store, ttl=cfg.metadata_ttl, limiter=s3_limiter)
+        metadata = Metadata(env, None if manifest_path else store, ttl=cfg.metadata_ttl,
+                            limiter=s3_limiter, list_ahead=cfg.list_ahead)
+        if manifest_path is not None:
+            manifest.load(env, manifest_path, bucket=cfg.source.bucket,
+                          root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
                                   limiter=disk_limiter)
         if cfg.passthrough == "auto" and not passthrough.enabled:
@@ -309,8 +263,7 @@ class Daemon:
                         read_order=read_order, lookahead=lookahead, backing=passthrough)
         warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
-                                warmer=warmer, root_prefix=cfg.source.prefix,
-                                allow_other=cfg.allow_other)
+                                warmer=warmer, root_prefix=cfg.source.prefix)
         ops = Operations(
             fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
             gid=os.getgid() if cfg.gid is None else cfg.gid,
@@ -329,8 +282,8 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         unmounted = False
         try:
-            trio.run(self._serve, fetcher, read_order, control, passthrough, cache, env,
-                     shared, on_ready)
+            trio.run(self._serve, fetcher, metadata, read_order, control, passthrough, cache,
+                     env, shared, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -342,12 +295,14 @@ class Daemon:
                 log.debug("pyfuse3.close failed", exc_info=True)
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, fetcher: Fetcher, read_order: ReadOrder, control: ControlServer,
-                     passthrough: Passthrough, cache: BlockCache, env: LmdbEnv,
-                     shared: SharedTier | None, on_ready: Callable[[], None]) -> None:
+    async def _serve(self, fetcher: Fetcher, metadata: Metadata, read_order: ReadOrder,
+                     control: ControlServer, passthrough: Passthrough, cache: BlockCache,
+                     env: LmdbEnv, shared: SharedTier | None,
+                     on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
+            await nursery.start(metadata.run)
             if shared is not None:
                 await nursery.start(shared.run)
             nursery.start_soon(self._maintenance, cache, env)
@@ -362,7 +317,8 @@ class Daemon:
                 await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
                 await trio.to_thread.run_sync(set_kernel_readahead, cfg.mountpoint,
                                               cfg.read_ahead)
-                self._publish_status()
+                with contained("maintenance", "publishing the status snapshot"):
+                    self._publish_status()  # (the maintenance loop tries again every second)
                 on_ready()
                 sd_notify("READY=1")
                 log.info("mounted %s at %s (cache %s, %s policy, passthrough %s%s)", cfg.source,
@@ -384,12 +340,14 @@ class Daemon:
             "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
             "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
             "updated_at": time.time(), "stats": metrics.totals(),
-            "tiers": {"read_bytes": metrics.by_label("cachefs_tier_read_bytes_total"),
-                      "loads": metrics.by_label("cachefs_tier_loads_total"),
-                      "shared_lookups": metrics.by_label("cachefs_shared_lookups_total"),
-                      "shared_publishes": metrics.by_label("cachefs_shared_publishes_total"),
-                      "shared_leases": metrics.by_label("cachefs_shared_leases_total")},
+            "tiers": {"read_bytes": metrics.by_label(metrics.TIER_READ_BYTES),
+                      "loads": metrics.by_label(metrics.TIER_HITS),
+                      "shared_lookups": metrics.by_label(metrics.SHARED_LOOKUPS),
+                      "shared_publishes": metrics.by_label(metrics.SHARED_PUBLISHES),
+                      "shared_leases": metrics.by_label(metrics.SHARED_LEASES)},
             "shared": self.shared.describe() if self.shared is not None else None,
+            "background_errors": metrics.by_label(metrics.BACKGROUND_ERRORS),
+            "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
         })
 
     async def _watch_signals(self) -> None:
@@ -402,24 +360,23 @@ class Daemon:
                 return
 
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
-        last_sync = time.monotonic()
+        """Status snapshot every second; last-use batches and an LMDB sync every few
+        seconds. A failure (disk full, runtime dir gone, a bug) skips that step only."""
+        last_sync = trio.current_time()
         while True:
             await trio.sleep(STATUS_INTERVAL)
-            try:  # housekeeping failures (disk full, runtime dir gone) never stop the mount
+            with contained("maintenance", "publishing the status snapshot"):
                 await trio.to_thread.run_sync(self._publish_status)
-                if time.monotonic() - last_sync >= MAINTENANCE_INTERVAL:
-                    last_sync = time.monotonic()
+            if trio.current_time() - last_sync >= MAINTENANCE_INTERVAL:
+                last_sync = trio.current_time()
+                with contained("maintenance", "recording last use and syncing the index"):
                     touched = cache.take_touches()
                     await trio.to_thread.run_sync(cache.flush_touches, touched)
                     await trio.to_thread.run_sync(env.sync)
-            except (OSError, CachefsError) as exc:
-                log.warning("cache maintenance failed: %s", exc)
 
     async def _remove_orphans(self, cache: BlockCache) -> None:
-        try:
+        with contained("orphan_scan", "removing cache files the index does not name"):
             await trio.to_thread.run_sync(cache.remove_orphans, self.started_at)
-        except OSError as exc:
-            log.warning("orphan scan failed: %s", exc)
 
 
 __all__ = ["CachefsError", "Daemon"]

@@ -5,15 +5,19 @@ calls. It raises :class:`FsError` (carrying an errno) for file-system
 conditions and lets :mod:`cachefs.errors` types through; the adapter maps
 both to errno values in one table.
 
-Inodes: numbers are allocated on first sight of a path and live while the
-kernel holds a reference (lookup count > 0, released by ``forget``). The root
-is inode 1 and never forgotten. Paths are S3 keys: a directory's ``prefix``
-ends with ``/`` (the root's is the mount prefix), a file's ``key`` is its
-object key.
+Inodes: the number of a name (one version of an object, or a directory) is
+recorded in the index (:mod:`cachefs.cache.metadata`), so this module keeps
+nothing per inode: the kernel may hold millions of them (every
+readdirplus entry is one) at no cost to the daemon, and ``forget`` has
+nothing to free. A :class:`Node` is built per request from the index. An
+inode whose object version is no longer listed answers ESTALE, on which the
+kernel looks the name up again and finds the current version (a new inode).
+The root is inode 1. Paths are S3 keys: a directory's ``prefix`` ends with
+``/`` (the root's is the mount prefix), a file's ``key`` is its object key.
 
-Concurrency: every method runs on the trio thread. ``_nodes``, ``_by_path``
-and ``_handles`` are only touched there, and never across an ``await`` in a
-way that assumes they did not change.
+Concurrency: every method runs on the trio thread. ``_handles`` and
+``_dirs`` are only touched there, and never across an ``await`` in a way that
+assumes they did not change.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from cachefs.cache.metadata import Entry, Metadata
-from cachefs.errors import ObjectChanged
+from cachefs.errors import NoSuchKey, ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder
 from cachefs.read.lookahead import DirectoryLookahead
@@ -64,7 +68,7 @@ class FsError(Exception):
 
 @dataclasses.dataclass(slots=True)
 class Node:
-    """An inode: a directory (``prefix``) or a file (``key`` and its version)."""
+    """An inode, built per request: a directory (``prefix``) or a file version."""
 
     ino: int
     is_dir: bool
@@ -74,11 +78,6 @@ class Node:
     size: int = 0
     mtime: float = 0.0
     etag: str = ""
-    lookups: int = 0
-    last_open_etag: str | None = None
-
-    def update(self, entry: Entry) -> None:
-        self.size, self.mtime, self.etag = entry.size, entry.mtime, entry.etag
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,6 +97,11 @@ class DirHandle:
     last_name: bytes | None = None
 
 
+# Directory inodes whose prefix is remembered (a directory's prefix never changes for
+# its inode number, so this only saves index reads; one entry per directory).
+DIR_CACHE = 65536
+
+
 class FileSystem:
     def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str,
                  max_readahead: int, prefetcher: Prefetcher, read_order: ReadOrder,
@@ -108,10 +112,8 @@ class FileSystem:
         self.backing = backing
         self.root_prefix = root_prefix
         self.max_readahead = max_readahead
-        root = Node(ROOT_INODE, True, root_prefix, "", b"", lookups=1)
-        self._nodes: dict[int, Node] = {ROOT_INODE: root}
-        self._by_path: dict[str, int] = {root_prefix: ROOT_INODE}
-        self._next_ino = itertools.count(ROOT_INODE + 1)
+        self._root = Node(ROOT_INODE, True, root_prefix, "", b"")
+        self._dirs: dict[int, Node] = {}
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
         # Files that will be read next: the sampler's order (hints) and directory walks.
@@ -119,47 +121,32 @@ class FileSystem:
         self.lookahead = lookahead
 
     # -- inodes ---------------------------------------------------------------------
+    def _node_for(self, parent_prefix: str, entry: Entry) -> Node:
+        name = entry.name.decode("utf-8", "surrogateescape")
+        if entry.is_dir:
+            return Node(entry.ino, True, parent_prefix + name + "/", parent_prefix, entry.name)
+        return Node(entry.ino, False, parent_prefix + name, parent_prefix, entry.name,
+                    entry.size, entry.mtime, entry.etag)
+
     def node(self, ino: int) -> Node:
-        node = self._nodes.get(ino)
-        if node is None:
-            raise FsError(errno.ENOENT, f"inode {ino} is not known")
+        """The inode ``ino``; FsError(ESTALE) when its version is no longer listed."""
+        if ino == ROOT_INODE:
+            return self._root
+        node = self._dirs.get(ino)
+        if node is not None:
+            return node
+        found = self.metadata.resolve(ino)
+        if found is None:
+            raise FsError(errno.ESTALE, f"inode {ino} is no longer listed")
+        node = self._node_for(*found)
+        if node.is_dir:
+            if len(self._dirs) >= DIR_CACHE:
+                self._dirs.pop(next(iter(self._dirs)))
+            self._dirs[ino] = node
         return node
-
-    def _node_for(self, parent: Node, entry: Entry) -> Node:
-        """The node of ``entry`` in ``parent`` (allocated if new); lookup count unchanged."""
-        name = entry.name.decode()
-        path = parent.path + name + ("/" if entry.is_dir else "")
-        ino = self._by_path.get(path)
-        if ino is not None:
-            node = self._nodes[ino]
-            if node.is_dir == entry.is_dir:
-                if not entry.is_dir:
-                    node.update(entry)
-                return node
-        node = Node(next(self._next_ino), entry.is_dir, path, parent.path, entry.name)
-        if not entry.is_dir:
-            node.update(entry)
-        self._nodes[node.ino] = node
-        self._by_path[path] = node.ino
-        return node
-
-    def remember(self, node: Node) -> None:
-        """The kernel took a reference to ``node`` (lookup, readdirplus entry)."""
-        node.lookups += 1
 
     def forget(self, ino: int, nlookup: int) -> None:
-        node = self._nodes.get(ino)
-        if node is None or ino == ROOT_INODE:
-            return
-        node.lookups -= nlookup
-        if node.lookups <= 0:
-            del self._nodes[ino]
-            if self._by_path.get(node.path) == ino:
-                del self._by_path[node.path]
-
-    @property
-    def inode_count(self) -> int:
-        return len(self._nodes)
+        """The kernel dropped references: nothing is kept per inode, nothing to free."""
 
     # -- metadata operations -------------------------------------------------------------
     def _dir(self, ino: int) -> Node:
@@ -169,72 +156,69 @@ class FileSystem:
         return node
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
-        """Resolve ``name`` in a directory and take a reference (lookup count + 1)."""
+        """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""
         parent = self._dir(parent_ino)
         if name == b".":
-            node = parent
-        elif name == b"..":
-            node = self._parent_of(parent)
-        else:
-            await self.metadata.ensure(parent.path)
-            entry = self.metadata.get(parent.path, name)
-            if entry is None:
-                raise FsError(errno.ENOENT)
-            node = self._node_for(parent, entry)
-        self.remember(node)
-        return node
+            return parent
+        if name == b"..":
+            return self._parent_of(parent)
+        entry = await self.metadata.lookup(parent.path, name)
+        if entry is None:
+            raise FsError(errno.ENOENT)
+        return self._node_for(parent.path, entry)
 
     def _parent_of(self, node: Node) -> Node:
-        ino = self._by_path.get(node.parent_prefix) if node.ino != ROOT_INODE else ROOT_INODE
-        return self._nodes[ino] if ino is not None else self._nodes[ROOT_INODE]
+        if node.ino == ROOT_INODE or node.parent_prefix == self.root_prefix:
+            return self._root
+        grand = node.parent_prefix[:node.parent_prefix.rstrip("/").rfind("/") + 1]
+        name = node.parent_prefix[len(grand):-1].encode("utf-8", "surrogateescape")
+        entry = self.metadata.get(grand, name)
+        return self._node_for(grand, entry) if entry is not None and entry.is_dir else self._root
 
     async def getattr(self, ino: int) -> Node:
-        node = self.node(ino)
-        if not node.is_dir and not self.metadata.is_fresh(node.parent_prefix):
-            await self._revalidate(node)
-        return node
-
-    async def _revalidate(self, node: Node) -> None:
-        """Refresh a file's attributes from its directory's listing (listing it if stale)."""
-        await self.metadata.ensure(node.parent_prefix)
-        entry = self.metadata.get(node.parent_prefix, node.name)
-        if entry is None or entry.is_dir:
-            # Gone from the bucket: keep answering with the last known version; reads
-            # of it fail with ESTALE (If-Match) rather than serving another object.
-            return
-        node.update(entry)
+        return self.node(ino)
 
     # -- directories ----------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
         node = self._dir(ino)
-        await self.metadata.ensure(node.path)
+        # Its sub-directories are listed ahead of the walker (when listed).
+        self.metadata.list_ahead(node.path)
         fh = next(self._next_fh)
         self._handles[fh] = DirHandle(fh, node)
         return fh
 
     async def readdir(self, fh: int, start: int) -> Iterator[tuple[int, Node]]:
-        """Entries from position ``start`` as ``(next position, node)``; the caller takes a
-        reference (``remember``) for each entry the kernel accepted and then must call
-        :meth:`readdir_progress` with the last accepted position."""
+        """Entries from position ``start`` as ``(next position, node)``; the caller must
+        call :meth:`readdir_progress` with the last position the kernel accepted.
+
+        Streams: a directory whose first listing is still running yields the names
+        that have arrived (waiting only when none after ``start`` has)."""
         handle = self._handles.get(fh)
         if not isinstance(handle, DirHandle):
             raise FsError(errno.EBADF)
         parent = handle.node
-        if start == 0:
+        if start == 0 or (start == handle.last_index and handle.last_name is not None):
+            after = None if start == 0 else handle.last_name
+            view = await self.metadata.readable(parent.path, after)
+            if view is None:
+                return iter(())
+            entries = self.metadata.entries_in(view, after)
+        else:  # a seek to a position: count from the start of the complete listing
             await self.metadata.ensure(parent.path)
-            entries = self.metadata.iter_entries(parent.path)
-        elif start == handle.last_index and handle.last_name is not None:
-            entries = self.metadata.iter_entries(parent.path, after=handle.last_name)
-        else:
             entries = itertools.islice(self.metadata.iter_entries(parent.path), start, None)
         return self._positions(parent, entries, start)
 
     def _positions(self, parent: Node, entries: Iterator[Entry],
                    start: int) -> Iterator[tuple[int, Node]]:
         pos = start
-        for entry in entries:
-            pos += 1
-            yield pos, self._node_for(parent, entry)
+        try:
+            for entry in entries:
+                pos += 1
+                yield pos, self._node_for(parent.path, entry)
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
 
     def readdir_progress(self, fh: int, position: int, node: Node) -> None:
         handle = self._handles.get(fh)
@@ -246,20 +230,16 @@ class FileSystem:
 
     # -- files ------------------------------------------------------------------------------
     async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
-        """Open a file; returns (handle, keep_cache, backing_id). keep_cache is True only
-        when the object's ETag is the one seen at the previous open, so the kernel's page
-        cache is reused across opens but never holds bytes of another version. A
-        backing_id > 0 means the kernel reads the object's cache file itself
-        (see :mod:`cachefs.passthrough`). ``reader`` (the opening thread's id, 0 if
-        unknown) lets directory lookahead follow each reader's walk."""
+        """Open a file; returns (handle, keep_cache, backing_id). keep_cache is always
+        True: an inode is one object version, so the kernel's page cache of it can never
+        hold bytes of another version. A backing_id > 0 means the kernel reads the
+        object's cache file itself (see :mod:`cachefs.passthrough`). ``reader`` (the
+        opening thread's id, 0 if unknown) lets directory lookahead follow each
+        reader's walk."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        if not self.metadata.is_fresh(node.parent_prefix):
-            await self._revalidate(node)
         obj = ObjectVersion(node.path, node.etag, node.size)
-        keep_cache = node.last_open_etag == node.etag
-        node.last_open_etag = node.etag
         self.read_order.on_open(node.path)
         self.lookahead.on_open(node.parent_prefix, node.name, reader)
         backing_id = await self.backing.open(ino, obj) if self.backing else 0
@@ -269,23 +249,24 @@ class FileSystem:
             ReadStream(size=obj.size, block_size=self.fetcher.block_size,
                        max_window=self.max_readahead),
             backing_id)
-        return fh, keep_cache, backing_id
+        return fh, True, backing_id
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles.get(fh)
         if not isinstance(handle, FileHandle):
             raise FsError(errno.EBADF)
         obj = handle.obj
-        if obj.etag != handle.node.last_open_etag:
-            # An old version is read into this inode's page cache: the next open must
-            # not keep that cache, whatever version it finds.
-            handle.node.last_open_etag = None
         # Prefetch flights are started first but cannot starve this read: they may use
         # only a share of the S3 connections (see Fetcher), and never wait for budget.
         self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
             return await self.fetcher.read(obj, offset, size)
         except ObjectChanged:
+            self.metadata.invalidate(handle.node.parent_prefix)
+            raise
+        except NoSuchKey:
+            log.warning("%s is listed (or in the manifest) but no longer in the bucket: "
+                        "ENOENT", obj.key)
             self.metadata.invalidate(handle.node.parent_prefix)
             raise
 

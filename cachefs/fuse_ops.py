@@ -86,7 +86,10 @@ def _handler(
                     metrics.FUSE_INTERNAL_ERRORS.inc()
                     log.exception("unexpected error in %s; answering EIO", op)
                     code = errno.EIO
-                elif code not in (errno.ENOENT, errno.EROFS):
+                elif code not in (errno.ENOENT, errno.EROFS) and not (
+                        isinstance(exc, FsError) and code == errno.ESTALE):
+                    # (an inode of an object version no longer listed is routine: the
+                    # kernel looks the name up again)
                     log.warning("%s failed: %s (%s)", op, exc, errno.errorcode.get(code))
                 metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(code, str(code))).inc()
                 raise pyfuse3.FUSEError(code) from None
@@ -160,7 +163,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = capacity // 4096
         s.f_bfree = s.f_bavail = max(0, capacity - used) // 4096
-        s.f_files = self.fs.inode_count
+        s.f_files = 0  # inodes are not counted: nothing is kept per inode
         s.f_ffree = s.f_favail = 0
         s.f_namemax = 255
         return s
@@ -177,7 +180,6 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             for position, node in entries:
                 if not pyfuse3.readdir_reply(token, node.name, self._attrs(node), position):
                     break
-                self.fs.remember(node)
                 self.fs.readdir_progress(fh, position, node)
         finally:
             close = getattr(entries, "close", None)

@@ -245,6 +245,24 @@ START_TIME = Gauge(
 METADATA_LISTINGS = Counter(
     "cachefs_metadata_listings", "Directory listings fetched from S3", registry=REGISTRY)
 
+# --- crashes, housekeeping and the control socket ---------------------------------
+#: Background tasks that report their failures (cachefs.background); label values.
+BACKGROUND_TASKS = ("maintenance", "orphan_scan", "control", "cache_write", "read_order")
+BACKGROUND_ERRORS = Counter(
+    "cachefs_background_errors", "Unexpected failures of background tasks (logged, counted; "
+    "the task goes on)", ["task"], registry=REGISTRY)
+#: Why a control-socket connection or request was refused; label values.
+CONTROL_REJECT_REASONS = ("peer", "busy", "too_large", "malformed", "timeout")
+CONTROL_REJECTED = Counter(
+    "cachefs_control_rejected", "Control-socket connections or requests refused: peer (not "
+    "root or the mounting user), busy (too many connections), too_large, malformed, timeout "
+    "(slow client)", ["reason"], registry=REGISTRY)
+CONTROL_CONNECTIONS = Gauge(
+    "cachefs_control_connections", "Control-socket connections being served", registry=REGISTRY)
+DEAD_MOUNTS_CLEANED = Counter(
+    "cachefs_dead_mounts_cleaned", "Dead cachefs mounts (their daemon was killed) detached from "
+    "the mount point at start", registry=REGISTRY)
+
 
 # --- label sets known in advance ------------------------------------------
 # A labelled series does not exist until its first use, so on a healthy node the
@@ -259,7 +277,7 @@ FUSE_ALERT_ERRNO = "EIO"
 S3_OPS = ("get", "head", "list")
 #: The kind a failing or throttling S3 endpoint produces (cachefs.errors).
 S3_ALERT_KIND = "TransientStoreError"
-SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed")
+SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "refused", "unverified")
 #: cachefs.read.prefetcher.POLICIES
 PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm")
@@ -288,6 +306,10 @@ def create_known_series() -> None:
         PREFETCH_ISSUED_BYTES.labels(policy)
         PREFETCH_USED_BYTES.labels(policy)
         PREFETCH_WASTED_BYTES.labels(policy)
+    for task in BACKGROUND_TASKS:
+        BACKGROUND_ERRORS.labels(task)
+    for reason in CONTROL_REJECT_REASONS:
+        CONTROL_REJECTED.labels(reason)
     create_shared_series()
 
 
@@ -323,14 +345,13 @@ def serve_metrics(addr: str) -> tuple[str, int]:
     return str(bound[0]), int(bound[1])
 
 
-def by_label(name: str) -> dict[str, float]:
-    """Current values of one single-label metric family, by label value (for status)."""
+def by_label(counter: Counter) -> dict[str, float]:
+    """A one-label counter's value per label value (e.g. background errors per task)."""
     out: dict[str, float] = {}
-    for family in REGISTRY.collect():
+    for family in counter.collect():
         for sample in family.samples:
-            if sample.name == name and len(sample.labels) == 1:
-                value = next(iter(sample.labels.values()))
-                out[value] = out.get(value, 0.0) + sample.value
+            if sample.name.endswith("_total") and sample.labels:
+                out[next(iter(sample.labels.values()))] = sample.value
     return out
 
 

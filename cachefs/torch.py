@@ -13,7 +13,9 @@ serves them, and yields the same indices. The daemon then fetches the files
 ahead of the DataLoader workers, bounded by its memory budget, instead of one
 file per worker at a time. With DistributedSampler each rank hints its own
 share. If the paths are not on a cachefs mount, or the daemon cannot be
-reached, training goes on unchanged (one warning).
+reached, training goes on unchanged (one warning). Only root and the user who
+mounted cachefs may send hints (the control socket is private to them): a job
+running as another user trains unhinted, with that warning.
 
 ``paths`` is a sequence (index -> path) or a callable taking an index. torch is
 not imported by this module: any iterable of indices can be wrapped.
@@ -46,7 +48,9 @@ class HintedSampler:
         indices = list(iter(self.sampler))
         hint = indices if self.max_hint is None else indices[:self.max_hint]
         try:
-            send_hint([str(self._path_of(i)) for i in hint])
+            # A generator: the client sends the paths in chunks as it goes, so a hint of a
+            # million files is never one huge request nor a second list of strings here.
+            send_hint(str(self._path_of(i)) for i in hint)
             self.hints_sent += 1
         except (CachefsError, OSError) as exc:
             if not self._warned:

@@ -105,6 +105,41 @@ def test_impossible_cache_size(mp, tmp_path, s3_endpoint, bucket, size, fragment
     assert not is_mounted(mp)
 
 
+@pytest.mark.parametrize("flag,value,fragment", [
+    ("--cache-size", "-5G", "negative"),
+    ("--metadata-ttl", "-5s", "invalid duration"),
+    ("--max-connections", "-3", "must not be negative"),
+    ("--memory-budget", "-1", "negative"),
+])
+def test_negative_values_are_named_as_such(mp, tmp_path, flag, value, fragment):
+    # "--cache-size -5G", not only "--cache-size=-5G": argparse took -5G for an option.
+    proc = mount("s3://bucket", mp, tmp_path / "c", flag, value)
+    assert_one_line_error(proc, flag, fragment, code=2)
+    assert "expected one argument" not in proc.stderr
+
+
+def test_a_value_option_followed_by_an_option_still_needs_its_value(mp, tmp_path):
+    proc = mount("s3://bucket", mp, tmp_path / "c", "--cache-size", "--allow-other")
+    assert_one_line_error(proc, "--cache-size", "expected one argument", code=2)
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/store", "s3://bucket", "localhost:9000"])
+def test_endpoint_url_that_is_not_http(mp, tmp_path, url):
+    proc = mount("s3://bucket", mp, tmp_path / "c", "--endpoint-url", url)
+    assert_one_line_error(proc, "--endpoint-url", "http", code=2)
+    assert not (tmp_path / "c").exists()  # refused before anything started
+
+
+def test_endpoint_from_the_environment_that_is_not_http(mp, tmp_path, bucket):
+    _, name = bucket
+    env = dict(os.environ, AWS_ENDPOINT_URL="file:///tmp/store")
+    proc = mount(f"s3://{name}", mp, tmp_path / "c", env=env)
+    assert_one_line_error(proc, "endpoint", code=2)
+    log = (tmp_path / "c" / "cachefs.log").read_text()
+    assert "Traceback" not in log
+    assert not is_mounted(mp)
+
+
 def test_unknown_flag(mp, tmp_path):
     proc = mount("s3://bucket", mp, tmp_path / "c", "--no-such-flag")
     assert_one_line_error(proc, "--no-such-flag", code=2)

@@ -186,6 +186,12 @@ def test_resolve_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> 
     ({"uid": "root"}, "--uid"),
     ({"log_level": "loud"}, "--log-level"),
     ({"source": "gs://bucket"}, "s3://"),
+    ({"endpoint_url": "file:///tmp/store"}, "--endpoint-url"),
+    ({"endpoint_url": "ftp://host"}, "--endpoint-url"),
+    ({"endpoint_url": "localhost:9000"}, "--endpoint-url"),
+    ({"endpoint_url": "http://"}, "--endpoint-url"),
+    ({"endpoint_url": "http://host:port"}, "--endpoint-url"),
+    ({"cache_size": "-5G"}, "negative"),
 ])
 def test_bad_values_name_the_option(cli: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -344,3 +350,22 @@ def test_shared_cache_options_from_each_source() -> None:
 def test_shared_cache_bad_values(cli: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(needle)):
         make(cli)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com",
+                                 "http://[::1]:8333/", "HTTPS://minio.internal"])
+def test_endpoint_urls_accepted(url: str) -> None:
+    assert make({"endpoint_url": url}).endpoint_url == url
+
+
+def test_list_ahead_and_manifest_from_every_source() -> None:
+    assert make({}).list_ahead == 16 and make({}).manifest is None
+    assert make({"list_ahead": "4"}).list_ahead == 4
+    assert make({}, environ={"CACHEFS_LIST_AHEAD": "0", "CACHEFS_MANIFEST": "/m.csv"}).list_ahead == 0
+    assert make({}, environ={"CACHEFS_MANIFEST": "/m.csv"}).manifest == "/m.csv"
+    cfg = make(file_values={"list_ahead": 32, "manifest": "/data/inventory/manifest.json"})
+    assert (cfg.list_ahead, cfg.manifest) == (32, "/data/inventory/manifest.json")
+    with pytest.raises(ConfigError, match="--list-ahead"):
+        make({"list_ahead": "1000"})
+    with pytest.raises(ConfigError, match="--list-ahead"):
+        make({"list_ahead": "many"})

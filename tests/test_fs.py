@@ -59,6 +59,7 @@ class World:
                             lookahead=DirectoryLookahead(prefetcher, metadata.iter_entries))
             async with trio.open_nursery() as nursery:
                 await nursery.start(fetcher.run)
+                await nursery.start(metadata.run)
                 try:
                     return await fn(fs)
                 finally:
@@ -88,46 +89,27 @@ async def read_all(fs: FileSystem, fh: int, start: int = 0) -> list[tuple[int, b
     return [(pos, node.name) for pos, node in await fs.readdir(fh, start)]
 
 
-# -- lookups and inode lifetime ----------------------------------------------------------------------
-def test_lookup_attributes_and_forget(world: World) -> None:
+# -- lookups and inodes ------------------------------------------------------------------------------
+def test_lookup_attributes_and_inodes(world: World) -> None:
     async def body(fs: FileSystem) -> None:
-        assert fs.inode_count == 1
         a = await fs.lookup(ROOT_INODE, b"a.bin")
         assert not a.is_dir and a.size == 100 and a.path == "ds/a.bin"
         assert a.etag == world.store.head("ds/a.bin").etag
-        assert a.lookups == 1
         again = await fs.lookup(ROOT_INODE, b"a.bin")
-        assert again is a and a.lookups == 2
+        assert again.ino == a.ino and again == a
         sub = await fs.lookup(ROOT_INODE, b"sub")
         assert sub.is_dir and sub.path == "ds/sub/" and sub.ino not in (ROOT_INODE, a.ino)
         x = await fs.lookup(sub.ino, b"x")
         assert x.size == 2 and x.path == "ds/sub/x"
-        assert fs.inode_count == 4
+        # Nothing is kept per inode: forgetting is a no-op and the inode still resolves.
         fs.forget(a.ino, 1)
-        assert fs.node(a.ino) is a and a.lookups == 1
-        fs.forget(a.ino, 1)
-        with pytest.raises(FsError) as ei:
-            fs.node(a.ino)
-        assert ei.value.errno == errno.ENOENT
-        assert fs.inode_count == 3
-        # A new lookup allocates a new inode for the same path.
-        a2 = await fs.lookup(ROOT_INODE, b"a.bin")
-        assert a2.ino != a.ino and a2.lookups == 1
-        # The root is never forgotten.
+        assert fs.node(a.ino) == a
         fs.forget(ROOT_INODE, 100)
         assert fs.node(ROOT_INODE).is_dir
-        # Forgetting an unknown inode is harmless.
         fs.forget(999_999, 1)
-
-    world.run(body)
-
-
-def test_forget_many_at_once(world: World) -> None:
-    async def body(fs: FileSystem) -> None:
-        for _ in range(5):
-            node = await fs.lookup(ROOT_INODE, b"c.txt")
-        fs.forget(node.ino, 5)
-        assert fs.inode_count == 1
+        with pytest.raises(FsError) as ei:
+            fs.node(999_999)
+        assert ei.value.errno == errno.ESTALE
 
     world.run(body)
 
@@ -135,7 +117,7 @@ def test_forget_many_at_once(world: World) -> None:
 def test_dot_and_dotdot(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         sub = await fs.lookup(ROOT_INODE, b"sub")
-        assert await fs.lookup(sub.ino, b".") is sub
+        assert await fs.lookup(sub.ino, b".") == sub
         assert (await fs.lookup(sub.ino, b"..")).ino == ROOT_INODE
         assert (await fs.lookup(ROOT_INODE, b"..")).ino == ROOT_INODE
 
@@ -154,8 +136,8 @@ def test_errors(world: World) -> None:
             (errno.ENOTDIR, fs.opendir(a.ino)),
             (errno.EISDIR, fs.open(sub.ino)),
             (errno.EISDIR, fs.open(ROOT_INODE)),
-            (errno.ENOENT, fs.getattr(424242)),
-            (errno.ENOENT, fs.open(424242)),
+            (errno.ESTALE, fs.getattr(424242)),
+            (errno.ESTALE, fs.open(424242)),
             (errno.EBADF, fs.read(777, 0, 1)),
             (errno.EBADF, fs.readdir(777, 0)),
         ]
@@ -163,7 +145,6 @@ def test_errors(world: World) -> None:
             with pytest.raises(FsError) as ei:
                 await coro
             assert ei.value.errno == code, coro
-        assert fs.inode_count == 3  # failed lookups take no reference and allocate nothing
 
     world.run(body)
 
@@ -191,7 +172,6 @@ def test_readdir_positions_and_continuation(world: World) -> None:
         # The kernel accepts two entries, then continues from the last accepted position.
         accepted = []
         for pos, node in await fs.readdir(fh, 0):
-            fs.remember(node)
             fs.readdir_progress(fh, pos, node)
             accepted.append((pos, node.name))
             if len(accepted) == 2:
@@ -203,13 +183,13 @@ def test_readdir_positions_and_continuation(world: World) -> None:
         # refreshed meanwhile) neither repeats nor skips entries.
         world.store.put("ds/a0", b"new")
         fs.metadata.invalidate("ds/")
-        await fs.metadata.ensure("ds/")
+        await fs.metadata.settled("ds/")
         assert [n for _, n in await read_all(fs, fh, 2)] == ROOT_NAMES[2:]
         assert [n for _, n in await read_all(fs, fh, 0)] == [b"a.bin", b"a0", *ROOT_NAMES[1:]]
         await fs.lookup(ROOT_INODE, b"a0")  # the kernel may look it up without readdir
         world.store.delete("ds/a0")
         fs.metadata.invalidate("ds/")
-        await fs.metadata.ensure("ds/")
+        await fs.metadata.settled("ds/")
         for pos, node in await fs.readdir(fh, 0):
             fs.readdir_progress(fh, pos, node)
             if pos == 2:
@@ -232,7 +212,7 @@ def test_readdir_nodes_match_lookup(world: World) -> None:
         nodes = {node.name: node for _, node in await fs.readdir(fh, 0)}
         assert nodes[b"sub"].is_dir and nodes[b"zdir"].is_dir
         assert nodes[b"b.bin"].size == 200
-        assert await fs.lookup(ROOT_INODE, b"b.bin") is nodes[b"b.bin"]
+        assert await fs.lookup(ROOT_INODE, b"b.bin") == nodes[b"b.bin"]
         sub_fh = await fs.opendir(nodes[b"sub"].ino)
         assert await read_all(fs, sub_fh) == [(1, b"x"), (2, b"y")]
         empty_fh = await fs.opendir(nodes[b"zdir"].ino)
@@ -245,6 +225,7 @@ def test_readdir_lists_once_per_ttl(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         fh = await fs.opendir(ROOT_INODE)
         await read_all(fs, fh)
+        await fs.metadata.settled("ds/")  # (readdir streams: the listing may still be ending)
         lists = world.store.calls["list"]
         for _ in range(3):
             fh = await fs.opendir(ROOT_INODE)
@@ -254,8 +235,12 @@ def test_readdir_lists_once_per_ttl(world: World) -> None:
         world.store.put("ds/new", b"n")
         world.clock.now += 301
         fh = await fs.opendir(ROOT_INODE)
-        assert [n for _, n in await read_all(fs, fh)] == [*ROOT_NAMES[:3], b"new", *ROOT_NAMES[3:]]
+        # Expired: served at once (stale-while-revalidate), refreshed in the background.
+        assert [n for _, n in await read_all(fs, fh)] == ROOT_NAMES
+        await fs.metadata.settled("ds/")
         assert world.store.calls["list"] > lists
+        fh = await fs.opendir(ROOT_INODE)
+        assert [n for _, n in await read_all(fs, fh)] == [*ROOT_NAMES[:3], b"new", *ROOT_NAMES[3:]]
 
     world.run(body)
 
@@ -308,26 +293,28 @@ def test_sequential_reads_prefetch_ahead(world: World) -> None:
     world.run(body)
 
 
-def test_keep_cache_across_opens(world: World) -> None:
+def test_keep_cache_and_a_new_inode_per_version(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
+        await fs.metadata.settled("ds/")
         fh1, keep1, _bk = await fs.open(c.ino)
-        assert keep1 is False  # first open: nothing in the page cache can be trusted
+        assert keep1 is True  # an inode is one version: its page cache is always right
         fs.release(fh1)
-        fh2, keep2, _bk = await fs.open(c.ino)
-        assert keep2 is True  # same ETag as at the previous open
-        fs.release(fh2)
-        # The object changes; once the listing is refreshed the next open drops the cache.
+        # The object changes; once the listing is refreshed its name is a new inode and
+        # the old one is stale (the kernel then looks the name up again).
         world.store.put("ds/c.txt", b"HELLO, world")
         world.clock.now += 301
-        fh3, keep3, _bk = await fs.open(c.ino)
-        assert keep3 is False
-        assert c.size == 12
+        fh2, _, _bk = await fs.open(c.ino)  # served from the stale listing at once
+        fs.release(fh2)
+        await fs.metadata.settled("ds/")
+        with pytest.raises(FsError) as ei:
+            await fs.open(c.ino)
+        assert ei.value.errno == errno.ESTALE
+        c2 = await fs.lookup(ROOT_INODE, b"c.txt")
+        assert c2.ino != c.ino and c2.size == 12
+        fh3, keep3, _bk = await fs.open(c2.ino)
+        assert keep3 is True
         assert await fs.read(fh3, 0, 100) == b"HELLO, world"
-        fs.release(fh3)
-        fh4, keep4, _bk = await fs.open(c.ino)
-        assert keep4 is True
-        fs.release(fh4)
 
     world.run(body)
 
@@ -365,26 +352,40 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
             await fs.read(fh2, 0, 10)
         assert not fs.metadata.is_fresh("ds/sub/")
         assert fs.metadata.is_fresh("ds/")  # only the file's directory
-        lists = world.store.calls["list"]
-        fh3, keep3, _bk = await fs.open(x.ino)
-        assert world.store.calls["list"] > lists  # the next open listed the directory again
-        assert keep3 is False
-        assert x.size == 6
+        await fs.metadata.settled("ds/sub/")  # refreshed in the background
+        with pytest.raises(FsError) as ei:
+            await fs.open(x.ino)
+        assert ei.value.errno == errno.ESTALE  # the kernel looks "x" up again...
+        x2 = await fs.lookup(sub.ino, b"x")  # ...and finds the new version
+        assert x2.size == 6
+        fh3, _, _bk = await fs.open(x2.ino)
         assert await fs.read(fh3, 0, 10) == b"new x!"
 
     world.run(body)
 
 
-def test_getattr_revalidates_stale_attributes(world: World) -> None:
+def test_getattr_serves_stale_attributes_while_refreshing(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         a = await fs.lookup(ROOT_INODE, b"a.bin")
+        await fs.metadata.settled("ds/")
         world.store.put("ds/a.bin", b"short")
         assert (await fs.getattr(a.ino)).size == 100  # fresh listing: no S3 request
+        lists = world.store.calls["list"]
         world.clock.now += 301
-        assert (await fs.getattr(a.ino)).size == 5
+        assert (await fs.getattr(a.ino)).size == 100  # stale: served, refresh started
+        await fs.metadata.settled("ds/")
+        assert world.store.calls["list"] > lists
+        with pytest.raises(FsError) as ei:
+            await fs.getattr(a.ino)
+        assert ei.value.errno == errno.ESTALE
+        assert (await fs.lookup(ROOT_INODE, b"a.bin")).size == 5
         world.store.delete("ds/a.bin")
         world.clock.now += 301
-        assert (await fs.getattr(a.ino)).size == 5  # gone: the last known version is kept
+        await fs.lookup(ROOT_INODE, b"b.bin")
+        await fs.metadata.settled("ds/")
+        with pytest.raises(FsError) as ei:
+            await fs.lookup(ROOT_INODE, b"a.bin")
+        assert ei.value.errno == errno.ENOENT
 
     world.run(body)
 
@@ -407,19 +408,19 @@ def test_root_prefix_empty_mounts_the_whole_bucket(tmp_path: Path) -> None:
         w.env.close()
 
 
-def test_keep_cache_false_when_an_old_version_handle_read_after_the_last_open(world: World) -> None:
+def test_an_open_handle_keeps_reading_its_version(world: World) -> None:
     async def body(fs: FileSystem) -> None:
         c = await fs.lookup(ROOT_INODE, b"c.txt")
+        await fs.metadata.settled("ds/")
         old_fh, _, _bk = await fs.open(c.ino)
         assert await fs.read(old_fh, 0, 100) == b"hello"  # v1 block now cached
         world.store.put("ds/c.txt", b"HELLO")  # same size, new version
         world.clock.now += 301
-        _new_fh, keep, _bk = await fs.open(c.ino)
-        assert keep is False  # the kernel drops its pages of v1 here
-        # The old handle keeps reading v1 (served from the block cache): through the same inode
-        # these bytes land in the kernel page cache again.
-        assert await fs.read(old_fh, 0, 100) == b"hello"
-        _, keep_again, _bk = await fs.open(c.ino)
-        assert keep_again is False, "the page cache may hold v1 bytes for a v2 reader"
-
+        await fs.lookup(ROOT_INODE, b"c.txt")
+        await fs.metadata.settled("ds/")
+        new = await fs.lookup(ROOT_INODE, b"c.txt")
+        assert new.ino != c.ino  # its own inode: the kernel keeps no v1 pages for it
+        new_fh, _, _bk = await fs.open(new.ino)
+        assert await fs.read(new_fh, 0, 100) == b"HELLO"
+        assert await fs.read(old_fh, 0, 100) == b"hello"  # served from the block cache
     world.run(body)

@@ -60,3 +60,37 @@ def test_fstab_line_mounts_with_mount_a(helper_installed, bucket, s3_endpoint, t
         if is_mounted(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
     assert not is_mounted(mnt)
+
+
+def test_fstab_mount_recovers_after_the_daemon_is_killed(helper_installed, bucket, s3_endpoint,
+                                                         tmp_path):
+    import json
+    import signal
+    import time
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="data/x/hello.txt", Body=b"hello again\n")
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    mnt.mkdir()
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"s3://{name}/data {mnt} cachefs _netdev,cache_dir={cache},"
+                     f"endpoint_url={s3_endpoint} 0 0\n")
+    try:
+        for attempt in range(2):
+            proc = subprocess.run(["mount", "-T", str(fstab), str(mnt)], capture_output=True,
+                                  text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr
+            assert (mnt / "x" / "hello.txt").read_bytes() == b"hello again\n"
+            if attempt == 0:
+                status = run_cachefs("status", "--json", str(mnt))
+                pid = json.loads(status.stdout)["pid"]
+                os.kill(pid, signal.SIGKILL)
+                while os.path.exists(f"/proc/{pid}"):
+                    time.sleep(0.02)
+                assert is_mounted(mnt)
+        assert "held a dead cachefs mount" in (cache / "cachefs.log").read_text()
+    finally:
+        run_cachefs("unmount", str(mnt))
+        if is_mounted(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+    assert not is_mounted(mnt)

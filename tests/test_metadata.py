@@ -27,7 +27,7 @@ def test_listing_rules_marker_and_sort_order() -> None:
     skipped: Counter[str] = Counter()
     entries = entries_from_listing(
         "data/",
-        [obj("data/"), obj("data/b.bin", 5, "eb", 2.0), obj("data/a.bin", 3, "ea", 1.0)],
+        [obj("data/", 0), obj("data/b.bin", 5, "eb", 2.0), obj("data/a.bin", 3, "ea", 1.0)],
         ["data/sub/", "data/Z/"],
         skipped,
     )
@@ -36,6 +36,14 @@ def test_listing_rules_marker_and_sort_order() -> None:
     assert by_name[b"a.bin"] == Entry(b"a.bin", False, 3, 1.0, "ea")
     assert by_name[b"sub"].is_dir and by_name[b"Z"].is_dir
     assert not skipped  # the directory's own marker is not a skip
+
+
+def test_a_directory_marker_with_data_is_counted_not_hidden_silently() -> None:
+    # "data/" holding bytes: no file name can show them (the name is the directory itself).
+    skipped: Counter[str] = Counter()
+    entries = entries_from_listing("data/", [obj("data/", 7), obj("data/a", 1)], [], skipped)
+    assert [e.name for e in entries] == [b"a"]
+    assert skipped == Counter({"marker_with_data": 1})
 
 
 def test_listing_directory_wins_over_object_of_same_name() -> None:
@@ -95,12 +103,24 @@ def store() -> MemoryStore:
 
 
 def run_with_metadata(env: LmdbEnv, store: MemoryStore, fn: Callable[[Metadata], object], *,
-                      ttl: float = 300.0, clock: Callable[[], float] = time.time) -> None:
+                      ttl: float = 300.0, clock: Callable[[], float] = time.time,
+                      list_ahead: int = 0) -> None:
     async def main() -> None:
-        md = Metadata(env, store, ttl=ttl, limiter=trio.CapacityLimiter(8), clock=clock)
-        await fn(md)  # type: ignore[misc]
+        md = Metadata(env, store, ttl=ttl, limiter=trio.CapacityLimiter(8), clock=clock,
+                      list_ahead=list_ahead)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(md.run)
+            await fn(md)  # type: ignore[misc]
+            nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def same(entry: Entry | None, expected: Entry) -> bool:
+    """Equal but for the inode number (a hash)."""
+    return entry is not None and entry.ino > 1 and \
+        (entry.name, entry.is_dir, entry.size, entry.mtime, entry.etag) == \
+        (expected.name, expected.is_dir, expected.size, expected.mtime, expected.etag)
 
 
 def names(md: Metadata, prefix: str, after: bytes | None = None) -> list[bytes]:
@@ -121,7 +141,7 @@ def test_ensure_lists_all_pages_once_then_serves_from_lmdb(env: LmdbEnv, store: 
         f3 = md.get("data/", b"f3")
         assert f3 is not None and (f3.size, f3.mtime, f3.is_dir) == (3, 103.0, False)
         assert f3.etag == store.head("data/f3").etag
-        assert md.get("data/", b"sub2") == Entry(b"sub2", True)
+        assert same(md.get("data/", b"sub2"), Entry(b"sub2", True))
         assert md.get("data/", b"missing") is None
         for _ in range(5):
             await md.ensure("data/")
@@ -144,7 +164,9 @@ def test_ttl_expiry_relists(env: LmdbEnv, store: MemoryStore) -> None:
         store.put("zz", b"new")
         clock.now += 2  # 61 s after the listing: expired
         assert not md.is_fresh("")
-        await md.ensure("")
+        await md.ensure("")  # served at once (stale-while-revalidate)...
+        assert names(md, "") == [b"data", b"top"]
+        await md.settled("")  # ...while the refresh runs in the background
         assert store.calls["list"] == first + 1
         assert names(md, "") == [b"data", b"top", b"zz"]
         assert md.listed_at("") == clock.now
@@ -175,7 +197,7 @@ def test_invalidate_forces_one_relist_and_replaces_entries(env: LmdbEnv, store: 
         md.invalidate("data/")
         assert not md.is_fresh("data/")
         assert names(md, "data/") == EXPECTED_DATA  # old listing until refreshed
-        await md.ensure("data/")
+        await md.settled("data/")
         assert store.calls["list"] == lists + 3  # 8 entries, pages of 3
         assert md.is_fresh("data/")
         assert names(md, "data/") == [b"f1", b"f2", b"f3", b"f4", b"f5", b"f6", b"f7", b"sub2"]
@@ -243,14 +265,21 @@ def test_failed_refresh_keeps_serving_the_stale_listing(env: LmdbEnv, store: Mem
         store.fault = fail
         clock.now += 1000
         await md.ensure("data/")  # does not raise
+        await md.settled("data/")
         assert store.calls["list"] == lists + 1
         assert names(md, "data/") == EXPECTED_DATA
         assert not md.is_fresh("data/")
+        await md.ensure("data/")  # no new try right after a failure
+        assert store.calls["list"] == lists + 1
         md.invalidate("data/")
         await md.ensure("data/")  # still does not raise
+        await md.settled("data/")
+        assert store.calls["list"] == lists + 2
         assert names(md, "data/") == EXPECTED_DATA
         store.fault = None
-        await md.ensure("data/")  # recovers
+        clock.now += 60  # past the back-off: the next access refreshes again
+        await md.ensure("data/")
+        await md.settled("data/")
         assert md.is_fresh("data/")
 
     run_with_metadata(env, store, body, ttl=60, clock=clock)
@@ -404,6 +433,7 @@ def test_invalidate_during_refresh_is_not_lost(env: LmdbEnv) -> None:
     async def body(md: Metadata) -> None:
         holder["md"] = md
         await md.ensure("d/")
+        await md.settled("d/")
         entry = md.get("d/", b"a")
         assert entry is not None
         listing_is_current = entry.etag == store.head("d/a").etag
@@ -429,5 +459,232 @@ def test_failed_first_listing_is_shared_by_concurrent_callers(env: LmdbEnv, stor
             for _ in range(5):
                 nursery.start_soon(one)
         assert store.calls["list"] == 1, f"{store.calls['list']} serial listings for one failure"
+
+    run_with_metadata(env, store, body)
+
+
+# -- stale-while-revalidate, streaming, inodes, listing ahead ---------------------------------
+class Gate:
+    """A store fault that holds listings of chosen prefixes until opened."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.prefixes: set[str] = set()
+        self.after_pages = 0  # pages let through before holding
+        self.seen = 0
+
+    def __call__(self, op: str, key: str) -> None:
+        if op == "list" and key in self.prefixes:
+            self.seen += 1
+            if self.seen > self.after_pages:
+                assert self.open.wait(10), "gate never opened"
+
+
+def test_stale_listing_is_served_while_the_refresh_waits_on_s3(env: LmdbEnv, store: MemoryStore) -> None:
+    clock = Clock()
+    gate = Gate()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        old = md.get("data/", b"f1")
+        store.put("data/f1", b"changed")
+        gate.prefixes.add("data/")
+        store.fault = gate
+        clock.now += 301  # expired
+        with trio.fail_after(5):  # never waits on S3 (the gate holds the refresh)
+            entry = await md.lookup("data/", b"f1")
+            await md.ensure("data/")
+            assert [e.name for e in md.iter_entries("data/")] == EXPECTED_DATA
+        assert entry == old
+        assert not md.is_fresh("data/")
+        gate.open.set()
+        await md.settled("data/")
+        new = await md.lookup("data/", b"f1")
+        assert new is not None and old is not None and new.etag != old.etag
+        assert new.ino != old.ino  # a new version is a new inode
+        assert md.is_fresh("data/")
+
+    run_with_metadata(env, store, body, ttl=300, clock=clock)
+
+
+def test_first_listing_streams_names_before_it_completes(env: LmdbEnv) -> None:
+    from cachefs.cache import metadata as md_mod
+
+    store = MemoryStore(page_size=500)
+    for i in range(3000):
+        store.put(f"big/f{i:05d}", b"x")
+    gate = Gate()
+    gate.prefixes.add("big/")
+    gate.after_pages = 3  # pages 1-3 arrive, the rest waits
+    store.fault = gate
+    old_flush = md_mod.FLUSH_ENTRIES
+    md_mod.FLUSH_ENTRIES = 500
+
+    async def body(md: Metadata) -> None:
+        with trio.fail_after(5):
+            e = await md.lookup("big/", b"f00010")
+            assert e is not None and not e.is_dir
+            view = await md.readable("big/", None)
+            assert view is not None and view.limit is not None  # a partial view
+            first = [x.name for x in md.entries_in(view)]
+            assert first[:2] == [b"f00000", b"f00001"] and len(first) < 3000
+            assert md.count("big/") == 0  # not complete
+            # a name further on waits for its page
+            with trio.move_on_after(0.2) as scope:
+                await md.lookup("big/", b"f02500")
+            assert scope.cancelled_caught
+            # the entries read so far resolve to inodes already
+            assert md.resolve(e.ino) == ("big/", e)
+        gate.open.set()
+        with trio.fail_after(10):
+            late = await md.lookup("big/", b"f02500")
+        assert late is not None
+        await md.settled("big/")
+        assert md.count("big/") == 3000
+        assert [x.name for x in md.iter_entries("big/")] == [f"f{i:05d}".encode() for i in range(3000)]
+
+    try:
+        run_with_metadata(env, store, body)
+    finally:
+        md_mod.FLUSH_ENTRIES = old_flush
+
+
+def test_watermark_holds_back_names_a_later_common_prefix_may_take() -> None:
+    from cachefs.cache.metadata import watermark
+
+    assert watermark("p/", "p/abc") == b"abc"
+    # "a-b" listed: "a/" (the directory a) comes later, so "a" is not complete yet
+    assert watermark("p/", "p/a-b") == b"a"
+    assert watermark("p/", "p/a/") == b"a/"  # the common prefix itself: "a" is done
+    assert b"a" < watermark("p/", "p/a/")
+
+
+def test_directory_that_shadows_a_file_on_an_earlier_page(env: LmdbEnv) -> None:
+    from cachefs.cache import metadata as md_mod
+
+    store = MemoryStore(page_size=2)
+    store.put("p/a", b"file a")  # page 1: a, a-b ; page 2: a/ (prefix), b
+    store.put("p/a-b", b"x")
+    store.put("p/a/inner", b"y")
+    store.put("p/b", b"z")
+    old = md_mod.FLUSH_ENTRIES
+    md_mod.FLUSH_ENTRIES = 1
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("p/")
+        got = [(e.name, e.is_dir) for e in md.iter_entries("p/")]
+        assert got == [(b"a", True), (b"a-b", False), (b"b", False)]
+        assert md.count("p/") == 3
+
+    try:
+        run_with_metadata(env, store, body)
+    finally:
+        md_mod.FLUSH_ENTRIES = old
+
+
+def test_inodes_resolve_and_go_stale_when_the_object_changes(env: LmdbEnv, store: MemoryStore) -> None:
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        f2 = md.get("data/", b"f2")
+        sub = md.get("data/", b"sub")
+        assert f2 is not None and sub is not None and f2.ino != sub.ino
+        assert md.resolve(f2.ino) == ("data/", f2)
+        assert md.resolve(sub.ino) == ("data/", sub)
+        inos = {e.ino for e in md.iter_entries("data/")}
+        assert len(inos) == 10 and 1 not in inos
+        store.put("data/f2", b"new bytes")
+        store.delete("data/f3")
+        f3 = md.get("data/", b"f3")
+        md.invalidate("data/")
+        await md.settled("data/")
+        assert md.resolve(f2.ino) is None  # old version: ESTALE
+        assert f3 is not None and md.resolve(f3.ino) is None  # gone
+        assert md.resolve(sub.ino) == ("data/", sub)  # unchanged: same inode
+        f4 = md.get("data/", b"f4")
+        assert f4 is not None and md.resolve(f4.ino) == ("data/", f4)
+
+    run_with_metadata(env, store, body)
+
+
+def test_opendir_lists_subdirectories_ahead(env: LmdbEnv) -> None:
+    store = MemoryStore()
+    for d in range(6):
+        for f in range(3):
+            store.put(f"t/d{d}/f{f}", b"x")
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        assert store.calls["list"] == 1
+        md.list_ahead("t/")
+        with trio.fail_after(5):
+            while any(md.listed_at(f"t/d{d}/") is None for d in range(6)):
+                await trio.sleep(0.01)
+        assert store.calls["list"] == 7
+        lists = store.calls["list"]
+        assert await md.lookup("t/d3/", b"f1") is not None
+        assert store.calls["list"] == lists  # no wait, no request
+
+    run_with_metadata(env, store, body, list_ahead=2)
+
+
+def test_unfinished_listing_of_an_earlier_run_is_removed(tmp_path: Path) -> None:
+
+    store = MemoryStore(page_size=2)
+    for i in range(6):
+        store.put(f"d/f{i}", b"x")
+    path = tmp_path / "meta.lmdb"
+    env = LmdbEnv(path)
+    from cachefs.cache.index import Index, VersionWriter
+
+    writer = VersionWriter(Index(env), "d/", time.time)
+    writer.write([Entry(b"f0", False, 1, 0.0, "e")])  # a first batch, then the "crash"
+    env.close()
+    env2 = LmdbEnv(path)
+    try:
+        with env2.read() as txn:
+            assert txn.stat(env2.db("names"))["entries"] == 1
+        Metadata(env2, store, ttl=60, limiter=trio.CapacityLimiter(1))
+        with env2.read() as txn:
+            assert txn.stat(env2.db("names"))["entries"] == 0
+    finally:
+        env2.close()
+
+
+def test_split_points_are_geometric() -> None:
+    from cachefs.cache.metadata import split_points
+
+    pts = split_points("p/", "p/f0000000.jpg", "p/f0001999.jpg", None)
+    assert pts == [f"p/f000{i}" for i in range(2, 10)] + [f"p/f00{i}" for i in range(1, 10)] \
+        + [f"p/f0{i}" for i in range(1, 10)]
+    assert split_points("p/", "p/f0000000.jpg", "p/f0001999.jpg", "p/f0005") == \
+        [f"p/f000{i}" for i in range(2, 5)]
+    assert split_points("p/", "p/a", "p/b", None) == [f"p/{c}" for c in "cdefghijklmnopqrstuvwxyz"]
+    assert split_points("p/", "p/x.!", "p/x.~", None) == ["p/y", "p/z"]  # punctuation: no guess
+
+
+def test_a_large_directory_is_listed_as_parallel_ranges(env: LmdbEnv) -> None:
+    store = MemoryStore(page_size=250)
+    expected: list[tuple[bytes, bool]] = []
+    for i in range(4000):
+        store.put(f"big/f{i:05d}", b"x")
+        expected.append((f"f{i:05d}".encode(), False))
+    for d in ("f01234", "f03999x", "g"):  # directories among the files (one shadows a file)
+        store.put(f"big/{d}/inner", b"y")
+    expected = [e for e in expected if e[0] != b"f01234"]
+    expected += [(b"f01234", True), (b"f03999x", True), (b"g", True)]
+    expected.sort()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("big/")
+        assert [(e.name, e.is_dir) for e in md.iter_entries("big/")] == expected
+        assert md.count("big/") == len(expected)
+        assert store.calls["list"] > 4000 // 250  # ranges were listed (with a few empty ones)
+        inos = {e.ino for e in md.iter_entries("big/")}
+        assert len(inos) == len(expected)
+        first = store.calls["list"]
+        md.invalidate("big/")  # a refresh keeps every inode
+        await md.settled("big/")
+        assert store.calls["list"] > first
+        assert {e.ino for e in md.iter_entries("big/")} == inos
 
     run_with_metadata(env, store, body)

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 CONTRACT_VALUE_KEYS = {
     "cache_dir", "cache_size", "endpoint_url", "region", "metrics_addr", "metadata_ttl",
     "cache_policy", "uid", "gid", "file_mode", "dir_mode", "log_level", "memory_budget",
-    "block_size", "shared_cache", "shared_cache_endpoint_url", "shared_cache_region",
-    "shared_cache_profile", "shared_cache_timeout",
+    "block_size", "list_ahead", "manifest", "shared_cache", "shared_cache_endpoint_url",
+    "shared_cache_region", "shared_cache_profile", "shared_cache_timeout",
 }
 CONTRACT_FLAG_KEYS = {"allow_other"}
 
@@ -98,6 +98,13 @@ def test_example_config_keys_are_all_mountable_from_fstab() -> None:
     assert active <= documented
     assert documented - {"source", "mountpoint"} <= CONTRACT_VALUE_KEYS | CONTRACT_FLAG_KEYS
     assert {"source", "mountpoint", "cache_dir", "cache_size", "uid"} <= documented
+
+
+def test_manifest_and_list_ahead_from_fstab() -> None:
+    argv = fstab_options_to_argv("s3://b/p", "/m",
+                                 "_netdev,cache_dir=/c,manifest=/etc/cachefs/ds.csv,list_ahead=32")
+    assert argv == ["mount", "s3://b/p", "/m", "--cache-dir", "/c",
+                    "--manifest", "/etc/cachefs/ds.csv", "--list-ahead", "32"]
 
 
 def test_value_may_contain_equals_and_colons() -> None:

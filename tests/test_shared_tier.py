@@ -215,7 +215,7 @@ def test_tier_going_down_mid_read_fails_no_read(bucket, tier, seaweed, mount_fac
                                                         "--shared-cache-timeout", "3s"))
         for key in keys[:4]:
             assert (b.path / key).read_bytes() == data[key]
-        assert b.gets() == 0
+        assert b.gets() == 0, b.log()
         proxy.plan = lambda method, path, n: "down"  # connections reset from now on
         for key in keys[4:8]:
             assert (b.path / key).read_bytes() == data[key]  # from the origin, no error
@@ -246,9 +246,12 @@ def test_tier_going_down_mid_read_fails_no_read(bucket, tier, seaweed, mount_fac
             time.sleep(0.5)
         assert b.metric("cachefs_shared_breaker_open") == 0
         assert _fuse_errors(b) == 0
+        # One line each time the breaker opens and each time it closes (failed trials in
+        # between log nothing); a loaded machine may add a cycle in the healthy phases.
         log = b.log()
-        assert log.count("circuit breaker open") == 1, log
-        assert log.count("circuit breaker closed") == 1, log
+        opens = b.metric("cachefs_shared_breaker_opens_total")
+        assert opens >= 1 and log.count("circuit breaker open") == opens, log
+        assert log.count("circuit breaker closed") == opens, log
 
 
 def test_warm_shard_on_three_nodes_then_a_fourth_reads_without_the_origin(

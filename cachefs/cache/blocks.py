@@ -129,7 +129,7 @@ class BlockCache:
         self._touched: dict[bytes, float] = {}
         self._punch_warned = False
         try:
-            self.objects_dir.mkdir(parents=True, exist_ok=True)
+            self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
             raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
         self._adopt_layout()
@@ -510,12 +510,14 @@ class BlockCache:
 
 
 def _write_at(path: Path, data: bytes, offset: int) -> None:
-    """Write ``data`` at ``offset`` of ``path`` (created with its directory if missing)."""
+    """Write ``data`` at ``offset`` of ``path`` (created with its directory if missing).
+    Cached bytes are private to the mounting user whatever the umask (files 0600,
+    directories 0700): the mount's permissions must not be bypassed through the cache."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except FileNotFoundError:
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:

@@ -4,8 +4,10 @@ One environment, ``DIR/meta.lmdb``, holds every persistent index:
 
 * ``blocks``  block id -> (length, xxh3-64 checksum, last use)       (blockcache)
 * ``lru``     last use (big-endian float) + block id -> ""           (blockcache)
-* ``dirs``    hash of directory prefix -> (listed at, entry count)   (metadata)
-* ``entries`` hash of directory prefix + name -> kind, size, mtime, etag (metadata)
+* ``listings`` prefix id -> current version, listed at, counts, prefix (metadata)
+* ``names``   version + name -> kind, size, mtime, inode, etag        (metadata)
+* ``inodes``  inode -> prefix id + name                              (metadata)
+* ``stage``   scratch space of manifest loads                         (manifest)
 * ``meta``    small values: format version, used bytes, source identity
 
 Concurrency rules:
@@ -39,7 +41,9 @@ from cachefs.errors import CacheError
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = b"1"
-DB_NAMES = (b"blocks", b"lru", b"dirs", b"entries", b"meta")
+DB_NAMES = (b"blocks", b"lru", b"listings", b"names", b"inodes", b"stage", b"meta")
+# Databases of earlier layouts, dropped at open (listings are only a cache).
+_OLD_DB_NAMES = (b"dirs", b"entries")
 
 # Virtual size of the memory map. LMDB files are sparse; this only bounds growth.
 _MAP_SIZE = 64 << 30
@@ -54,6 +58,7 @@ class LmdbEnv:
     def __init__(self, path: Path, map_size: int = _MAP_SIZE) -> None:
         self.path = path
         self.env = self._open(path, map_size)
+        self._drop_old()
         self.dbs = {name.decode(): self.env.open_db(name) for name in DB_NAMES}
         with self.env.begin(write=True) as txn:
             version = txn.get(b"format", db=self.dbs["meta"])
@@ -66,9 +71,15 @@ class LmdbEnv:
     @staticmethod
     def _open(path: Path, map_size: int) -> Any:
         def do_open() -> Any:
+            # Private to the mounting user whatever the umask (the index names every
+            # cached key). lmdb.open would create the directory with the file mode.
+            try:
+                path.mkdir(mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise CacheError(f"cannot create cache metadata {path}: {exc.strerror}") from None
             return lmdb.open(
                 str(path), map_size=map_size, max_dbs=len(DB_NAMES) + 2, max_readers=_MAX_READERS,
-                sync=False, metasync=False, readahead=False, subdir=True, lock=True,
+                sync=False, metasync=False, readahead=False, subdir=True, lock=True, mode=0o600,
             )
         try:
             return do_open()
@@ -81,6 +92,14 @@ class LmdbEnv:
                 return do_open()
             except lmdb.Error as exc2:
                 raise CacheError(f"cannot open cache metadata {path}: {exc2}") from exc2
+
+    def _drop_old(self) -> None:
+        with self.env.begin(write=True) as txn:
+            for name in _OLD_DB_NAMES:
+                if txn.get(name) is not None:
+                    txn.drop(self.env.open_db(name, txn=txn), delete=True)
+                    log.info("dropped the listings of an earlier cachefs version (%s)",
+                             name.decode())
 
     def db(self, name: str) -> Any:
         return self.dbs[name]

@@ -1,58 +1,95 @@
-"""Directory listings of the bucket, persisted in LMDB with a TTL.
+"""The file-system index: directory listings of the bucket and inode numbers, in LMDB.
 
-The tree is built lazily, one directory at a time: listing a directory is one
-ListObjectsV2 with ``Delimiter='/'`` (all pages). The result replaces that
-directory's entries in LMDB in one transaction, so lookups, getattr and
-readdir are answered from LMDB without any S3 request until the TTL expires,
-including after a remount with the same cache directory.
+The tree is built lazily, one directory at a time: listing a directory is
+ListObjectsV2 with ``Delimiter='/'`` (all pages), stored as a new *version* of
+that directory; lookups, getattr and readdir are then answered from LMDB
+without any S3 request, including after a remount with the same cache
+directory. Nothing per object is kept in Python memory: a million listed
+objects cost the daemon their LMDB pages only.
+
+The layout in LMDB (versions of directories, inode numbers per object
+version) is :mod:`cachefs.cache.index`.
 
 Mapping keys to names (documented in README):
 
 * ``/`` separates directories. A key ending in ``/`` (a directory marker)
-  makes a directory; the marker itself is not a file.
+  makes a directory; the marker itself is not a file (one holding data is
+  counted as ``marker_with_data``).
 * A key that is both an object and a prefix (``a`` and ``a/b``): the
   directory wins and the object ``a`` is hidden (counted as ``shadowed``).
 * Names that cannot be file names are skipped and counted by reason: empty
   components (``a//b``), ``.`` and ``..``, longer than 255 bytes, containing NUL.
 
-Concurrency: listings run in worker threads (network + LMDB write
-transaction) under the S3 capacity limiter. Concurrent requests for the same
-directory share one listing (single flight). Reads of LMDB run on the trio
-thread (lock-free snapshots).
+Freshness: a listing older than the TTL (or invalidated) is *stale*. A stale
+listing is still served at once while a background refresh runs
+(stale-while-revalidate): a lookup or open never waits on S3 for a directory
+it has a listing of. Only a directory never listed waits, and only until the
+pages covering the name it needs have arrived: pages are written as they come
+(a large directory streams to readdir), and names below the *watermark* are
+complete (see :func:`watermark`).
+
+Large directories: a listing is one key range at first; once it has listed
+SPLIT_AFTER_ENTRIES names with more to come, the rest is split at guessed keys
+(:func:`split_points`) into ranges listed at once with StartAfter (at most
+PARALLEL_RANGES per directory, each of which may split again), so a
+directory of 200,000 names is listed in about the time of 25 sequential
+pages instead of 200. The watermark then follows the first unfinished range.
+
+Concurrency: every listing runs in the nursery of :meth:`Metadata.run` (its
+owner): its ranges in worker threads under the S3 capacity limiter, so a
+caller that gives up (an interrupted FUSE request) does not cancel a listing
+others wait for. One listing per directory at a time (single flight); an
+invalidate() during a listing makes it run once more. Listing ahead:
+``opendir`` queues the directory's sub-directories (a bounded stack, newest
+first, like a depth-first walker) and ``list_ahead`` workers list them before
+the walker gets there. Reads of LMDB run on the trio thread (lock-free
+snapshots); writes in the listing threads, a transaction per batch of names
+(LMDB lets one writer in at a time; the others wait in their threads).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import trio
-import xxhash
 
 from cachefs import metrics
+from cachefs.cache.index import (
+    AHEAD_QUEUE,
+    NAME_MAX,
+    Entry,
+    Index,
+    VersionWriter,
+    View,
+    enc,
+    prefix_id,
+)
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 
+__all__ = ["Entry", "Metadata", "View", "entries_from_listing", "invalid_name_reason",
+           "split_points", "watermark"]
+
 log = logging.getLogger(__name__)
 
-_ENTRY = struct.Struct("<cQd")  # kind, size, mtime; the ETag follows
-_DIR = struct.Struct("<dI")  # listed at (unix time), entry count
-NAME_MAX = 255
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Entry:
-    """One name in a directory: a sub-directory or an object version."""
-
-    name: bytes
-    is_dir: bool
-    size: int = 0
-    mtime: float = 0.0
-    etag: str = ""
+# A listing commits its pages at least this often (entries), so a large directory
+# streams to readdir and never sits in memory whole.
+FLUSH_ENTRIES = 1000
+# A large directory is listed as several key ranges at once: once one range has listed
+# this many entries with more to come (two full pages of S3), the rest of it is split;
+# at most PARALLEL_RANGES ranges of one directory are listed at once (each one request
+# at a time). Smaller directories cost no extra request.
+SPLIT_AFTER_ENTRIES = 2000
+PARALLEL_RANGES = 16
+_ALL = b"\xff" * (NAME_MAX + 1)  # the watermark once every range is in
+# After a failed refresh, the stale listing is served this long before the next try
+# (an explicit invalidate() tries at once). Each try already retries transient errors.
+REFRESH_BACKOFF = 10.0
 
 
 def invalid_name_reason(name: str) -> str | None:
@@ -68,29 +105,17 @@ def invalid_name_reason(name: str) -> str | None:
     return None
 
 
-def dir_key(prefix: str) -> bytes:
-    """The LMDB key of a directory: a 16-byte hash of its prefix (LMDB keys are limited
-    to 511 bytes, S3 keys to 1024), so an entry's key (dir key + name) is <= 271 bytes
-    and a directory's entries are contiguous and sorted by name."""
-    return xxhash.xxh3_128_digest(prefix.encode("utf-8", "surrogateescape"))
-
-
-def _pack_entry(e: Entry) -> bytes:
-    return _ENTRY.pack(b"d" if e.is_dir else b"f", e.size, e.mtime) + e.etag.encode()
-
-
-def _unpack_entry(name: bytes, raw: bytes) -> Entry:
-    kind, size, mtime = _ENTRY.unpack_from(raw)
-    return Entry(name, kind == b"d", size, mtime, bytes(raw[_ENTRY.size:]).decode())
-
-
 def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[str],
                          skipped: Counter[str]) -> list[Entry]:
-    """Turn one directory's listing into its entries (sorted by name), counting skips."""
+    """Turn (a page of) one directory's listing into its entries (sorted by name),
+    counting skips. Inode numbers are assigned when the entries are stored."""
     files: dict[str, ObjectInfo] = {}
+    n = len(prefix)
     for obj in objects:
-        name = obj.key[len(prefix):]
+        name = obj.key[n:]
         if name == "" and obj.key == prefix:
+            if obj.size > 0:  # bytes no file name can show: count them, never hide silently
+                skipped["marker_with_data"] += 1
             continue  # the directory's own marker object
         reason = invalid_name_reason(name)
         if reason:
@@ -99,7 +124,7 @@ def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[
         files[name] = obj
     dirs: set[str] = set()
     for p in prefixes:
-        name = p[len(prefix):-1]
+        name = p[n:-1]
         reason = invalid_name_reason(name)
         if reason:
             skipped[reason] += 1
@@ -108,147 +133,513 @@ def entries_from_listing(prefix: str, objects: list[ObjectInfo], prefixes: list[
     for name in dirs & files.keys():
         skipped["shadowed"] += 1
         del files[name]
-    result = [Entry(n.encode(), True) for n in dirs]
-    result += [Entry(n.encode(), False, o.size, o.mtime, o.etag) for n, o in files.items()]
+    result = [Entry(enc(name), True) for name in dirs]
+    result += [Entry(enc(name), False, o.size, o.mtime, o.etag) for name, o in files.items()]
     result.sort(key=lambda e: e.name)
     return result
+
+
+def watermark(prefix: str, last: str) -> bytes:
+    """Names below the returned bound are complete once the listing of ``prefix`` has
+    reached ``last`` (its greatest key or common prefix so far).
+
+    S3 lists in key order, and a sub-directory ``a`` arrives as the common prefix
+    ``a/``: after keys like ``a-b`` (``-`` < ``/``). A name ``x`` < ``last`` can still
+    come as a directory only when ``x`` is a prefix of ``last`` followed by a
+    character below ``/``; cutting ``last`` at its first such character excludes
+    exactly those (and possibly a few safe names, which only wait for the next page).
+    """
+    rel = last[len(prefix):]
+    for i, ch in enumerate(rel):
+        if ch < "/":
+            return enc(rel[:i])
+    return enc(rel)
 
 
 class _Listing:
     """One directory listing in progress, shared by every caller that needs it."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("again", "ahead", "done", "error", "prefix", "progress", "subdirs", "tick",
+                 "version", "water")
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
         self.done = trio.Event()
+        self.progress = trio.Event()  # set (and replaced) whenever pages were committed
         self.error: BaseException | None = None
+        self.version: int | None = None  # the version being written, once it has pages
+        self.water = b""  # names below this are complete in ``version``
+        self.ahead = False  # queue the sub-directories for listing ahead when done
+        self.subdirs: list[str] = []
+        self.tick = 0
+        self.again = False  # invalidated while running: list again when done
 
 
 class Metadata:
-    """Listings of one bucket's directories, cached in LMDB.
+    """Listings of one bucket's directories and the inodes of their names, in LMDB.
 
     ``prefix`` arguments are full S3 key prefixes ("" or ending in "/").
+    ``store`` None: a manifest mount (:mod:`cachefs.cache.manifest`): nothing is
+    ever listed, and a directory the manifest does not have does not exist.
     """
 
-    def __init__(self, env: LmdbEnv, store: ObjectStore, *, ttl: float,
-                 limiter: trio.CapacityLimiter, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, env: LmdbEnv, store: ObjectStore | None, *, ttl: float,
+                 limiter: trio.CapacityLimiter, clock: Callable[[], float] = time.time,
+                 list_ahead: int = 16) -> None:
         self._env = env
         self._store = store
         self._ttl = ttl
         self._limiter = limiter
         self._clock = clock
-        self._stale: set[str] = set()
+        self.list_ahead_workers = list_ahead
+        # Invalidated prefixes -> the tick of their latest invalidate(); a listing clears
+        # the mark only if it started after that (it may predate the change otherwise).
+        self._stale: dict[str, int] = {}
+        self._tick = 0
+        self._retry_after: dict[str, float] = {}  # failed refreshes wait before the next
         self._inflight: dict[str, _Listing] = {}
-        self._dirs = env.db("dirs")
-        self._entries = env.db("entries")
+        self._inflight_ids: dict[bytes, _Listing] = {}
+        self._index = Index(env)
+        self._nursery: trio.Nursery | None = None
+        self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
+        self._ahead_lot = trio.lowlevel.ParkingLot()
+        self._recover()
+
+    # -- lifetime ------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the listings and the list-ahead workers until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self._store is not None:
+                for _ in range(self.list_ahead_workers):
+                    nursery.start_soon(self._ahead_worker)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def _recover(self) -> None:
+        n = self._index.recover()
+        if n:
+            log.info("removed %d unfinished listing(s) of an earlier run", n)
 
     # -- freshness -------------------------------------------------------------
     def listed_at(self, prefix: str) -> float | None:
-        with self._env.read() as txn:
-            raw = txn.get(dir_key(prefix), db=self._dirs)
-        return None if raw is None else float(_DIR.unpack(raw)[0])
+        row = self._index.row(prefix)
+        return None if row is None else row[1]
 
     def is_fresh(self, prefix: str) -> bool:
+        if self._store is None:
+            return True
         if prefix in self._stale:
             return False
         at = self.listed_at(prefix)
         return at is not None and self._clock() - at < self._ttl
 
     def invalidate(self, prefix: str) -> None:
-        """Force the next access to ``prefix`` to list it again (e.g. after ESTALE)."""
-        self._stale.add(prefix)
-
-    async def ensure(self, prefix: str) -> None:
-        """Make sure ``prefix`` has a fresh listing; list it (once, shared) if not.
-
-        Raises StoreError when listing fails and no listing at all is known (every
-        caller waiting on that listing gets the same error); a stale listing is kept
-        and served when a refresh fails.
-        """
-        if self.is_fresh(prefix):
+        """Refresh ``prefix`` in the background now (e.g. after ESTALE); its listing is
+        served until the new one is complete."""
+        if self._store is None:
             return
+        self._tick += 1
+        self._stale[prefix] = self._tick
+        self._retry_after.pop(prefix, None)
+        running = self._inflight.get(prefix)
+        if running is not None:
+            running.again = True  # it may predate the change: list once more after it
+        elif self._nursery is not None:
+            self._start(prefix)
+
+    def _revalidate(self, prefix: str, listed_at: float) -> None:
+        if self._store is None or prefix in self._inflight:
+            return
+        now = self._clock()
+        if prefix in self._stale or now - listed_at >= self._ttl:
+            if now < self._retry_after.get(prefix, 0.0):
+                return  # the last refresh failed moments ago; the old listing serves
+            self._start(prefix)
+
+    async def settled(self, prefix: str) -> None:
+        """Wait until no listing of ``prefix`` is running (tests, tools)."""
+        while (listing := self._inflight.get(prefix)) is not None:
+            await listing.done.wait()
+
+    # -- views -----------------------------------------------------------------
+    def view(self, prefix: str) -> View | None:
+        """What can be read of ``prefix`` now, without waiting: its complete listing
+        (scheduling a refresh when stale), the part of a first listing that has
+        arrived, or None."""
+        row = self._index.row(prefix)
+        if row is not None:
+            self._revalidate(prefix, row[1])
+            return View(row[0], None)
         listing = self._inflight.get(prefix)
-        if listing is None:
-            listing = self._inflight[prefix] = _Listing()
-            # Cleared before listing: an invalidate() that arrives while the listing
-            # runs must survive it (the listing may predate the change).
-            self._stale.discard(prefix)
-            try:
-                await trio.to_thread.run_sync(self.refresh_sync, prefix, limiter=self._limiter)
-            except Exception as exc:
-                self._stale.add(prefix)
-                if self.listed_at(prefix) is None:
-                    listing.error = exc
-                    raise
-                log.warning("refreshing the listing of %r failed (%s); serving the old one",
-                            prefix, exc)
-            finally:
-                del self._inflight[prefix]
-                listing.done.set()
-            return
-        await listing.done.wait()
-        if listing.error is not None and self.listed_at(prefix) is None:
+        if listing is not None and listing.version is not None:
+            return View(listing.version, listing.water)
+        return None
+
+    async def _wait(self, prefix: str) -> _Listing:
+        """Start (or join) the listing of ``prefix`` and wait for its next progress."""
+        listing = self._start(prefix)
+        await listing.progress.wait()
+        return listing
+
+    def _check(self, listing: _Listing, prefix: str) -> None:
+        if listing.error is not None and self.view(prefix) is None:
             raise listing.error
 
-    # -- listing (worker threads) -------------------------------------------------
-    def refresh_sync(self, prefix: str) -> int:
-        """List ``prefix`` from S3 and store it. Blocking: call from a worker thread."""
-        objects: list[ObjectInfo] = []
-        prefixes: list[str] = []
-        for page in list_dir(self._store, prefix):
-            objects.extend(page.objects)
-            prefixes.extend(page.prefixes)
-        metrics.METADATA_LISTINGS.inc()
-        skipped: Counter[str] = Counter()
-        entries = entries_from_listing(prefix, objects, prefixes, skipped)
-        for reason, n in skipped.items():
-            metrics.SKIPPED_KEYS.labels(reason).inc(n)
-            log.info("%s: skipped %d key(s) (%s)", prefix or "/", n, reason)
-        self._store_entries(prefix, entries)
-        return len(entries)
+    async def ensure(self, prefix: str) -> None:
+        """Return once ``prefix`` has a complete listing (at once if it has one, fresh or
+        stale). Raises StoreError when listing fails and no listing is known."""
+        while True:
+            v = self.view(prefix)
+            if v is not None and v.limit is None:
+                return
+            if self._store is None:
+                return  # a manifest mount: a directory it does not have is empty
+            listing = self._start(prefix)
+            await listing.done.wait()
+            self._check(listing, prefix)
+            if listing.error is not None:
+                return
 
-    def _store_entries(self, prefix: str, entries: list[Entry]) -> None:
-        pb = dir_key(prefix)
-        with self._env.write() as txn:
-            cur = txn.cursor(db=self._entries)
-            if cur.set_range(pb):
-                while cur.key().startswith(pb):
-                    if not cur.delete():
-                        break
-            cur.putmulti(((pb + e.name, _pack_entry(e)) for e in entries), append=False)
-            txn.put(pb, _DIR.pack(self._clock(), len(entries)), db=self._dirs)
+    async def lookup(self, prefix: str, name: bytes) -> Entry | None:
+        """The entry ``name`` of directory ``prefix``, waiting only while a first listing
+        has not reached it yet. Raises StoreError when listing fails and nothing is known."""
+        while True:
+            v = self.view(prefix)
+            if v is not None and (v.limit is None or name < v.limit):
+                return self._get(v.version, name)
+            if self._store is None:
+                return None
+            listing = await self._wait(prefix)
+            self._check(listing, prefix)
+            if listing.error is not None:
+                v = self.view(prefix)
+                return self._get(v.version, name) if v is not None else None
+
+    async def readable(self, prefix: str, after: bytes | None) -> View | None:
+        """A view of ``prefix`` with names after ``after`` to read, or with all of them
+        read (the end of the directory); waits while a first listing has nothing after
+        ``after`` yet. None: a manifest mount without this directory."""
+        while True:
+            v = self.view(prefix)
+            if v is not None and (v.limit is None or self._has_after(v, after)):
+                return v
+            if self._store is None:
+                return v
+            listing = await self._wait(prefix)
+            self._check(listing, prefix)
+            if listing.error is not None:
+                return self.view(prefix)
+
+    def _has_after(self, v: View, after: bytes | None) -> bool:
+        for _ in self._iter(v, after):
+            return True
+        return False
 
     async def find_file(self, key: str) -> Entry | None:
         """The entry of the object ``key`` (its directory listed if needed), or None when
         no file of that name is listed. Raises StoreError when listing fails."""
         parent = key[:key.rfind("/") + 1]
-        await self.ensure(parent)
-        entry = self.get(parent, key[len(parent):].encode())
+        entry = await self.lookup(parent, enc(key[len(parent):]))
         return None if entry is None or entry.is_dir else entry
 
     # -- queries (trio thread; no S3) ------------------------------------------
+    def _get(self, version: int, name: bytes) -> Entry | None:
+        return self._index.get(version, name)
+
     def get(self, prefix: str, name: bytes) -> Entry | None:
-        with self._env.read() as txn:
-            raw = txn.get(dir_key(prefix) + name, db=self._entries)
-        return None if raw is None else _unpack_entry(name, raw)
+        """``name`` in what is known of ``prefix`` now (no waiting, no S3)."""
+        v = self.view(prefix)
+        if v is None or (v.limit is not None and name >= v.limit):
+            return None
+        return self._get(v.version, name)
 
     def count(self, prefix: str) -> int:
-        with self._env.read() as txn:
-            raw = txn.get(dir_key(prefix), db=self._dirs)
-        return 0 if raw is None else int(_DIR.unpack(raw)[1])
+        row = self._index.row(prefix)
+        return 0 if row is None else row[2]
 
     def iter_entries(self, prefix: str, after: bytes | None = None) -> Iterator[Entry]:
-        """Entries of ``prefix`` in name order, starting after name ``after``."""
-        pb = dir_key(prefix)
-        start = pb + after if after is not None else pb
-        with self._env.read() as txn:
-            cur = txn.cursor(db=self._entries)
-            if not cur.set_range(start):
-                return
-            for key, raw in cur:
-                if not key.startswith(pb):
-                    return
-                name = key[len(pb):]
-                if after is not None and name == after:
-                    continue
-                yield _unpack_entry(name, raw)
+        """Entries of ``prefix`` known now, in name order, starting after name ``after``."""
+        v = self.view(prefix)
+        return iter(()) if v is None else self._iter(v, after)
+
+    def entries_in(self, v: View, after: bytes | None = None) -> Iterator[Entry]:
+        return self._iter(v, after)
+
+    def _iter(self, v: View, after: bytes | None) -> Iterator[Entry]:
+        return self._index.iter(v, after)
+
+    def resolve(self, ino: int) -> tuple[str, Entry] | None:
+        """(parent prefix, entry) of a listed inode, or None when that version of the
+        name is no longer listed (the object changed or is gone: ESTALE). A stale
+        listing answers at once and is refreshed in the background."""
+        found = self._index.inode(ino)
+        if found is None:
+            return None
+        pid, name, row = found
+        if row is not None:
+            version, listed_at, prefix = row
+            self._revalidate(prefix, listed_at)  # getattr/open of a stale listing
+        else:
+            listing = self._inflight_ids.get(pid)
+            if listing is None or listing.version is None:
+                return None
+            version, prefix = listing.version, listing.prefix
+        entry = self._index.get(version, name)
+        return (prefix, entry) if entry is not None and entry.ino == ino else None
+
+    # -- listing ahead ------------------------------------------------------------
+    def list_ahead(self, prefix: str) -> None:
+        """The walker is in ``prefix``: list its sub-directories ahead of it."""
+        if self._store is None or not self.list_ahead_workers:
+            return
+        row = self._index.row(prefix)
+        if row is None:  # listed (or being listed) for the walker: queue them when done
+            self._start(prefix).ahead = True
+            return
+        if row[3] == 0:
+            return
+        subdirs = []
+        for entry in self.iter_entries(prefix):
+            if entry.is_dir:
+                subdirs.append(prefix + entry.name.decode("utf-8", "surrogateescape") + "/")
+                if len(subdirs) >= row[3] or len(subdirs) >= AHEAD_QUEUE:
+                    break
+        self._queue_ahead(subdirs)
+
+    def _queue_ahead(self, subdirs: list[str]) -> None:
+        self._ahead.extend(reversed(subdirs))  # the first sub-directory is taken first
+        self._ahead_lot.unpark(count=len(subdirs))
+
+    async def _ahead_worker(self) -> None:
+        while True:
+            if not self._ahead:
+                await self._ahead_lot.park()
+                continue
+            prefix = self._ahead.pop()
+            if prefix in self._inflight or self.listed_at(prefix) is not None:
+                continue
+            listing = self._start(prefix)
+            await listing.done.wait()
+
+    # -- listing -----------------------------------------------------------------
+    def _start(self, prefix: str) -> _Listing:
+        listing = self._inflight.get(prefix)
+        if listing is not None:
+            return listing
+        if self._nursery is None:
+            raise RuntimeError("Metadata.run() is not running")
+        listing = self._inflight[prefix] = _Listing(prefix)
+        listing.tick = self._tick
+        self._inflight_ids[prefix_id(prefix)] = listing
+        self._nursery.start_soon(self._run_listing, listing)
+        return listing
+
+    async def _run_listing(self, listing: _Listing) -> None:
+        prefix = listing.prefix
+        try:
+            await self._list_ranges(listing)
+        except Exception as group:
+            exc = _leaf(group)
+            listing.error = exc
+            self._retry_after[prefix] = self._clock() + REFRESH_BACKOFF
+            if self.listed_at(prefix) is not None:
+                log.warning("refreshing the listing of %r failed (%s); serving the old one",
+                            prefix, exc)
+            else:
+                log.warning("listing %r failed: %s", prefix or "/", exc)
+        else:
+            # An invalidate() that arrived while this listing ran must survive it.
+            if self._stale.get(prefix, -1) <= listing.tick:
+                self._stale.pop(prefix, None)
+            self._retry_after.pop(prefix, None)
+        finally:
+            del self._inflight[prefix]
+            self._inflight_ids.pop(prefix_id(prefix), None)
+            listing.done.set()
+            listing.progress.set()
+        if listing.ahead and listing.error is None:
+            self._queue_ahead(listing.subdirs)
+        if listing.again and self._nursery is not None:
+            self._start(prefix)
+
+    async def _list_ranges(self, listing: _Listing) -> None:
+        """List ``listing.prefix`` into a new version: one key range, split into more
+        (listed at once, at most PARALLEL_RANGES) once it proves large."""
+        writer = VersionWriter(self._index, listing.prefix, self._clock)
+        state = _Ranges(writer)
+        try:
+            async with trio.open_nursery() as nursery:
+                sem = trio.Semaphore(PARALLEL_RANGES)
+
+                async def run(r: _Range) -> None:
+                    async with sem:
+                        await trio.to_thread.run_sync(self._range_sync, listing, state, r,
+                                                      limiter=self._limiter)
+
+                def schedule(after: _Range, new: list[_Range]) -> None:  # trio thread
+                    i = state.ranges.index(after) + 1
+                    state.ranges[i:i] = new
+                    for nr in new:
+                        nursery.start_soon(run, nr)
+
+                state.schedule = schedule
+                nursery.start_soon(run, state.ranges[0])
+            if not writer.final:
+                await trio.to_thread.run_sync(writer.finish)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(writer.abandon)
+            raise
+        metrics.METADATA_LISTINGS.inc()
+        for reason, n in writer.skipped.items():
+            metrics.SKIPPED_KEYS.labels(reason).inc(n)
+            log.info("%s: skipped %d key(s) (%s)", listing.prefix or "/", n, reason)
+        listing.subdirs = writer.subdirs
+        listing.version = writer.version
+
+    def _progress(self, listing: _Listing, state: _Ranges) -> None:
+        """(trio thread) Pages of ``listing`` were committed: names below the first
+        unfinished range's progress are complete."""
+        water = _ALL
+        for r in state.ranges:
+            if not r.done:
+                bound = r.written or r.after
+                water = watermark(listing.prefix, bound) if bound else b""
+                break
+        listing.version, listing.water = state.writer.version, water
+        event, listing.progress = listing.progress, trio.Event()
+        event.set()
+
+    def _range_sync(self, listing: _Listing, state: _Ranges, r: _Range) -> None:
+        """List the key range ``r`` of ``listing.prefix`` page by page, writing as it goes.
+        Worker thread. After SPLIT_AFTER_ENTRIES entries with more to come, the rest of
+        the range is split at guessed points and handed to the trio thread to list at once."""
+        assert self._store is not None
+        prefix = listing.prefix
+        writer = state.writer
+        token: str | None = None
+        listed = 0
+        batch: list[Entry] = []
+        last_key: bytes | None = None
+        while True:
+            page = self._store.list_page(prefix, token, r.after if token is None else None)
+            split_now = listed < SPLIT_AFTER_ENTRIES <= listed + len(page.objects) + len(page.prefixes)
+            listed += len(page.objects) + len(page.prefixes)
+            lo, hi = r.after, r.end
+            objects = [o for o in page.objects
+                       if (lo is None or o.key > lo) and (hi is None or o.key <= hi)]
+            prefixes = [p for p in page.prefixes
+                        if (lo is None or p > lo) and (hi is None or p <= hi)]
+            texts = [t for t in (page.objects[-1].key if page.objects else None,
+                                 page.prefixes[-1] if page.prefixes else None) if t]
+            beyond = hi is not None and any(t > hi for t in texts)
+            with writer.lock:
+                batch += entries_from_listing(prefix, objects, prefixes, writer.skipped)
+            within = [t for t in texts if hi is None or t <= hi]
+            if within:
+                r.last = max(within)
+                if r.first is None:
+                    r.first = min(([objects[0].key] if objects else [])
+                                  + ([prefixes[0]] if prefixes else []) or within)
+            more = page.next_token is not None and not beyond
+            if more and split_now and r.last is not None and r.first is not None:
+                points = split_points(prefix, r.first, r.last, hi)
+                if points:
+                    bounds = [*points, hi]
+                    new = [_Range(points[i], bounds[i + 1]) for i in range(len(points))]
+                    r.end = points[0]
+                    state.split = True
+                    trio.from_thread.run_sync(state.schedule, r, new)
+            if not more:
+                break
+            token = page.next_token
+            if len(batch) >= FLUSH_ENTRIES:
+                last_key = writer.write(batch, last_key)
+                batch = []
+                r.written = r.last
+                trio.from_thread.run_sync(self._progress, listing, state)
+        if not state.split and writer.version is None:
+            writer.write(batch, last_key, final=True)  # one range, one transaction
+        else:
+            writer.write(batch, last_key)
+        r.done = True
+        trio.from_thread.run_sync(self._progress, listing, state)
+
+    def refresh_sync(self, prefix: str) -> int:
+        """List ``prefix`` now and store it in one transaction (no streaming). Blocking:
+        worker threads and tools only."""
+        assert self._store is not None
+        writer = VersionWriter(self._index, prefix, self._clock)
+        try:
+            batch: list[Entry] = []
+            for page in list_dir(self._store, prefix):
+                batch += entries_from_listing(prefix, page.objects, page.prefixes, writer.skipped)
+            writer.write(batch, final=True)
+        except BaseException:
+            writer.abandon()
+            raise
+        metrics.METADATA_LISTINGS.inc()
+        for reason, n in writer.skipped.items():
+            metrics.SKIPPED_KEYS.labels(reason).inc(n)
+        return writer.count
+
+@dataclasses.dataclass(eq=False)
+class _Range:
+    """Keys of one directory in (after, end] (None: unbounded), listed by one thread."""
+
+    after: str | None = None
+    end: str | None = None
+    first: str | None = None  # the first key or common prefix listed
+    last: str | None = None  # the greatest key or common prefix listed so far
+    written: str | None = None  # ... and committed to LMDB (readers may see up to it)
+    done: bool = False
+
+
+class _Ranges:
+    """The key ranges of one listing, in key order (the list is changed on the trio
+    thread only; a range's fields by the thread listing it)."""
+
+    def __init__(self, writer: VersionWriter) -> None:
+        self.writer = writer
+        self.ranges = [_Range()]
+        self.split = False
+        self.schedule: Callable[[_Range, list[_Range]], None] = lambda r, new: None
+
+
+_CLASSES = ("0123456789", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def split_points(prefix: str, first: str, last: str, end: str | None, levels: int = 3) -> list[str]:
+    """Guessed points splitting the keys of ``prefix`` in (``last``, ``end``] into ranges,
+    from the keys ``first`` .. ``last`` listed so far.
+
+    At the first position where ``first`` and ``last`` differ, and at the ``levels - 1``
+    positions before it, each greater character of the same class (digit, upper, lower
+    case) starts a range: after ``f0000000`` .. ``f0001999`` come ``f0002`` ...
+    ``f0009``, ``f001`` ... ``f009``, ``f01`` ... ``f09``, and the rest is one range.
+    Keys are often numbered, so the ranges grow geometrically, and each one that proves
+    large splits again. Any key falls in some range whatever the guess: a bad guess
+    costs requests (an empty range is one LIST), never a missed key.
+    """
+    a, z = first[len(prefix):], last[len(prefix):]
+    vary = next((i for i, (x, y) in enumerate(zip(a, z, strict=False)) if x != y), min(len(a), len(z)))
+    points: set[str] = set()
+    for j in range(min(vary, len(z) - 1), max(-1, vary - levels), -1):
+        ch = z[j]
+        for cls in _CLASSES:
+            i = cls.find(ch)
+            if i >= 0:
+                points.update(prefix + z[:j] + c for c in cls[i + 1:])
+                break
+    return sorted(p for p in points if p > last and (end is None or p < end))
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups of a listing's nursery."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

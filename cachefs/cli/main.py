@@ -116,10 +116,67 @@ def build_parser() -> argparse.ArgumentParser:
                       help="capacity of the shared cache tier (default: the whole dataset)")
     plan.add_argument("--json", action="store_true")
 
+    manifest = sub.add_parser("manifest", help="write a manifest of a bucket prefix "
+                              "(for 'cachefs mount --manifest')")
+    msub = manifest.add_subparsers(dest="manifest_command", required=True, parser_class=_Parser)
+    export = msub.add_parser("export", help="list s3://BUCKET/PREFIX (in parallel) to stdout",
+                             description="List every object under s3://BUCKET/PREFIX, many "
+                             "directories at once, and write key,size,etag,mtime rows to "
+                             "stdout (CSV with a header, or JSON lines).")
+    export.add_argument("source", help="s3://BUCKET[/PREFIX]")
+    export.add_argument("--endpoint-url", metavar="URL")
+    export.add_argument("--region", metavar="REGION")
+    export.add_argument("--no-sign-request", action="store_true")
+    export.add_argument("--parallel", type=int, default=16, metavar="N",
+                        help="directories listed at once (default 16)")
+    export.add_argument("--format", default="csv", choices=("csv", "jsonl"),
+                        help="csv (default) or jsonl")
+
     status = sub.add_parser("status", help="show cachefs mounts on this node")
     status.add_argument("mountpoint", nargs="?")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
+    """(options taking one value, every option string) of ``parser`` and its subcommands."""
+    valued: set[str] = set()
+    every: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                v, e = _option_strings(sub)
+                valued |= v
+                every |= e
+            continue
+        every.update(action.option_strings)
+        if action.option_strings and action.nargs is None:
+            valued.update(action.option_strings)
+    return valued, every
+
+
+def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--cache-size -5G`` -> ``--cache-size=-5G``. argparse takes a value that starts with
+    '-' (and is not a plain negative number) for an option and fails with "expected one
+    argument"; joined, the value reaches its parser, which says what is wrong with it. A
+    following token that is itself an option of the command line is left alone."""
+    valued, every = _option_strings(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            out += argv[i:]
+            break
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (token in valued and nxt is not None and nxt.startswith("-") and nxt != "--"
+                and nxt.split("=", 1)[0] not in every):
+            out.append(f"{token}={nxt}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
@@ -169,16 +226,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
     """Start ``cachefs mount --foreground`` detached; return once it is live or failed."""
-    from cachefs.daemon import check_mountpoint, prepare_cache_dir
+    from cachefs.startup import check_mountpoint, open_private, prepare_cache_dir
 
-    check_mountpoint(cfg.mountpoint)  # fail fast, in this process, on the common errors
-    prepare_cache_dir(cfg.cache_dir, cfg.cache_size)
+    # Fail fast, in this process, on the common errors. A dead cachefs mount at the mount
+    # point is left to the daemon, which detaches it (and logs and counts that).
+    check_mountpoint(cfg.mountpoint, clean_dead=False)
+    prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=False)
     log_path = Path(cfg.log_file) if cfg.log_file else cfg.cache_dir / "cachefs.log"
     read_end, write_end = os.pipe()
     env = dict(os.environ, **{READY_FD_ENV: str(write_end)})
     argv = [sys.executable, "-m", "cachefs", *argv_in, "--foreground"]
-    try:
-        log_file = open(log_path, "ab")
+    try:  # the log names keys and paths: private to the mounting user, like the cache
+        log_file = os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
     except OSError as exc:
         raise ConfigError(f"cannot open log file {log_path}: {exc.strerror}") from None
     with log_file:
@@ -195,7 +254,10 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
         print(f"cachefs: {message}", file=sys.stderr)
         return child.returncode or 1
     if not message:
-        code = child.poll()
+        try:  # the pipe closes as the child exits: give it a moment to be reaped
+            code: int | None = child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
         if code is None:
             print(f"cachefs: error: the daemon did not become ready within {START_TIMEOUT:.0f}s; "
                   f"see {log_path}", file=sys.stderr)
@@ -278,7 +340,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status_main(args.mountpoint, as_json=args.json)
 
 
-SUBCOMMANDS = ("mount", "unmount", "umount", "status", "warm", "probe", "plan")
+SUBCOMMANDS = ("mount", "unmount", "umount", "status", "warm", "probe", "plan", "manifest")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(mount_helper_main(argv) or 0)
     parser = build_parser()
+    argv = join_dash_values(parser, argv)
     args = parser.parse_args(argv)
     args.argv = argv
     try:
@@ -304,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             from cachefs.cli.probe import probe_main
 
             return probe_main(args)
+        if args.command == "manifest":
+            from cachefs.cli.manifest import export_main
+
+            return export_main(args)
         if args.command == "plan":
             from cachefs.cli.plan import plan_main
 

@@ -81,10 +81,31 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         "tier_read_bytes": {k: int(v) for k, v in tiers.get("read_bytes", {}).items()},
         "tier_loads": {k: int(v) for k, v in tiers.get("loads", {}).items()},
         "shared": _shared(info.get("shared"), stats, tiers),
+        "dead_mounts_cleaned": int(stats.get("cachefs_dead_mounts_cleaned_total", 0)),
+        "background_errors": int(stats.get("cachefs_background_errors_total", 0)),
+        "background_errors_by_task": {k: int(v) for k, v in
+                                      info.get("background_errors", {}).items() if v},
+        "control_rejected": int(stats.get("cachefs_control_rejected_total", 0)),
+        "control_rejected_by_reason": {k: int(v) for k, v in
+                                       info.get("control_rejected", {}).items() if v},
         "metrics_addr": info.get("metrics_addr"),
         "uptime_seconds": max(0.0, now - float(info.get("started_at", now))),
         "stats_age_seconds": max(0.0, now - float(info.get("updated_at", now))),
     }
+
+
+def _faults(r: dict[str, Any]) -> str:
+    """What an on-call engineer looks for: crashes recovered from, housekeeping errors
+    (see the log), refused control-socket requests (other users, junk)."""
+    def detail(counts: dict[str, int]) -> str:
+        return " (" + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ")" if counts else ""
+
+    parts = [f"{r['background_errors']} background errors{detail(r['background_errors_by_task'])}",
+             f"{r['control_rejected']} control requests refused"
+             f"{detail(r['control_rejected_by_reason'])}"]
+    if r["dead_mounts_cleaned"]:
+        parts.append("started over a dead mount (the previous daemon was killed)")
+    return ", ".join(parts)
 
 
 def status_main(mountpoint: str | None, *, as_json: bool) -> int:
@@ -118,6 +139,7 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
               f"({r['s3_errors']} errors)")
         print(f"  now     {r['inflight_fetches']} fetches in flight, "
               f"{format_size(r['inflight_bytes'])} buffered{warm}")
+        print(f"  faults  {_faults(r)}")
         by_tier = r["tier_read_bytes"]
         if any(by_tier.values()):
             parts = [f"{name} {format_size(by_tier.get(name, 0))}"

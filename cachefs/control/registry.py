@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+#: mountinfo types of a cachefs mount (pyfuse3 mounts with subtype=cachefs).
+FS_TYPES = ("fuse.cachefs", "cachefs")
+
 
 def runtime_dir() -> Path:
     if os.geteuid() == 0:
@@ -48,19 +51,38 @@ def unregister(mountpoint: Path) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent,
+    does not)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in (b"Z", b"X")
+
+
+def entry(mountpoint: Path) -> dict[str, Any] | None:
+    """The registry entry of ``mountpoint`` as written, even if its daemon is gone
+    (a daemon killed with SIGKILL leaves its entry behind)."""
+    try:
+        info = json.loads(_entry_path(mountpoint).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def lookup(mountpoint: Path) -> dict[str, Any] | None:
-    try:
-        info: dict[str, Any] = json.loads(_entry_path(mountpoint).read_text())
-    except (OSError, ValueError):
+    """The entry of ``mountpoint`` if its daemon is running."""
+    info = entry(mountpoint)
+    if info is None:
         return None
     return info if pid_alive(int(info.get("pid", 0))) else None
 
@@ -90,7 +112,7 @@ def cachefs_mounts() -> dict[str, str]:
                 left, _, right = line.partition(" - ")
                 fields = left.split()
                 fstype = right.split()[0] if right else ""
-                if fstype in ("fuse.cachefs", "cachefs"):
+                if fstype in FS_TYPES:
                     mounts[_unescape(fields[4])] = fstype
     except OSError:
         pass
@@ -99,13 +121,29 @@ def cachefs_mounts() -> dict[str, str]:
 
 def mount_device(mountpoint: Path) -> str | None:
     """``major:minor`` of the file system mounted at ``mountpoint`` (from mountinfo)."""
+    found = _top_mount(mountpoint)
+    return None if found is None else found[0]
+
+
+def mount_type(mountpoint: Path) -> str | None:
+    """File system type of the top-most mount at exactly ``mountpoint`` (``fuse.cachefs``,
+    ``tmpfs``...), or None when nothing is mounted there. Reads only mountinfo: a stat of a
+    mount point whose FUSE daemon died may fail (ENOTCONN) or succeed from cached attributes,
+    so it cannot tell."""
+    found = _top_mount(mountpoint)
+    return None if found is None else found[1]
+
+
+def _top_mount(mountpoint: Path) -> tuple[str, str] | None:
     found = None
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
-                fields = line.split()
-                if _unescape(fields[4]) == str(mountpoint):
-                    found = fields[2]  # the last match is the top-most mount
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) > 4 and _unescape(fields[4]) == str(mountpoint):
+                    # the last match is the top-most mount
+                    found = (fields[2], right.split()[0] if right else "")
     except OSError:
         return None
     return found

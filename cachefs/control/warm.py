@@ -25,6 +25,7 @@ object at a time. All belong to the nursery of :func:`warm`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -39,6 +40,11 @@ from cachefs.read.shared import SharedTier
 
 log = logging.getLogger(__name__)
 
+WALK_CHUNK = 256  # directory entries read per index snapshot
+# Failures kept for the final report (the rest are counted): a million missing objects must
+# not grow the daemon.
+MAX_FAILURES_KEPT = 1000
+
 
 @dataclasses.dataclass
 class WarmProgress:
@@ -51,11 +57,17 @@ class WarmProgress:
     listing_done: bool = False
     shard: tuple[int, int] | None = None
     failed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    failed_count: int = 0
+
+    def fail(self, path: str, message: str) -> None:
+        self.failed_count += 1
+        if len(self.failed) < MAX_FAILURES_KEPT:
+            self.failed.append((path, message))
 
     def as_dict(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         d["failed"] = [list(f) for f in self.failed[:100]]
-        d["failed_count"] = len(self.failed)
+        d["failed_count"] = self.failed_count
         return d
 
 
@@ -85,16 +97,25 @@ async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
             while stack:
                 d = stack.pop()
                 await metadata.ensure(d)
+                metadata.list_ahead(d)  # the walk's next directories are listed meanwhile
                 subdirs = []
-                for entry in metadata.iter_entries(d):
-                    name = entry.name.decode()
-                    if entry.is_dir:
-                        subdirs.append(d + name + "/")
-                        continue
-                    obj = ObjectVersion(d + name, entry.etag, entry.size)
-                    progress.objects_total += 1
-                    progress.bytes_total += weigh(obj)
-                    await send.send(((d + name)[len(root):], obj))
+                after: bytes | None = None
+                while True:
+                    # A chunk per index snapshot: a million files stream through with flat
+                    # memory, and no read transaction stays open across the sends.
+                    chunk = list(itertools.islice(metadata.iter_entries(d, after), WALK_CHUNK))
+                    if not chunk:
+                        break
+                    after = chunk[-1].name
+                    for entry in chunk:
+                        name = entry.name.decode("utf-8", "surrogateescape")
+                        if entry.is_dir:
+                            subdirs.append(d + name + "/")
+                            continue
+                        obj = ObjectVersion(d + name, entry.etag, entry.size)
+                        progress.objects_total += 1
+                        progress.bytes_total += weigh(obj)
+                        await send.send(((d + name)[len(root):], obj))
                 stack.extend(reversed(subdirs))
     progress.listing_done = True
 
@@ -161,7 +182,7 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
         async with receive:
             async for rel, obj in receive:
                 if obj is None:
-                    progress.failed.append((rel, "no such file or directory"))
+                    progress.fail(rel, "no such file or directory")
                     continue
                 try:
                     unpublished = 0
@@ -186,7 +207,7 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                     progress.objects_done += 1
                     metrics.WARM_OBJECTS_DONE.inc()
                 except CachefsError as exc:
-                    progress.failed.append((rel, str(exc)))
+                    progress.fail(rel, str(exc))
                     log.warning("warm: %s failed: %s", rel, exc)
 
     accounted = 0  # bytes of this job added to the warm-target gauge
@@ -216,5 +237,5 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
     finally:
         metrics.WARM_BYTES_TOTAL.dec(accounted)
     if check:  # objects are "done" when every block is cached
-        progress.objects_done = progress.objects_total - len(progress.failed)
+        progress.objects_done = progress.objects_total - progress.failed_count
     return progress

@@ -41,6 +41,7 @@ from typing import Protocol
 import trio
 
 from cachefs import metrics
+from cachefs.background import contained
 from cachefs.cache.blocks import BlockCache, block_id, block_id_at, object_id
 from cachefs.errors import TransientStoreError
 from cachefs.read.budget import MemoryBudget
@@ -313,7 +314,12 @@ class Fetcher:
                 # memory meanwhile, it must still not be fetched a second time.
                 try:
                     for tier in self.tiers[:found_at]:
-                        await tier.put(ref, data)  # type: ignore[arg-type]
+                        # Readers already have the block: a failed write-back (even a bug)
+                        # costs a refetch later, never the fetcher's nursery
+                        # (cachefs.background).
+                        with contained("cache_write", f"writing a fetched block to the "
+                                       f"{tier.name} tier"):
+                            await tier.put(ref, data)  # type: ignore[arg-type]
                 finally:
                     del self._flights[bid]
                     flight.settled.set()

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from cachefs.background import report
 from cachefs.cache.metadata import Metadata
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
@@ -96,8 +97,8 @@ class ReadOrder:
             self._wake = trio.Event()
             try:
                 await self._top_up()
-            except Exception:  # a bad hint must never take the daemon down
-                log.exception("read-order prefetch failed; dropping the hint")
+            except Exception as exc:  # a bad hint must never take the daemon down
+                report("read_order", exc, "prefetching hinted files; the hint is dropped")
                 self.set_order([])
 
     def _bytes_ahead(self) -> int:

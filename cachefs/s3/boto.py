@@ -1,6 +1,7 @@
-"""An :class:`~cachefs.s3.store.ObjectStore` on boto3 (listings, HEAD, the mount probe).
+"""An :class:`~cachefs.s3.store.ObjectStore` on boto3 (HEAD, the mount probe).
 
-GETs take the lean data path (:mod:`cachefs.s3.ranges`, see there for why);
+GETs and listings take the lean path (:mod:`cachefs.s3.ranges`, see there and
+:mod:`cachefs.s3.listxml` for why);
 boto3/botocore stays inside this package.
 """
 
@@ -86,29 +87,22 @@ class S3Store:
         finally:
             metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
 
-    def list_page(self, prefix: str, token: str | None) -> ListPage:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/"}
-        if token:
-            kwargs["ContinuationToken"] = token
-        resp = self._call("list", self._client.list_objects_v2, **kwargs)
-        objects = [
-            ObjectInfo(
-                key=o["Key"],
-                size=int(o["Size"]),
-                etag=_strip_etag(o.get("ETag", "")),
-                mtime=o["LastModified"].timestamp(),
-            )
-            for o in resp.get("Contents", ())
-        ]
-        prefixes = [p["Prefix"] for p in resp.get("CommonPrefixes", ())]
-        next_token = resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
-        return ListPage(objects, prefixes, next_token or None)
+    def list_page(self, prefix: str, token: str | None,
+                  start_after: str | None = None) -> ListPage:
+        # The lean client: signed like the GETs, parsed by ElementTree's C accelerator
+        # (cachefs.s3.listxml has the numbers against botocore's parser).
+        return self._ranges.list_page(prefix, token, start_after=start_after)
 
     def probe(self, prefix: str) -> None:
         """One cheap request (a one-key listing) proving the bucket exists and the
         credentials may list it. Raises the errors of list_page."""
         self._call("list", self._client.list_objects_v2, Bucket=self.bucket, Prefix=prefix,
                    MaxKeys=1)
+
+    def probe_bucket(self) -> None:
+        """HeadBucket: the bucket exists and the credentials are accepted, without a
+        listing (manifest mounts never list). Raises the errors of list_page."""
+        self._call("head", self._client.head_bucket, Bucket=self.bucket)
 
     def head(self, key: str) -> ObjectInfo:
         resp = self._call("head", self._client.head_object, Bucket=self.bucket, Key=key)

@@ -43,10 +43,12 @@ class MemoryStore:
         if self.fault is not None:
             self.fault(op, key)
 
-    def list_page(self, prefix: str, token: str | None) -> ListPage:
+    def list_page(self, prefix: str, token: str | None,
+                  start_after: str | None = None) -> ListPage:
         self._count("list", prefix)
         with self._lock:
-            keys = sorted(k for k in self._objects if k.startswith(prefix))
+            keys = sorted(k for k in self._objects if k.startswith(prefix)
+                          and (start_after is None or k > start_after))
             infos = {k: self._objects[k][1] for k in keys}
         entries: list[tuple[str, ObjectInfo | None]] = []
         seen_prefixes: set[str] = set()
@@ -60,12 +62,13 @@ class MemoryStore:
                     entries.append((p, None))
             else:
                 entries.append((k, infos[k]))
-        start = int(token) if token else 0
-        chunk = entries[start:start + self.page_size]
-        more = start + self.page_size < len(entries)
+        if token:  # the last entry of the previous page, as S3's tokens resume
+            entries = [e for e in entries if e[0] > token]
+        chunk = entries[:self.page_size]
+        more = len(entries) > self.page_size
         return ListPage([info for _, info in chunk if info is not None],
                         [p for p, info in chunk if info is None],
-                        str(start + self.page_size) if more else None)
+                        chunk[-1][0] if more else None)
 
     def head(self, key: str) -> ObjectInfo:
         self._count("head", key)

@@ -5,8 +5,10 @@ Why not boto3 for GETs: measured on this project's machines, a boto3
 event hooks, response parsing) against ~0.8 ms for the same request signed
 with botocore's SigV4 signer and sent on a kept-alive ``http.client``
 connection (awscrt's S3 client: ~1.0 ms). For datasets of small files the
-daemon's CPU per file is the limit on 2 cores, so GETs take the lean path;
-listings and probes stay on boto3 (:mod:`cachefs.s3.boto`). See
+daemon's CPU per file is the limit on 2 cores, so GETs take the lean path,
+and so do listings (:func:`RangeClient.list_page`, parsed by
+:mod:`cachefs.s3.listxml`); HEAD and the mount probe stay on boto3
+(:mod:`cachefs.s3.boto`). See
 benchmarks/RESULTS.md for the numbers.
 
 Thread-safety: a :class:`RangeClient` is shared by worker threads; each
@@ -39,6 +41,8 @@ from cachefs.errors import (
     TransientStoreError,
 )
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
+from cachefs.s3.listxml import parse_list_page
+from cachefs.s3.store import ListPage
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
 
@@ -109,12 +113,11 @@ class RangeClient:
             S3SigV4Auth(frozen, "s3", self._region).add_auth(request)
         return {k: v for k, v in request.headers.items()}
 
-    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of version ``etag`` of ``key``. Raises cachefs errors only."""
-        path = self._path_prefix + "/" + urllib.parse.quote(key, safe="/~")
-        headers = self._headers(path, {"Range": f"bytes={start}-{end - 1}",
-                                       "If-Match": f'"{etag}"' if etag else "*"})
-        metrics.S3_REQUESTS.labels("get").inc()
+    def _request(self, op: str, path: str, headers: dict[str, str],
+                 where: str) -> tuple[int, bytes, str]:
+        """Send one signed GET; returns (status, body, ETag header). Counts the request and
+        its latency under ``op``; a connection failure is a TransientStoreError."""
+        metrics.S3_REQUESTS.labels(op).inc()
         t0 = time.monotonic()
         conn: http.client.HTTPConnection | None = None
         try:
@@ -126,27 +129,37 @@ class RangeClient:
             got_etag = (resp.getheader("ETag") or "").strip('"')
             reusable = not resp.will_close
         except StoreError as exc:
-            metrics.S3_ERRORS.labels("get", type(exc).__name__).inc()
+            metrics.S3_ERRORS.labels(op, type(exc).__name__).inc()
             raise
         except (OSError, http.client.HTTPException) as exc:
             if conn is not None:
                 conn.close()
-            transient = TransientStoreError(f"s3://{self.bucket}/{key}: connection problem: "
-                                            f"{exc!r}")
-            metrics.S3_ERRORS.labels("get", "TransientStoreError").inc()
+            transient = TransientStoreError(f"{where}: connection problem: {exc!r}")
+            metrics.S3_ERRORS.labels(op, "TransientStoreError").inc()
             raise transient from exc
         finally:
-            metrics.S3_LATENCY.labels("get").observe(time.monotonic() - t0)
+            metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
         if reusable:
             self._release(conn)
         else:
             conn.close()
+        return status, body, got_etag
+
+    def _fail(self, op: str, status: int, body: bytes, key: str | None) -> StoreError:
+        err = self._error(status, body, key)
+        metrics.S3_ERRORS.labels(op, type(err).__name__).inc()
+        if isinstance(err, TransientStoreError) and err.throttled:
+            metrics.S3_THROTTLES.labels(op).inc()
+        return err
+
+    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of version ``etag`` of ``key``. Raises cachefs errors only."""
+        path = self._path_prefix + "/" + urllib.parse.quote(key, safe="/~")
+        headers = self._headers(path, {"Range": f"bytes={start}-{end - 1}",
+                                       "If-Match": f'"{etag}"' if etag else "*"})
+        status, body, got_etag = self._request("get", path, headers, f"s3://{self.bucket}/{key}")
         if status not in (200, 206):
-            err = self._error(status, body, key)
-            metrics.S3_ERRORS.labels("get", type(err).__name__).inc()
-            if isinstance(err, TransientStoreError) and err.throttled:
-                metrics.S3_THROTTLES.labels("get").inc()
-            raise err
+            raise self._fail("get", status, body, key)
         if etag and got_etag and got_etag != etag:
             metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
             raise ObjectChanged(f"s3://{self.bucket}/{key} changed (ETag {got_etag}, "
@@ -160,7 +173,29 @@ class RangeClient:
         metrics.S3_BYTES.inc(len(body))
         return body
 
-    def _error(self, status: int, body: bytes, key: str) -> StoreError:
+    def list_page(self, prefix: str, token: str | None, *, delimiter: str = "/",
+                  max_keys: int = 1000, start_after: str | None = None) -> ListPage:
+        """One page of ListObjectsV2, parsed by :mod:`cachefs.s3.listxml` (see there for
+        why not boto3). Raises cachefs errors only."""
+        params = {"list-type": "2", "prefix": prefix, "encoding-type": "url",
+                  "max-keys": str(max_keys)}
+        if delimiter:
+            params["delimiter"] = delimiter
+        if token:
+            params["continuation-token"] = token
+        if start_after:
+            params["start-after"] = start_after
+        # SigV4 signs the query as sent: strict RFC 3986 encoding, sorted names.
+        query = "&".join(f"{k}={urllib.parse.quote(v, safe='-_.~')}"
+                         for k, v in sorted(params.items()))
+        path = (self._path_prefix or "") + "/?" + query
+        headers = self._headers(path, {})
+        status, body, _ = self._request("list", path, headers, f"s3://{self.bucket}/{prefix}")
+        if status != 200:
+            raise self._fail("list", status, body, None)
+        return parse_list_page(body)
+
+    def _error(self, status: int, body: bytes, key: str | None) -> StoreError:
         m = _CODE_RE.search(body)
         code = m.group(1).decode(errors="replace") if m else ""
         return error_for_response(status, code, self.bucket, key, f"HTTP {status}")

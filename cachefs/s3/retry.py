@@ -52,9 +52,10 @@ class RetryingStore:
                 self._sleep(delay)
         raise AssertionError("unreachable")
 
-    def list_page(self, prefix: str, token: str | None) -> ListPage:
+    def list_page(self, prefix: str, token: str | None,
+                  start_after: str | None = None) -> ListPage:
         return self._retry(  # type: ignore[no-any-return]
-            "list", lambda: self.inner.list_page(prefix, token))
+            "list", lambda: self.inner.list_page(prefix, token, start_after))
 
     def head(self, key: str) -> ObjectInfo:
         return self._retry("head", lambda: self.inner.head(key))  # type: ignore[no-any-return]

@@ -1,0 +1,270 @@
+"""Start-up checks of the two local paths: the mount point and the cache directory.
+
+Mount point (:func:`check_mountpoint`): it must exist, be an empty directory
+and hold no mount, with one exception: a *dead cachefs mount*, left behind
+when a daemon was killed (SIGKILL, OOM killer). Readers of such a mount get
+ENOTCONN, and without this check every restart would fail with "already a
+mount point" (a restart loop under systemd's ``Restart=``). It is recognised
+from mountinfo (type ``fuse.cachefs`` at exactly this path), never from a stat
+alone (a stat of the mount point may succeed from attributes the kernel
+cached), and confirmed by both
+
+* the daemon being gone: the runtime registry's pid for this mount point is
+  dead or there is no entry, and
+* the mount not answering: ``statvfs`` (never answered from a cache) fails
+  with ENOTCONN, or gets no answer within :data:`PROBE_TIMEOUT` while the
+  registered daemon is gone.
+
+It is then detached (lazy unmount: readers still inside get errors, new
+lookups see the directory below), with one log line, and the mount proceeds;
+the cache directory is reused. A live cachefs mount, one that does not answer
+while its daemon runs, and any other file system are refused with one line.
+
+Cache directory (:func:`prepare_cache_dir`, :func:`lock_cache_dir`): created
+0700 and kept so (it holds cached object bytes and key names, which the
+mount's own permissions may hide from other local users); an existing
+directory with wider modes, and the files cachefs keeps at its top (index,
+lock, log), are tightened with one log line. Files cachefs creates in it are
+created 0600 whatever the umask (``os.open`` modes can only be narrowed by the
+umask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from cachefs import metrics
+from cachefs.config import format_size
+from cachefs.control import registry
+from cachefs.errors import CacheError, ConfigError
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 3.0  # seconds a mount at the mount point has to answer statvfs
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+# -- mount point ------------------------------------------------------------------------
+def check_mountpoint(path: Path, *, clean_dead: bool = True) -> bool:
+    """Check the mount point (see the module docstring). Returns True when a dead cachefs
+    mount was detached. With ``clean_dead=False`` (the ``cachefs mount`` parent, which
+    leaves the cleaning and its log line to the daemon) a dead mount is accepted as is
+    and True is returned without touching it."""
+    cleaned = False
+    for _ in range(8):  # mounts can be stacked; each round removes the top-most dead one
+        fstype = registry.mount_type(_canonical(path))
+        if fstype is None:
+            break
+        if fstype not in registry.FS_TYPES:
+            raise ConfigError(f"mount point {path} is already a mount point ({fstype})")
+        pid = _registered_pid(path)
+        state = _mount_state(path, pid)
+        if state == "live":
+            owner = f" (daemon pid {pid})" if pid and registry.pid_alive(pid) else ""
+            raise ConfigError(f"mount point {path} is already a live cachefs mount{owner}: "
+                              f"unmount it first ('cachefs unmount {path}')")
+        if state == "hung":
+            raise ConfigError(f"mount point {path} holds a cachefs mount that does not answer "
+                              f"and whose daemon (pid {pid}) still runs: stop it, or run "
+                              f"'cachefs unmount --lazy {path}'")
+        if not clean_dead:
+            return True
+        _detach(path)
+        metrics.DEAD_MOUNTS_CLEANED.inc()
+        gone = f"daemon pid {pid} is gone" if pid else "no daemon is registered for it"
+        log.warning("mount point %s held a dead cachefs mount (%s); detached it (lazy "
+                    "unmount) and mounting again", path, gone)
+        cleaned = True
+    else:
+        raise ConfigError(f"mount point {path}: too many stacked mounts")
+    _check_empty_dir(path)
+    return cleaned
+
+
+def _canonical(path: Path) -> Path:
+    """``path`` with its parent's symlinks resolved, as mountinfo names it. The mount point
+    itself is not touched (a dead FUSE mount may answer ENOTCONN)."""
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
+def _registered_pid(path: Path) -> int:
+    info = registry.entry(path)
+    try:
+        return int(info.get("pid", 0)) if info else 0
+    except (TypeError, ValueError):
+        return 0
+
+
+def _mount_state(path: Path, pid: int) -> str:
+    """"live", "dead" or "hung" for a cachefs mount at ``path`` registered to ``pid``."""
+    daemon_gone = not pid or not registry.pid_alive(pid)
+    answer = _probe(path, PROBE_TIMEOUT)
+    if answer == "ok":
+        return "live"
+    if answer == errno.ENOTCONN or answer == errno.ECONNABORTED:
+        return "dead"
+    if answer == "timeout":
+        return "dead" if daemon_gone else "hung"
+    # EACCES and the like: someone's daemon answered (another user's mount without
+    # allow_other answers root with EACCES).
+    return "live"
+
+
+def _probe(path: Path, timeout: float) -> str | int:
+    """statvfs ``path`` in a helper thread: "ok", "timeout" or the errno. A request to a
+    FUSE mount whose connection still exists but nobody serves would block for ever, so
+    the thread is a daemon thread and is abandoned after ``timeout``."""
+    result: dict[str, str | int] = {}
+
+    def run() -> None:
+        try:
+            os.statvfs(path)
+            result["answer"] = "ok"
+        except OSError as exc:
+            result["answer"] = exc.errno or errno.EIO
+
+    thread = threading.Thread(target=run, name="cachefs-mount-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result.get("answer", "timeout")
+
+
+def _detach(path: Path) -> None:
+    """Lazy unmount (MNT_DETACH) of the mount at ``path``."""
+    for cmd in (["fusermount3", "-u", "-z", str(path)], ["umount", "-l", str(path)]):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if proc.returncode == 0:
+            return
+    raise ConfigError(f"mount point {path} holds a dead cachefs mount that cannot be detached: "
+                      f"run 'fusermount3 -u -z {path}' (or 'umount -l {path}' as root)")
+
+
+def _check_empty_dir(path: Path) -> None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"mount point {path} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise ConfigError(f"mount point {path} is a dead mount (transport endpoint is not "
+                              f"connected): run 'cachefs unmount --lazy {path}' first") from None
+        raise ConfigError(f"mount point {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"mount point {path} is not a directory")
+    if os.path.ismount(path):
+        raise ConfigError(f"mount point {path} is already a mount point")
+    try:
+        with os.scandir(path) as entries:
+            if any(entries):
+                raise ConfigError(f"mount point {path} is not empty")
+    except PermissionError:
+        raise ConfigError(f"mount point {path}: permission denied") from None
+
+
+# -- cache directory ----------------------------------------------------------------------
+def prepare_cache_dir(path: Path, cache_size: int, *, tighten: bool = True) -> None:
+    """Create the cache directory (0700) and check it is writable and big enough. With
+    ``tighten`` (the daemon), wider modes of an existing directory and of the files at its
+    top are narrowed, with one log line."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    except OSError as exc:
+        raise CacheError(f"cannot create cache directory {path}: {exc.strerror}") from None
+    if not path.is_dir():
+        raise CacheError(f"cache directory {path} is not a directory")
+    if tighten:
+        tighten_cache_dir(path)
+    probe = path / f".write-test-{os.getpid()}"
+    try:  # a byte, not only a name: a full disk must fail here, in one line
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            probe.unlink()
+    except OSError as exc:
+        raise CacheError(f"cache directory {path} is not writable: {exc.strerror}") from None
+    st = os.statvfs(path)
+    total = st.f_blocks * st.f_frsize
+    if cache_size > total:
+        raise ConfigError(f"--cache-size {format_size(cache_size)} is larger than the file system "
+                          f"holding {path} ({format_size(total)})")
+
+
+def tighten_cache_dir(path: Path) -> int:
+    """Narrow the cache directory to 0700 and the entries cachefs keeps at its top to 0700
+    (directories) / 0600 (files). Returns how many modes were narrowed (one log line if
+    any). Deeper files need no change: nobody else can reach them through a 0700
+    directory."""
+    changed = 0
+    wider: list[str] = []
+
+    def narrow(p: Path, want: int) -> None:
+        nonlocal changed
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            return
+        mode = stat.S_IMODE(st.st_mode)
+        if mode == want or (stat.S_ISREG(st.st_mode) and not mode & 0o077):
+            return
+        os.chmod(p, want)
+        changed += 1
+        if mode & 0o077:
+            wider.append(f"{p.name} {mode:04o}")
+
+    try:
+        narrow(path, DIR_MODE)
+        for child in path.iterdir():
+            narrow(child, DIR_MODE if child.is_dir() and not child.is_symlink() else FILE_MODE)
+        lmdb_dir = path / "meta.lmdb"
+        if lmdb_dir.is_dir():
+            for child in lmdb_dir.iterdir():
+                narrow(child, FILE_MODE)
+    except OSError as exc:
+        raise CacheError(f"cannot restrict the permissions of cache directory {path}: "
+                         f"{exc.strerror}") from None
+    if wider:
+        log.warning("cache directory %s was open to other local users (%s); restricted it to "
+                    "its owner (0700, files 0600)", path, ", ".join(wider[:4]) +
+                    (f" and {len(wider) - 4} more" if len(wider) > 4 else ""))
+    return changed
+
+
+def open_private(path: Path, flags: int) -> int:
+    """``os.open`` of a file cachefs keeps private (created 0600)."""
+    return os.open(path, flags | os.O_CLOEXEC, FILE_MODE)
+
+
+@contextlib.contextmanager
+def lock_cache_dir(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the cache directory for the daemon's lifetime (released by
+    the kernel when the process dies, however it dies)."""
+    fd = open_private(path / "lock", os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise CacheError(f"cache directory {path} is in use by another cachefs daemon "
+                             f"(pid {owner})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,198 @@
+"""Another local user (nobody, via setpriv) next to a cachefs mount made by root.
+
+It may read through the mount what the mount's modes allow (with --allow-other), and
+nothing else: not the cached bytes, not the index, not the log, not the control socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, is_mounted, requires_fuse, run_cachefs, scrape
+from tests.readers import Readers
+
+pytestmark = [requires_fuse, pytest.mark.fuse]
+
+NOBODY = 65534
+OTHER = 65533  # in no group the mount names
+PY = "/usr/bin/python3"  # runnable by any user (the test's own interpreter may not be)
+
+PROBE = textwrap.dedent('''
+    import json, os, socket, sys
+    args = json.loads(sys.argv[1])
+    out = {}
+    def attempt(name, fn):
+        try:
+            out[name] = ["ok", fn()]
+        except OSError as exc:
+            out[name] = ["error", exc.errno]
+    def read(p):
+        with open(p, "rb") as f:
+            return len(f.read())
+    for i, p in enumerate(args["files"]):
+        attempt(f"mount_read_{i}", lambda p=p: read(p))
+    attempt("cache_listdir", lambda: os.listdir(args["cache"]))
+    for i, p in enumerate(args["cache_files"]):
+        attempt(f"cache_read_{i}", lambda p=p: read(p))
+    def talk():
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(args["socket"])
+        try:
+            s.sendall(b'{"op": "warm", "paths": [""]}\\n')
+        except OSError:
+            pass  # the daemon may answer and hang up first
+        return s.recv(65536).decode()
+    attempt("control", talk)
+    print(json.dumps(out))
+''')
+
+
+@pytest.fixture
+def shared_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory every user may traverse (pytest's own tmp dirs are private), holding
+    the mount point, the cache dir and the runtime dir: so only cachefs's own modes stand
+    between the other user and the files."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root (setpriv)")
+    for tool in ("setpriv", PY):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    base = Path(tempfile.mkdtemp(prefix="cachefs-users-", dir="/tmp"))
+    base.chmod(0o755)
+    (base / "run").mkdir(mode=0o755)
+    (base / "run").chmod(0o755)
+    monkeypatch.setenv("CACHEFS_RUNTIME_DIR", str(base / "run"))
+    yield base
+    for mp in base.glob("mnt*"):
+        if is_mounted(mp):
+            run_cachefs("unmount", str(mp))
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def as_user(uid: int, gid: int, args: dict[str, object]) -> dict[str, list[object]]:
+    proc = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", PY, "-c", PROBE,
+         json.dumps(args)], capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, list[object]] = json.loads(proc.stdout)
+    return result
+
+
+def mount_as_root(base: Path, source: str, endpoint: str, *extra: str, umask: int = 0) -> Path:
+    mp = base / "mnt"
+    mp.mkdir()
+    mp.chmod(0o755)
+    proc = subprocess.run(
+        [os.sys.executable, "-m", "cachefs", "mount", source, str(mp), "--cache-dir",
+         str(base / "cache"), "--endpoint-url", endpoint, *extra],
+        capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(umask))
+    assert proc.returncode == 0, proc.stderr
+    return mp
+
+
+def test_another_user_reads_through_the_mount_only(bucket, s3_endpoint, shared_base):
+    from cachefs.control import registry
+
+    client, name = bucket
+    files = {f"d/f{i}.bin": os.urandom(50_000 + i) for i in range(3)}
+    for key, data in files.items():
+        client.put_object(Bucket=name, Key=key, Body=data)
+    addr = f"127.0.0.1:{free_port()}"
+    # umask 0: whatever the mounting shell's umask, nothing in the cache is for others.
+    mp = mount_as_root(shared_base, f"s3://{name}", s3_endpoint, "--allow-other",
+                       "--gid", str(NOBODY), "--file-mode", "0440", "--dir-mode", "0555",
+                       "--block-size", "64K", "--metrics-addr", addr, umask=0)
+    for key, data in files.items():
+        assert (mp / key).read_bytes() == data  # fills the cache
+    cache = shared_base / "cache"
+    sock = registry.control_socket(mp)
+    modes = {p: stat.S_IMODE(p.lstat().st_mode) for p in [cache, *cache.rglob("*")]}
+    assert modes[cache] == 0o700
+    for p, mode in modes.items():
+        if p.is_dir():
+            assert mode == 0o700, (p, oct(mode))
+        else:
+            assert mode == 0o600, (p, oct(mode))
+    cache_files = sorted(str(p) for p in cache.rglob("*") if p.is_file())
+    assert any("/objects/" in p for p in cache_files) and any("data.mdb" in p for p in cache_files)
+    st = sock.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0  # despite --allow-other
+
+    probe = {"files": [str(mp / k) for k in files], "cache": str(cache),
+             "cache_files": cache_files, "socket": str(sock)}
+    readers = Readers(mp, files, threads=2).__enter__()  # the owner's job goes on meanwhile
+    nobody = as_user(NOBODY, NOBODY, probe)
+    for i, data in enumerate(files.values()):  # group read (gid 65534, mode 0440)
+        assert nobody[f"mount_read_{i}"] == ["ok", len(data)]
+    assert nobody["cache_listdir"] == ["error", 13]
+    for i in range(len(cache_files)):
+        assert nobody[f"cache_read_{i}"] == ["error", 13], cache_files[i]
+    assert nobody["control"] == ["error", 13]
+
+    other = as_user(OTHER, OTHER, probe)
+    for i in range(len(files)):  # neither owner nor group: the modes say no
+        assert other[f"mount_read_{i}"] == ["error", 13]
+    assert other["control"] == ["error", 13]
+
+    # Even a socket made reachable by mistake serves only root and the mounting user.
+    sock.chmod(0o666)
+    refused = as_user(NOBODY, NOBODY, probe)["control"]
+    assert refused[0] == "ok" and "permission denied" in str(refused[1]), refused
+    metrics = scrape(addr)
+    assert metrics['cachefs_control_rejected_total{reason="peer"}'] == 1
+    assert metrics.get('cachefs_warm_objects_total', 0) == 0  # nothing was warmed for them
+    assert (mp / "d/f0.bin").read_bytes() == files["d/f0.bin"]
+    readers.stop()
+    assert readers.failed == 0 and readers.wrong_bytes == 0 and readers.ok > 0
+    print("\nFAULT-ROW " + readers.row(
+        "a second local user (--allow-other): reads by the modes, the cache dir, the index, the "
+        "control socket (also opened to 0666 by mistake)", "none needed"))
+    deadline = time.monotonic() + 10
+    while True:  # the daemon publishes its status every second
+        status = json.loads(run_cachefs("status", "--json", str(mp)).stdout)
+        if status["control_rejected"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert status["control_rejected_by_reason"] == {"peer": 1}
+    assert "1 control requests refused (peer 1)" in run_cachefs("status", str(mp)).stdout
+
+
+def test_an_existing_cache_dir_open_to_others_is_tightened(bucket, s3_endpoint, shared_base):
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a" * 1000)
+    cache = shared_base / "cache"
+    mp = mount_as_root(shared_base, f"s3://{name}", s3_endpoint, "--allow-other")
+    assert (mp / "a.bin").read_bytes() == b"a" * 1000
+    run_cachefs("unmount", str(mp))
+    assert not is_mounted(mp)
+    # As an older cachefs (or a careless admin) left it:
+    cache.chmod(0o755)
+    for p in cache.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    mp.rmdir()
+    mp = mount_as_root(shared_base, f"s3://{name}", s3_endpoint, "--allow-other", umask=0o022)
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    for top in ["lock", "cachefs.log", "meta.lmdb", "meta.lmdb/data.mdb", "objects"]:
+        mode = stat.S_IMODE((cache / top).stat().st_mode)
+        assert mode == (0o700 if (cache / top).is_dir() else 0o600), (top, oct(mode))
+    log = (cache / "cachefs.log").read_text()
+    assert log.count("was open to other local users") == 1
+    probe = {"files": [str(mp / "a.bin")], "cache": str(cache), "cache_files": [],
+             "socket": "/nonexistent"}
+    nobody = as_user(NOBODY, NOBODY, probe)
+    assert nobody["cache_listdir"] == ["error", 13]
+    assert nobody["mount_read_0"] == ["ok", 1000]

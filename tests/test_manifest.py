@@ -1,0 +1,255 @@
+"""Manifest mounts: the formats, the load into the index, and a real mount that never lists."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cachefs.cache import manifest
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.metadata import Metadata
+from cachefs.errors import ConfigError
+from cachefs.s3.memory import MemoryStore
+from cachefs.s3.store import ObjectInfo
+
+E1 = "0123456789abcdef0123456789abcdef"
+
+
+def objs(path: Path, bucket: str = "b") -> list[ObjectInfo]:
+    return list(manifest.read_manifest(path, bucket))
+
+
+# -- formats -----------------------------------------------------------------------------------
+def test_jsonl_with_both_spellings_and_optional_mtime(tmp_path: Path) -> None:
+    p = tmp_path / "m.jsonl"
+    p.write_text(
+        json.dumps({"key": "d/a.jpg", "size": 3, "etag": E1, "mtime": 1700000000}) + "\n\n"
+        + json.dumps({"Key": "d/b.jpg", "Size": "4", "ETag": '"x-2"',
+                      "LastModified": "2024-05-01T12:00:00.000Z"}) + "\n"
+        + json.dumps({"key": "c", "size": 0, "etag": ""}) + "\n")
+    got = objs(p)
+    assert got == [ObjectInfo("d/a.jpg", 3, E1, 1700000000.0),
+                   ObjectInfo("d/b.jpg", 4, "x-2", 1714564800.0),
+                   ObjectInfo("c", 0, "", 0.0)]
+
+
+def test_csv_with_and_without_header(tmp_path: Path) -> None:
+    bare = tmp_path / "bare.csv"
+    bare.write_text(f'd/a.jpg,3,{E1}\n"odd, name.jpg",5,"e2",1700000001.5\n')
+    assert objs(bare) == [ObjectInfo("d/a.jpg", 3, E1, 0.0),
+                          ObjectInfo("odd, name.jpg", 5, "e2", 1700000001.5)]
+    headed = tmp_path / "headed.csv"
+    headed.write_text(f"etag,key,size\n{E1},d/a.jpg,3\n")  # any column order with a header
+    assert objs(headed) == [ObjectInfo("d/a.jpg", 3, E1, 0.0)]
+    gz = tmp_path / "m.csv.gz"
+    gz.write_bytes(gzip.compress(f"key,size,etag\nx,1,{E1}\n".encode()))
+    assert objs(gz) == [ObjectInfo("x", 1, E1, 0.0)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("d/a.jpg,notanumber,e\n", "line 1"),
+    ('{"key": "a", "size": 1}\n{broken\n', "line 2: not JSON"),
+    ('{"size": 1}\n', "missing key"),
+    ("onlykey\n", "expected key,size"),
+])
+def test_bad_manifest_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "bad.csv"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        objs(p)
+
+
+def _inventory(tmp_path: Path, rows: list[list[str]], *, schema: str, bucket: str = "b",
+               fmt: str = "CSV", data: bytes | None = None, md5: str | None = None) -> Path:
+    """An S3 Inventory report laid out as S3 delivers it."""
+    top = tmp_path / "inv" / bucket / "cfg"
+    dated = top / "2024-05-02T01-00Z"
+    (top / "data").mkdir(parents=True)
+    dated.mkdir(parents=True)
+    if data is None:
+        buf = io.StringIO()
+        import csv
+        csv.writer(buf).writerows(rows)
+        data = gzip.compress(buf.getvalue().encode())
+    name = "f1b2.csv.gz" if fmt == "CSV" else "f1b2.parquet"
+    (top / "data" / name).write_bytes(data)
+    doc = {"sourceBucket": bucket, "destinationBucket": "arn:aws:s3:::inv", "version": "2016-11-30",
+           "fileFormat": fmt, "fileSchema": schema,
+           "files": [{"key": f"inv/{bucket}/cfg/data/{name}", "size": len(data),
+                      "MD5checksum": md5 or hashlib.md5(data).hexdigest()}]}
+    m = dated / "manifest.json"
+    m.write_text(json.dumps(doc))
+    return m
+
+
+INV_SCHEMA = "Bucket, Key, VersionId, IsLatest, IsDeleteMarker, Size, LastModifiedDate, ETag"
+
+
+def test_s3_inventory_csv(tmp_path: Path) -> None:
+    rows = [
+        ["b", "ds/a%20b.jpg", "", "true", "false", "3", "2024-05-01T12:00:00.000Z", E1],
+        ["b", "ds/old.jpg", "v1", "false", "false", "9", "2024-05-01T12:00:00.000Z", "x"],
+        ["b", "ds/deleted.jpg", "v2", "true", "true", "", "2024-05-01T12:00:00.000Z", ""],
+        ["b", "ds/plus%2Bsign.jpg", "", "true", "false", "4", "2024-05-01T12:00:00.000Z", "e-2"],
+    ]
+    m = _inventory(tmp_path, rows, schema=INV_SCHEMA)
+    assert objs(m) == [ObjectInfo("ds/a b.jpg", 3, E1, 1714564800.0),
+                       ObjectInfo("ds/plus+sign.jpg", 4, "e-2", 1714564800.0)]
+    with pytest.raises(ConfigError, match="of bucket 'b', not 'other'"):
+        list(manifest.read_manifest(m, "other"))
+
+
+def test_s3_inventory_checks_md5_and_finds_missing_files(tmp_path: Path) -> None:
+    m = _inventory(tmp_path, [["b", "k", "3"]], schema="Bucket, Key, Size", md5="0" * 32)
+    with pytest.raises(ConfigError, match="does not match its MD5"):
+        objs(m)
+    for f in (m.parent.parent / "data").iterdir():
+        f.unlink()
+    with pytest.raises(ConfigError, match="not found"):
+        objs(m)
+
+
+def test_s3_inventory_parquet(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "bucket": ["b", "b"], "key": ["ds/x.jpg", "ds/y.jpg"], "size": [5, 6],
+        "last_modified_date": pa.array([1714564800000, 1714564801000], pa.timestamp("ms", tz="UTC")),
+        "e_tag": [E1, E1], "is_latest": [True, False],
+    })
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    m = _inventory(tmp_path, [], schema="Bucket, Key, Size, LastModifiedDate, ETag, IsLatest",
+                   fmt="Parquet", data=buf.getvalue())
+    assert objs(m) == [ObjectInfo("ds/x.jpg", 5, "", 1714564800.0)]
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _inventory(tmp_path, [], schema="Bucket, Key, Size", fmt="Parquet", data=b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.orc", None)
+    with pytest.raises(ConfigError, match=r"needs pyarrow \(pip install 'cachefs\[parquet\]'\)"):
+        objs(m)
+
+
+# -- loading -------------------------------------------------------------------------------------
+def test_load_builds_the_tree_and_nothing_is_listed(tmp_path: Path) -> None:
+    p = tmp_path / "m.csv"
+    lines = ["key,size,etag,mtime", f"ds/b/y.jpg,2,{E1},5", f"ds/a.jpg,1,{E1},5",
+             f"ds/b/x.jpg,3,{E1},5", "ds/deep/er/z,4,e,5", "outside/q,1,e,5", "ds/b,9,e,5",
+             "ds/bad//name,1,e,5", "ds/marker/,0,e,5"]
+    p.write_text("\n".join(lines) + "\n")
+    env = LmdbEnv(tmp_path / "meta.lmdb")
+    store = MemoryStore()  # must never be asked
+    try:
+        md = Metadata(env, None, ttl=1, limiter=trio.CapacityLimiter(1))
+        assert manifest.load(env, p, bucket="b", root_prefix="ds/") == 5
+
+        async def body() -> None:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(md.run)
+                names = [(e.name, e.is_dir) for e in md.iter_entries("ds/")]
+                # "ds/b" (also a directory) is shadowed, "ds/bad//name" is not a path
+                assert names == [(b"a.jpg", False), (b"b", True), (b"deep", True),
+                                 (b"marker", True)]
+                assert [e.name for e in md.iter_entries("ds/b/")] == [b"x.jpg", b"y.jpg"]
+                x = await md.lookup("ds/b/", b"x.jpg")
+                assert x is not None and (x.size, x.etag, x.mtime) == (3, E1, 5.0)
+                assert md.resolve(x.ino) == ("ds/b/", x)
+                assert await md.lookup("ds/", b"nope") is None
+                assert await md.lookup("ds/nodir/", b"x") is None
+                assert [e.name for e in md.iter_entries("ds/deep/er/")] == [b"z"]
+                await md.ensure("ds/other/")  # no listing, no error: it does not exist
+                assert md.is_fresh("ds/b/")
+                nursery.cancel_scope.cancel()
+
+        trio.run(body)
+        assert store.calls["list"] == 0
+        # The same manifest again: not reloaded; a changed one: reloaded.
+        assert manifest.load(env, p, bucket="b", root_prefix="ds/") == 5
+        time.sleep(0.01)
+        p.write_text("key,size,etag\nds/only.jpg,1,e\n")
+        os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+        assert manifest.load(env, p, bucket="b", root_prefix="ds/") == 1
+        assert [e.name for e in md.iter_entries("ds/")] == [b"only.jpg"]
+    finally:
+        env.close()
+
+
+# -- export --------------------------------------------------------------------------------------
+def test_export_lists_everything_in_parallel(tmp_path: Path) -> None:
+    from cachefs.cli.manifest import export
+
+    store = MemoryStore(page_size=3)
+    keys = [f"ds/d{d}/f{f}" for d in range(5) for f in range(4)] + ["ds/top", "ds/e/"]
+    for k in keys:
+        store.put(k, k.encode())
+    out = io.StringIO()
+    n, dirs = export(store, "ds/", out, parallel=3)
+    assert n == len(keys) and dirs == 7
+    p = tmp_path / "m.csv"
+    p.write_text(out.getvalue())
+    got = {o.key: o for o in objs(p)}
+    assert set(got) == set(keys)
+    assert got["ds/d1/f2"].etag == store.head("ds/d1/f2").etag and got["ds/d1/f2"].size == 8
+    out = io.StringIO()
+    export(store, "ds/d2/", out, fmt="jsonl")
+    assert [json.loads(x)["key"] for x in out.getvalue().splitlines()] == [f"ds/d2/f{f}" for f in range(4)]
+
+
+# -- a real mount ----------------------------------------------------------------------------------
+@pytest.mark.fuse
+def test_manifest_mount_never_lists(bucket: Any, mount_factory: Any, tmp_path: Path,
+                                    s3_endpoint: str) -> None:
+    client, name = bucket
+    for k in ("ds/a/1.bin", "ds/a/2.bin", "ds/b/3.bin", "ds/hidden.bin", "ds/gone.bin"):
+        client.put_object(Bucket=name, Key=k, Body=k.encode() * 3)
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-m", "cachefs", "manifest", "export", f"s3://{name}/ds",
+                           "--endpoint-url", s3_endpoint], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "5 objects" in proc.stderr
+    rows = [r for r in proc.stdout.splitlines() if "hidden" not in r]
+    (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
+    client.delete_object(Bucket=name, Key="ds/gone.bin")  # in the manifest, not in the bucket
+    m = mount_factory(f"s3://{name}/ds", "--manifest", str(tmp_path / "m.csv"))
+    assert sorted(os.listdir(m.path)) == ["a", "b", "gone.bin"]
+    assert sorted(os.listdir(m.path / "a")) == ["1.bin", "2.bin"]
+    assert (m.path / "b" / "3.bin").read_bytes() == b"ds/b/3.bin" * 3
+    assert not (m.path / "hidden.bin").exists()
+    with pytest.raises(OSError) as ei:
+        (m.path / "gone.bin").read_bytes()
+    assert ei.value.errno == errno.ENOENT
+    assert m.metric('cachefs_s3_requests_total{op="list"}') == 0
+    deadline = time.monotonic() + 10
+    while "gone.bin is listed (or in the manifest) but no longer in the bucket" not in m.log():
+        assert time.monotonic() < deadline, m.log()[-2000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.fuse
+def test_manifest_mount_with_a_missing_file_fails_in_one_line(bucket: Any, mount_factory: Any,
+                                                              tmp_path: Path) -> None:
+    _, name = bucket
+    m = mount_factory(f"s3://{name}", "--manifest", str(tmp_path / "nope.csv"), start=False)
+    from tests.conftest import run_cachefs
+
+    proc = run_cachefs("mount", m.source, str(m.path), "--cache-dir", str(m.cache_dir),
+                       "--endpoint-url", m.endpoint, "--manifest", str(tmp_path / "nope.csv"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr
