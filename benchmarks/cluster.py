@@ -295,11 +295,25 @@ def read_at_once(mounted: list[Mounted], parts: list[list[str]], ds: Dataset, th
     return results
 
 
+def link_now(wan: WanLink) -> dict[str, int]:
+    """The emulator's running totals. Measure by differences: its ``reset`` starts a new
+    count that connections opened before it (the daemons' pooled ones) do not feed."""
+    st = wan.stats()
+    return {"get_bytes": int(st["get_transferred_bytes"]), "gets": int(st["get_count"]),
+            "lists": int(st["list_count"])}
+
+
+def link_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
 class LinkSampler:
-    """Cumulative GET bytes through the WAN emulator, twice a second, in a thread."""
+    """GET bytes through the WAN emulator since the sampler started, twice a second, in
+    a thread."""
 
     def __init__(self, wan: WanLink) -> None:
         self.wan = wan
+        self.base = link_now(wan)["get_bytes"]
         self.series: list[tuple[float, int]] = []
         self.marks: list[tuple[float, str]] = []
         self._stop = threading.Event()
@@ -310,7 +324,7 @@ class LinkSampler:
         while not self._stop.is_set():
             with contextlib.suppress(Exception):
                 self.series.append((time.monotonic() - self.t0,
-                                    int(self.wan.stats()["get_transferred_bytes"])))
+                                    link_now(self.wan)["get_bytes"] - self.base))
             self._stop.wait(0.5)
 
     def mark(self, label: str) -> None:
@@ -325,7 +339,7 @@ class LinkSampler:
         self._thread.join()
         with contextlib.suppress(Exception):
             self.series.append((time.monotonic() - self.t0,
-                                int(self.wan.stats()["get_transferred_bytes"])))
+                                link_now(self.wan)["get_bytes"] - self.base))
 
 
 def epochs_run(args: argparse.Namespace, ds: Dataset, mounted: list[Mounted], wan: WanLink,
@@ -344,22 +358,21 @@ def epochs_run(args: argparse.Namespace, ds: Dataset, mounted: list[Mounted], wa
         if on_epoch is not None:
             on_epoch(epoch)
         before = [node_counters(scrape(m)) for m in mounted]
-        link0 = wan.stats()
+        link0 = link_now(wan)
         sampler.mark(f"epoch {epoch}")
         results = read_at_once(mounted, parts, ds, args.threads, progress)
-        link1 = wan.stats()
+        link = link_delta(link_now(wan), link0)
         after = [node_counters(scrape(m)) for m in mounted]
         for i, r in enumerate(results):
             d = delta(after[i], before[i])
             local = max(0.0, r["bytes"] - d["origin_bytes"] - d["shared_bytes"])
             out.append({"epoch": epoch, "node": i, **r, **d, "local_bytes": local,
-                        "link_get_bytes_epoch": link1["get_transferred_bytes"]
-                        - link0["get_transferred_bytes"],
-                        "link_gets_epoch": link1["get_count"] - link0["get_count"]})
+                        "link_get_bytes_epoch": link["get_bytes"],
+                        "link_gets_epoch": link["gets"]})
         total = sum(r["bytes"] for r in results)
         log(f"  epoch {epoch}: {total / 1e6:.0f} MB read in "
             f"{max(r['seconds'] for r in results):.1f} s, cross-region "
-            f"{(link1['get_transferred_bytes'] - link0['get_transferred_bytes']) / 1e6:.0f} MB, "
+            f"{link['get_bytes'] / 1e6:.0f} MB, "
             f"failed reads {sum(len(r['failed']) for r in results)}, wrong "
             f"{sum(len(r['wrong']) for r in results)}")
     return out
@@ -376,7 +389,6 @@ def scenario_epochs(args: argparse.Namespace, ds: Dataset, name: str, wan: WanLi
     with contextlib.ExitStack() as stack:
         tier = stack.enter_context(tier_store(args.workdir, name)) if use_tier else None
         mounted = stack.enter_context(nodes(args, wan.endpoint, run_dir, tier, args.nodes))
-        wan.reset()
         cpu0 = {i: (proc_sample(m.pid).cpu_s if m.pid and proc_sample(m.pid) else 0.0)
                 for i, m in enumerate(mounted)}
         with LinkSampler(wan) as sampler:
@@ -399,8 +411,7 @@ def scenario_epochs(args: argparse.Namespace, ds: Dataset, name: str, wan: WanLi
                          for ln in text.splitlines() if "circuit breaker" in ln]
     return {"name": name, "rows": rows, "series": sampler.series, "marks": sampler.marks,
             "stopped": stopped, "daemon_cpu_s": cpu, "tier_cpu_s": tier_cpu, "final": final,
-            "breaker_log": breaker_lines, "log_tail": [t[-500:] for t in logs],
-            "link": wan.stats() | {"per_second": None}}
+            "breaker_log": breaker_lines, "log_tail": [t[-500:] for t in logs]}
 
 
 def kill_tier(tier: SeaweedOrigin, sampler: LinkSampler) -> None:
@@ -422,7 +433,7 @@ def scenario_warm(args: argparse.Namespace, ds: Dataset, wan: WanLink) -> dict[s
         with nodes(args, wan.endpoint, run_dir, tier, args.nodes) as mounted:
             for m in mounted:  # listings first, so the warm measures data
                 sum(1 for _ in os.walk(m.root))
-            wan.reset()
+            link0 = link_now(wan)
             env = _base_env()
             env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")
             t0 = time.monotonic()
@@ -434,13 +445,13 @@ def scenario_warm(args: argparse.Namespace, ds: Dataset, wan: WanLink) -> dict[s
             out["warm_seconds"] = time.monotonic() - t0
             out["warm_exit"] = [p.returncode for p in procs]
             out["warm_output"] = [o.strip().splitlines()[-1] if o.strip() else "" for o in outputs]
-            link = wan.stats()
-            out["warm_link_get_bytes"] = link["get_transferred_bytes"]
-            out["warm_link_gets"] = link["get_count"]
+            link = link_delta(link_now(wan), link0)
+            out["warm_link_get_bytes"] = link["get_bytes"]
+            out["warm_link_gets"] = link["gets"]
             out["warm_per_node"] = [node_counters(scrape(m)) for m in mounted]
             log(f"  warm --shard on {len(mounted)} nodes: {out['warm_seconds']:.1f} s, "
-                f"cross-region {link['get_transferred_bytes'] / 1e6:.0f} MB "
-                f"({link['get_transferred_bytes'] / ds.bytes:.3f} x dataset)")
+                f"cross-region {link['get_bytes'] / 1e6:.0f} MB "
+                f"({link['get_bytes'] / ds.bytes:.3f} x dataset)")
             # A full read on node 0 (it holds its own shard), then on a fresh node.
             for label, targets in (("node 0", mounted[:1]), ("fresh node", None)):
                 with contextlib.ExitStack() as stack:
@@ -449,17 +460,15 @@ def scenario_warm(args: argparse.Namespace, ds: Dataset, wan: WanLink) -> dict[s
                                                             1, first=len(mounted)))
                     drop_caches()
                     before = node_counters(scrape(targets[0]))
-                    link0 = wan.stats()
-                    r = read_part(targets[0].root, ds.keys, ds, args.threads * 2, Progress())
-                    link1 = wan.stats()
+                    link0 = link_now(wan)
+                    r = read_part(targets[0].root, ds.keys, ds, args.threads, Progress())
+                    link = link_delta(link_now(wan), link0)
                     d = delta(node_counters(scrape(targets[0])), before)
                     out[f"full_read_{label.replace(' ', '_')}"] = {
-                        **r, **d, "link_gets": link1["get_count"] - link0["get_count"],
-                        "link_lists": link1["list_count"] - link0["list_count"],
-                        "link_get_bytes": link1["get_transferred_bytes"]
-                        - link0["get_transferred_bytes"]}
+                        **r, **d, "link_gets": link["gets"], "link_lists": link["lists"],
+                        "link_get_bytes": link["get_bytes"]}
                     log(f"  full read on {label}: {r['bytes'] / 1e6:.0f} MB in "
-                        f"{r['seconds']:.1f} s, origin GETs {link1['get_count'] - link0['get_count']}"
+                        f"{r['seconds']:.1f} s, origin GETs {link['gets']}"
                         f", failed {len(r['failed'])}, wrong {len(r['wrong'])}")
     return out
 
@@ -476,18 +485,19 @@ def scenario_same(args: argparse.Namespace, ds: Dataset, wan: WanLink) -> dict[s
         with nodes(args, wan.endpoint, run_dir, tier, args.nodes) as mounted:
             for m in mounted:
                 sum(1 for _ in os.walk(m.root))
-            wan.reset()
+            link0 = link_now(wan)
             before = [node_counters(scrape(m)) for m in mounted]
             results = read_at_once(mounted, [keys] * len(mounted), ds, args.threads, Progress())
-            link = wan.stats()
+            link = link_delta(link_now(wan), link0)
             per_node = [delta(node_counters(scrape(m)), b) for m, b in zip(mounted, before,
                                                                             strict=True)]
-    gets = link["get_count"]
-    # Duplicates: bytes that crossed the link more than once, per unique byte fetched.
-    unique = max(1, link["unique_bytes"])
+    gets = link["gets"]
+    # Duplicates: bytes that crossed the link more than once, per byte of the files read
+    # (each file is one block, fetched whole).
+    distinct = sum(ds.sizes[k] for k in keys)
     out = {"name": "same", "files": len(keys), "blocks": len(keys), "link_gets": gets,
-           "link_get_bytes": link["get_transferred_bytes"], "link_unique_bytes": unique,
-           "duplicate_rate": link["get_transferred_bytes"] / unique - 1, "per_node": per_node,
+           "link_get_bytes": link["get_bytes"], "link_unique_bytes": distinct,
+           "duplicate_rate": link["get_bytes"] / distinct - 1, "per_node": per_node,
            "failed": sum(len(r["failed"]) for r in results),
            "wrong": sum(len(r["wrong"]) for r in results)}
     log(f"  {len(mounted)} nodes x the same {len(keys)} files at once: {gets} origin GETs "

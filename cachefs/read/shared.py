@@ -31,7 +31,10 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   the block from the origin and publishes it; a node whose lease write gets
   412 polls the shared tier for up to ``lease_wait`` seconds and then fetches
   from the origin itself. Lease keys change every ``lease_window`` seconds
-  (wall clock), so a lease of a node that died expires without a delete. At
+  (wall clock), so a lease of a node that died expires without a delete (and
+  costs at most one ``lease_wait`` per block before that: the node that gave up
+  waiting fetches and publishes the block itself); a long window keeps leases
+  taken at the end of one epoch valid while their blocks are published. At
   start the tier checks that the store honours ``If-None-Match`` (a second
   conditional write of one key must fail); if not, leases are off and it says
   so once. A lease costs one in-region write per miss and pays off only when
@@ -123,7 +126,7 @@ class SharedSettings:
     publishers: int = 8
     threads: int = 32
     leases: bool = True
-    lease_window: float = 30.0
+    lease_window: float = 600.0
     lease_wait: float = 2.0
     breaker_threshold: int = 3
     breaker_cooldown: float = 2.0
