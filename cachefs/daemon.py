@@ -204,7 +204,8 @@ class Daemon:
         check_mountpoint(cfg.mountpoint)
         prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
         with lock_cache_dir(cfg.cache_dir):
-            self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb")
+            # Read whole first: a damaged index is wiped (one log line), not a failed mount.
+            self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb", check=True)
             try:
                 self._run_locked(env, on_ready)
             finally:

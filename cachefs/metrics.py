@@ -79,6 +79,13 @@ CACHE_CORRUPT_BLOCKS = Counter(
 CACHE_WRITE_ERRORS = Counter(
     "cachefs_cache_write_errors", "Blocks that could not be written to the cache (e.g. disk full)",
     registry=REGISTRY)
+CACHE_INDEX_ERRORS = Counter(
+    "cachefs_cache_index_errors", "Cache index (LMDB) reads that failed; each was served as "
+    "a cache miss", registry=REGISTRY)
+LMDB_READERS = Gauge(
+    "cachefs_lmdb_readers", "LMDB reader slots in use (what mdb_stat -r lists)", registry=REGISTRY)
+LMDB_READER_SLOTS = Gauge(
+    "cachefs_lmdb_reader_slots", "LMDB reader slots configured", registry=REGISTRY)
 
 # --- file system -----------------------------------------------------------
 READ_BYTES = Counter(

@@ -17,16 +17,24 @@ Contracts:
   recently used beyond :data:`MAX_IDLE_BACKINGS` files or a quarter of the
   cache size; reopening it meanwhile needs no verification. Objects larger than
   :data:`MAX_OBJECT_BYTES` are never passed through.
-* While registered, an object is pinned in the block cache: its blocks are not
-  evicted (an evicted block's hole would read as zeros), and nothing else
-  writes to its file (blocks are written once, before they are indexed).
+* While registered, an object is pinned in the block cache: its bytes are never
+  punched out of its file (an evicted block's hole would read as zeros; see
+  :meth:`~cachefs.cache.blocks.BlockCache.pin` for how pins and evictions
+  interleave), and nothing else writes to its file (blocks are written once,
+  before they are indexed; a block evicted from the index but kept for the
+  kernel may be written again, with the same bytes). The pin is taken before
+  the file is opened and verified, and the descriptor verified is the one
+  handed to the kernel.
 * The kernel allows one I/O mode and one backing file per inode at a time:
   while an inode has handles served by the daemon, no passthrough is granted;
-  while it has passed-through handles, every new open shares their file, even
-  if the object changed meanwhile (the new version is served once they close).
-* If the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not
-  negotiated), passthrough is switched off for the mount, logged once, and
-  reads go through the daemon as before.
+  while it has passed-through handles, every new open shares their file. An
+  inode is one object version (see :mod:`cachefs.fs`), so that file always
+  holds the version the new handle opened.
+* An object whose file is gone by the time it is opened (evicted since the
+  index was consulted) is a miss for that open only: the daemon serves it. If
+  the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not negotiated),
+  passthrough is switched off for the mount, logged once, and reads go through
+  the daemon as before; other refusals decline that open only.
 
 Concurrency: methods run on the trio thread, which alone touches
 ``_backings``, ``_active``, ``_direct`` and ``_idle``. Verification and the
@@ -37,6 +45,7 @@ the first one's verification (one registration per object at a time).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 from collections import OrderedDict
@@ -45,8 +54,9 @@ from typing import Any
 import pyfuse3
 import trio
 
-from cachefs import metrics
+from cachefs import failpoints, metrics
 from cachefs.cache.blocks import BlockCache
+from cachefs.errors import ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.prefetcher import PrefetchLedger
 
@@ -57,6 +67,9 @@ log = logging.getLogger(__name__)
 MAX_OBJECT_BYTES = 1 << 30
 #: Idle backings kept registered (each holds one open file in the kernel).
 MAX_IDLE_BACKINGS = 4096
+#: Refusals of a backing that mean the mount cannot use passthrough at all.
+_UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
+                          errno.ENOSYS, errno.EINVAL})
 
 
 # Only the passthrough build of pyfuse3 (third_party/) has these functions.
@@ -108,16 +121,18 @@ class Passthrough:
         """A backing id for a new handle of ``ino`` (the kernel reads it), or 0 (the
         daemon serves its reads). Every open must be matched by :meth:`release` with
         the same answer."""
+        oid = self.fetcher.object_id(obj)
         while True:
             active = self._active.get(ino)
             if active is not None:
                 # Handles of this inode are passed through: the new one must be too, on
-                # the same file (the kernel refuses two modes or two files per inode),
-                # even if the object changed meanwhile.
+                # the same file (the kernel refuses two modes or two files per inode).
+                if active[0] != oid:  # an inode is one version (cachefs.fs): never true
+                    raise ObjectChanged(f"{obj.key}: inode {ino} is passed through to "
+                                        "another version's file")
                 return self._use(ino, self._backings[active[0]])
             if self._direct.get(ino):
                 return self._direct_open(ino, "open_direct")
-            oid = self.fetcher.object_id(obj)
             backing = self._backings.get(oid)
             if backing is None:
                 break
@@ -132,9 +147,9 @@ class Passthrough:
             return self._direct_open(ino, reason)
         backing = _Backing(oid, obj.size, trio.Event())
         self._backings[oid] = backing
-        error: OSError | None = None
+        outcome: str | OSError = "unverified"
         try:
-            backing.backing_id, error = await trio.to_thread.run_sync(
+            backing.backing_id, outcome = await trio.to_thread.run_sync(
                 self._attach, oid, bids, limiter=self._limiter)
         finally:
             if backing.backing_id:
@@ -148,10 +163,10 @@ class Passthrough:
                 return self._use(ino, backing)
             self._idle_or_keep(backing)  # the inode changed mode while we verified
             return await self.open(ino, obj)
-        if error is not None:
-            self._switch_off(error)
-            return self._direct_open(ino, "refused")
-        return self._direct_open(ino, "unverified")
+        if isinstance(outcome, OSError):
+            self._switch_off(outcome)
+            outcome = "refused"
+        return self._direct_open(ino, outcome)
 
     def release(self, ino: int, backing_id: int) -> None:
         """The handle opened with answer ``backing_id`` is closed."""
@@ -223,27 +238,40 @@ class Passthrough:
             metrics.PASSTHROUGH_DECLINED.labels(reason).inc()
         return 0
 
-    def _attach(self, oid: bytes, bids: list[bytes]) -> tuple[int, OSError | None]:
-        """Pin, verify and register the object's file with the kernel (worker thread)."""
-        self.cache.pin(oid)  # before verifying: no eviction may punch a verified block
+    def _attach(self, oid: bytes, bids: list[bytes]) -> tuple[int, str | OSError]:
+        """Pin, open, verify and register the object's file with the kernel (worker
+        thread). Returns (backing id, "") or (0, why the open is served by the daemon:
+        "not_cached", "unverified", "refused", or the kernel's error when it cannot
+        pass files through at all)."""
+        failpoints.hit("attach.start")
+        # Pinned first: from here no eviction punches the bytes verified below.
+        self.cache.pin(oid)
         backing_id = 0
         try:
-            verified = self.cache.verify_object(bids)
-            if verified is None:
-                return 0, None
             try:
                 fd = os.open(self.cache.object_path(oid), os.O_RDONLY)
+            except OSError:
+                return 0, "not_cached"  # evicted since the index said it was cached
+            try:
+                verified = self.cache.verify_object(bids, fd)
+                if verified is None:
+                    return 0, "unverified"
+                failpoints.hit("attach.verified")
                 try:
                     backing_id = int(_pyfuse3.passthrough_open(fd))
-                finally:
-                    os.close(fd)  # the kernel holds its own reference to the file
-            except OSError as exc:
-                return 0, exc
+                except OSError as exc:
+                    if exc.errno in _UNSUPPORTED:
+                        return 0, exc
+                    log.warning("the kernel refused to read a cache file itself (%s); "
+                                "serving it", exc.strerror or exc)
+                    return 0, "refused"
+            finally:
+                os.close(fd)  # the kernel holds its own reference to the file
         finally:
             if not backing_id:
                 self.cache.unpin(oid)
         metrics.CACHE_HIT_BYTES.inc(verified)
-        return backing_id, None
+        return backing_id, ""
 
     def _switch_off(self, error: OSError) -> None:
         if self.enabled:

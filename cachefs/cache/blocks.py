@@ -1,26 +1,33 @@
-"""The persistent block cache on local disk.
+"""The persistent block cache on local disk: verified reads, admission, eviction, pins.
 
-Layout of the cache directory::
+:class:`BlockCache` coordinates three parts, each in its own module:
 
-    DIR/objects/ab/ab12...ef     one sparse file per object version, named by its
-                                 object id (hex); block i lives at its own offset
-    DIR/meta.lmdb/               the index (see cachefs.cache.lmdbenv)
+* :mod:`cachefs.cache.blockid` -- names: object ids (one per object version and
+  block size), block ids (object id + offset), checksums;
+* :mod:`cachefs.cache.objectfiles` -- one sparse file per object version,
+  ``DIR/objects/ab/ab12...ef``, each block at its own offset (keeping a whole
+  object in one file is what lets the kernel read a fully cached object itself:
+  FUSE passthrough, see :mod:`cachefs.passthrough`);
+* :mod:`cachefs.cache.blockindex` -- the LMDB index: block id -> (length,
+  xxh3-64, last use), the LRU order, used bytes, and the eviction policy.
 
-An object version's id is ``xxh3_128(bucket, key, etag, block_size)``; a
-block's id is that object id followed by the block's byte offset (8 bytes,
-big-endian), so a new version of an object never meets the old one's blocks
-and the index keeps the blocks of one object next to each other. The index
-maps block id -> (length, xxh3-64 checksum, last use); ``lru`` orders ids by
-last use. Keeping a whole object in one file is what lets the kernel read a
-fully cached object itself (FUSE passthrough, see :mod:`cachefs.passthrough`).
+This module owns the rules that tie them together: the order of file writes,
+index writes and releases (under the locks below), the pins, and verification.
 
 Contracts:
 
 * :meth:`BlockCache.get` returns the block's exact bytes or None. Every read
   is verified against length and checksum; a mismatch or a missing file drops
   the entry, counts ``cachefs_cache_corrupt_blocks_total`` and returns None
-  (a miss, never an error: S3 is the truth). :meth:`verify_object` checks a
-  whole object the same way before its file is handed to the kernel.
+  (a miss, never an error: S3 is the truth). A read that lost a race with an
+  eviction (the block's hole was punched, or its file removed, after the index
+  named it) is a plain miss, not corruption: a mismatch is only called corrupt
+  when a second read under the object's lock, with the index still naming the
+  same block, fails too. :meth:`verify_object` checks a whole object the same
+  way before its file is handed to the kernel.
+* An index that cannot be read (any LMDB error, a value of the wrong shape)
+  makes a lookup a miss, counted in ``cachefs_cache_index_errors_total`` and
+  logged (at most once a minute), never an error.
 * :meth:`BlockCache.put` is best-effort: it returns False when the block was
   not admitted (cache full under the ``keep`` policy, disk full, I/O error).
 * A block's bytes are written before the index names it. A crash leaves at
@@ -28,83 +35,74 @@ Contracts:
   the start-up scan; a hole inside one is harmless) or an entry whose bytes
   are torn (caught by the checksum).
 * Bytes of a dropped block are released with a hole punched into the object
-  file; the file is removed when the index names none of its blocks. Objects
-  pinned by :meth:`pin` (open for passthrough) are never evicted.
+  file; the file is removed when the index names none of its blocks.
+* The bytes of an object pinned by :meth:`pin` (its file is read by the kernel
+  itself: passthrough) are never punched and its file never removed. Eviction
+  reads the pins inside its write transaction, so it does not choose a pinned
+  object's blocks; and the release of a dropped block's bytes checks the pins
+  again under the object's lock, so a pin taken while an eviction was being
+  decided (whose verification may have read the blocks before the eviction
+  committed) defers the release until the last unpin. Deferred bytes are
+  released by the next put or :meth:`flush_touches` after that, unless the block
+  was stored again meanwhile (a release never punches a block the index names).
 
-Policies: ``keep`` admits until the cache is full and then keeps what it has
-(the optimum for a fresh random permutation every epoch over a dataset larger
-than the cache: hit ratio = cache/dataset, where LRU gets
-c + (1-c) ln(1-c)); ``lru`` evicts least recently used blocks to make room.
+Policies (``keep``, ``lru``): see :mod:`cachefs.cache.blockindex`.
 
-Concurrency: index reads happen on the trio thread. File I/O, checksums and
-index writes run in worker threads under the disk CapacityLimiter. Last-use
-updates are collected in memory (``_touched``, trio thread) and written in
-batches by :meth:`flush_touches` (a worker thread). ``_used``, ``_count`` and
-``_pinned`` are guarded by ``_lock`` because worker threads update them.
-Writing a block and indexing it, and deciding to remove an object file, hold
-the object's stripe lock (``_file_lock``), so a file is never removed while
-a block put into it is still unindexed. A thread holds at most one stripe
-lock and never takes one while inside an LMDB write transaction.
+Concurrency: index reads happen on the trio thread and in worker threads,
+always in small synchronous helpers (no LMDB transaction lives across an
+``await``: it would hold a reader slot while the coroutine waits, see
+:mod:`cachefs.cache.lmdbenv`). File I/O, checksums and index writes run in
+worker threads under the disk CapacityLimiter. Last-use updates are collected
+in memory (``_touched``, from any thread) and written in batches by
+:meth:`flush_touches` (a worker thread), which takes the whole dict under
+``_lock``, so no thread ever writes the dict being written out.
+
+Locks, in the only order they may be taken:
+
+1. an object's stripe lock (``_file_lock``): held while a block is written and
+   indexed, while a dropped block's bytes are released (punch, or file removal
+   when the index names none of its blocks), and while a failed verification is
+   re-checked. So a file is never removed while a block put into it is still
+   unindexed, a release never punches a block indexed again, and a read that
+   re-checks sees either the block or its absence, never a half-done release.
+   A thread holds at most one stripe lock.
+2. the LMDB write transaction (one writer at a time); it may be opened while a
+   stripe lock is held, never the other way round.
+3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_deferred`` and
+   ``_touched``; held only for a few dict operations, taken last.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
-import shutil
-import struct
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import trio
-import xxhash
 
-from cachefs import metrics
+from cachefs import failpoints, metrics
+from cachefs.cache.blockid import (
+    OID_LEN,
+    block_id,
+    block_id_at,
+    checksum,
+    object_id,
+    split_block_id,
+)
+from cachefs.cache.blockindex import POLICIES, BlockIndex, Entry, PutResult
 from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.objectfiles import ObjectFiles, pread, unlink
 from cachefs.errors import CacheError
 
 log = logging.getLogger(__name__)
 
-_BLOCK = struct.Struct("<IQd")  # length, xxh3-64, last use
-_LRU_TIME = struct.Struct(">d")  # big-endian so byte order == time order (times are > 0)
-_OFFSET = struct.Struct(">Q")  # big-endian so the blocks of one object sort by offset
-_USED_KEY = b"used_bytes"
-_LAYOUT_KEY = b"layout"
-_LAYOUT = b"objects-v2"
-_LEGACY_DIRS = ("blocks", "tmp")  # the one-file-per-block layout of earlier versions
-OID_LEN = 16
-POLICIES = ("keep", "lru")
 _STRIPES = 64
-_PAGE = 4096
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
 
-
-def object_id(bucket: str, key: str, etag: str, block_size: int) -> bytes:
-    """The 16-byte id of one object version cut into ``block_size`` blocks."""
-    return xxhash.xxh3_128_digest(f"{bucket}\0{key}\0{etag}\0{block_size}".encode())
-
-
-def block_id(bucket: str, key: str, etag: str, block_size: int, index: int) -> bytes:
-    """The 24-byte id of block ``index``: its object id, then its byte offset."""
-    return block_id_at(object_id(bucket, key, etag, block_size), index * block_size)
-
-
-def block_id_at(oid: bytes, offset: int) -> bytes:
-    """The id of the block at byte ``offset`` of object ``oid``."""
-    return oid + _OFFSET.pack(offset)
-
-
-def split_block_id(bid: bytes) -> tuple[bytes, int]:
-    """(object id, byte offset in the object) of a block id."""
-    return bid[:OID_LEN], _OFFSET.unpack_from(bid, OID_LEN)[0]
-
-
-def checksum(data: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+__all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "checksum",
+           "object_id", "split_block_id"]
 
 
 class BlockCache:
@@ -112,46 +110,25 @@ class BlockCache:
 
     def __init__(self, env: LmdbEnv, root: Path, *, capacity: int, policy: str = "keep",
                  limiter: trio.CapacityLimiter | None = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {policy!r}")
-        self._env = env
-        self._blocks_db = env.db("blocks")
-        self._lru_db = env.db("lru")
-        self._meta_db = env.db("meta")
+        self.index = BlockIndex(env, capacity=capacity, policy=policy)
+        self.files = ObjectFiles(root)
         self.root = root
-        self.objects_dir = root / "objects"
+        self.objects_dir = self.files.objects_dir
         self.capacity = capacity
         self.policy = policy
         self._limiter = limiter or trio.CapacityLimiter(16)
         self._lock = threading.Lock()
         self._file_locks = [threading.Lock() for _ in range(_STRIPES)]
         self._pinned: dict[bytes, int] = {}
+        # Byte ranges of dropped blocks whose release waits for their object's unpin.
+        self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
-        self._punch_warned = False
-        try:
-            self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
-        self._adopt_layout()
-        with env.read() as txn:
-            raw = txn.get(_USED_KEY, db=self._meta_db)
-            self._used = int(raw) if raw else 0
-            self._count = txn.stat(self._blocks_db)["entries"]
+        # An index written by an earlier layout is dropped (the cache is best-effort);
+        # its files are removed by remove_orphans().
+        self.index.adopt_layout()
+        self._used, self._count = self.index.totals()
         metrics.CACHE_CAPACITY_BYTES.set(capacity)
         self._publish()
-
-    def _adopt_layout(self) -> None:
-        """An index written by an earlier layout is dropped (the cache is best-effort);
-        its files are removed by :meth:`remove_orphans`."""
-        with self._env.write() as txn:
-            if txn.get(_LAYOUT_KEY, db=self._meta_db) == _LAYOUT:
-                return
-            if txn.stat(self._blocks_db)["entries"]:
-                log.info("the cache directory holds an older layout: starting with an empty cache")
-            txn.drop(self._blocks_db, delete=False)
-            txn.drop(self._lru_db, delete=False)
-            txn.put(_USED_KEY, b"0", db=self._meta_db)
-            txn.put(_LAYOUT_KEY, _LAYOUT, db=self._meta_db)
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -162,13 +139,18 @@ class BlockCache:
     def block_count(self) -> int:
         return int(self._count)
 
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes of dropped blocks still on disk because their object is pinned."""
+        with self._lock:
+            return sum(n for ranges in self._deferred.values() for _, n in ranges)
+
     def _publish(self) -> None:
         metrics.CACHE_USED_BYTES.set(self._used)
         metrics.CACHE_BLOCKS.set(self._count)
 
     def object_path(self, oid: bytes) -> Path:
-        h = oid.hex()
-        return self.objects_dir / h[:2] / h
+        return self.files.path(oid)
 
     def location(self, bid: bytes) -> tuple[Path, int]:
         """(object file, byte offset) where block ``bid`` is stored."""
@@ -180,11 +162,17 @@ class BlockCache:
 
     # -- pins (objects whose file the kernel reads directly) ----------------------------
     def pin(self, oid: bytes) -> None:
-        """Keep every block of ``oid`` from eviction until the matching :meth:`unpin`."""
+        """Keep the bytes of every block of ``oid`` in its file until the matching
+        :meth:`unpin`: no eviction chooses them from now on, and a release decided
+        before (by an eviction racing this pin) waits for the unpin. Take the pin
+        before verifying the file: a block evicted before it is then not indexed
+        any more, so the verification fails instead of trusting bytes about to go."""
         with self._lock:
             self._pinned[oid] = self._pinned.get(oid, 0) + 1
 
     def unpin(self, oid: bytes) -> None:
+        """Any thread; never waits. Deferred releases happen at the next put or
+        :meth:`flush_touches`."""
         with self._lock:
             n = self._pinned.get(oid, 0) - 1
             if n > 0:
@@ -192,106 +180,143 @@ class BlockCache:
             else:
                 self._pinned.pop(oid, None)
 
-    # -- lookups (trio thread) ------------------------------------------------------
+    def _is_pinned(self, oid: bytes) -> bool:
+        with self._lock:
+            return oid in self._pinned
+
+    # -- index lookups (any thread; synchronous, no transaction outlives them) -----------
+    def _entry(self, bid: bytes) -> Entry | None:
+        return self.index.entry(bid)
+
     def contains(self, bid: bytes) -> bool:
-        with self._env.read() as txn:
-            return txn.get(bid, db=self._blocks_db) is not None
+        return self.index.entry(bid) is not None
 
     def length_of(self, bid: bytes) -> int | None:
-        with self._env.read() as txn:
-            raw = txn.get(bid, db=self._blocks_db)
-        return None if raw is None else int(_BLOCK.unpack(raw)[0])
+        entry = self.index.entry(bid)
+        return None if entry is None else entry[0]
 
     def contains_all(self, bids: list[bytes]) -> bool:
         """Whether every block is indexed (one read transaction)."""
-        with self._env.read() as txn:
-            return all(txn.get(b, db=self._blocks_db) is not None for b in bids)
+        return self.index.contains_all(bids)
 
+    # -- verified reads --------------------------------------------------------------
     async def get(self, bid: bytes) -> bytes | None:
         """The verified bytes of block ``bid``, or None (miss, or dropped as corrupt)."""
-        with self._env.read() as txn:
-            raw = txn.get(bid, db=self._blocks_db)
-        if raw is None:
+        entry = self._entry(bid)  # a synchronous helper: no reader slot held below
+        if entry is None:
             return None
-        length, digest, _ = _BLOCK.unpack(raw)
-        data = await trio.to_thread.run_sync(self._read_verified, bid, length, digest,
+        data = await trio.to_thread.run_sync(self._read_verified, bid, entry,
                                              limiter=self._limiter)
         if data is not None:
-            self._touched[bid] = time.time()
+            self.touch((bid,))
         return data
 
-    def _read_verified(self, bid: bytes, length: int, digest: int) -> bytes | None:
+    def _read_verified(self, bid: bytes, entry: Entry) -> bytes | None:
+        """Block ``bid`` read from its file and checked against ``entry`` (worker thread)."""
+        failpoints.hit("read.indexed")
         path, offset = self.location(bid)
         try:
             fd = os.open(path, os.O_RDONLY)
-            try:
-                data = os.pread(fd, length, offset)
-            finally:
-                os.close(fd)
         except FileNotFoundError:
-            if not self._indexed(bid):
-                return None  # evicted between the index lookup and the read: a plain miss
-            log.warning("cached block %s is missing; refetching", bid.hex())
-            self._drop_corrupt(bid)
-            return None
+            fd = -1  # removed by an eviction, or lost: the re-check tells which
         except OSError as exc:
-            log.warning("cached block %s unreadable (%s); refetching", bid.hex(), exc)
-            self._drop_corrupt(bid)
-            return None
-        if len(data) != length or checksum(data) != digest:
-            log.warning("cached block %s failed verification (%d bytes, expected %d); "
-                        "refetching", bid.hex(), len(data), length)
-            self._drop_corrupt(bid)
-            return None
-        return data
+            log.warning("cache file %s unreadable (%s)", path, exc.strerror)
+            fd = -1
+        try:
+            if fd >= 0:
+                try:
+                    data = pread(fd, entry[0], offset)
+                except OSError as exc:
+                    log.warning("cache file %s unreadable (%s)", path, exc.strerror)
+                else:
+                    if _matches(data, entry):
+                        return data
+            return self._recheck(bid, entry)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
-    def verify_object(self, bids: list[bytes]) -> int | None:
+    def _recheck(self, bid: bytes, entry: Entry, fd: int = -1) -> bytes | None:
+        """A read of ``bid`` did not match ``entry``: decide, under the object's lock (no
+        release or put of it can run), whether that was a race or damage.
+
+        A block no longer indexed as ``entry`` was evicted while we read it: a plain miss.
+        One still indexed is read again from its file (opened afresh: the file read first
+        may have been removed and written anew since); if that fails too, it is dropped
+        as corrupt. ``fd`` (verify_object's descriptor) must still be that file, else the
+        file it verified is gone: a miss."""
+        oid, offset = split_block_id(bid)
+        data = None
+        with self._file_lock(oid):
+            if self._entry(bid) != entry:
+                return None  # evicted (or replaced) meanwhile: a plain miss
+            try:
+                current = os.open(self.object_path(oid), os.O_RDONLY)
+            except FileNotFoundError:
+                current = -1
+            except OSError as exc:
+                log.warning("cache file of block %s unreadable (%s)", bid.hex(), exc.strerror)
+                current = -1
+            try:
+                if current >= 0 and fd >= 0 and not os.path.sameopenfile(fd, current):
+                    return None  # the file verified was removed (and written anew): a miss
+                if current >= 0:
+                    data = pread(current, entry[0], offset)
+            except OSError as exc:
+                log.warning("cached block %s unreadable (%s)", bid.hex(), exc.strerror)
+            finally:
+                if current >= 0:
+                    os.close(current)
+            if data is not None and _matches(data, entry):
+                return data
+        if data is not None:
+            log.warning("cached block %s failed verification (%d bytes, expected %d); "
+                        "refetching", bid.hex(), len(data), entry[0])
+        else:
+            log.warning("cached block %s is missing or unreadable; refetching", bid.hex())
+        self._drop_corrupt(bid, entry)
+        return None
+
+    def verify_object(self, bids: list[bytes], fd: int | None = None) -> int | None:
         """Check every block of one object against the index (worker thread).
 
+        Reads the object's file, or ``fd`` when given (an open descriptor of it, the
+        one then handed to the kernel, so the bytes checked are the bytes served).
         Returns the number of bytes verified, or None when a block is not indexed,
-        is missing or fails its checksum (a failing block is dropped as corrupt).
-        Reading the file also leaves it in the page cache, where the kernel's own
-        reads of it then find it.
+        is missing or fails its checksum (a failing block is dropped as corrupt,
+        unless the failure was an eviction racing this check). Reading the file also
+        leaves it in the page cache, where the kernel's own reads of it then find it.
         """
-        with self._env.read() as txn:
-            raws = [txn.get(b, db=self._blocks_db) for b in bids]
-        if not bids or any(r is None for r in raws):
+        entries = self.index.entries(bids) if bids else None
+        if entries is None:
             return None
-        path = self.object_path(split_block_id(bids[0])[0])
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return None
+        own = fd is None
+        if fd is None:
+            try:
+                fd = os.open(self.object_path(split_block_id(bids[0])[0]), os.O_RDONLY)
+            except OSError:
+                return None
         total = 0
         try:
-            for bid, raw in zip(bids, raws, strict=True):
-                length, digest, _ = _BLOCK.unpack(raw)  # type: ignore[arg-type]
+            for bid, entry in zip(bids, entries, strict=True):
                 try:
-                    data = os.pread(fd, length, split_block_id(bid)[1])
-                except OSError as exc:
-                    log.warning("cached block %s unreadable (%s); refetching", bid.hex(), exc)
-                    self._drop_corrupt(bid)
-                    return None
-                if len(data) != length or checksum(data) != digest:
-                    log.warning("cached block %s failed verification; refetching", bid.hex())
-                    self._drop_corrupt(bid)
-                    return None
-                total += length
+                    data: bytes | None = pread(fd, entry[0], split_block_id(bid)[1])
+                except OSError:
+                    data = None
+                if data is None or not _matches(data, entry):
+                    if self._recheck(bid, entry, fd) is None:
+                        return None
+                total += entry[0]
         finally:
-            os.close(fd)
-        now = time.time()
-        for bid in bids:
-            self._touched[bid] = now  # a dict store: safe to race the trio thread's take
+            if own:
+                os.close(fd)
+        self.touch(bids)
         return total
 
-    def _indexed(self, bid: bytes) -> bool:
-        with self._env.read() as txn:
-            return txn.get(bid, db=self._blocks_db) is not None
-
-    def _drop_corrupt(self, bid: bytes) -> None:
+    def _drop_corrupt(self, bid: bytes, entry: Entry) -> None:
         metrics.CACHE_CORRUPT_BLOCKS.inc()
         try:
-            self._remove([bid])
+            self._remove([bid], expect={bid: entry})
         except CacheError:
             log.exception("could not drop corrupt block %s", bid.hex())
 
@@ -310,10 +335,9 @@ class BlockCache:
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
         oid, offset = split_block_id(bid)
-        path = self.object_path(oid)
         with self._file_lock(oid):
             try:
-                _write_at(path, data, offset)
+                self.files.write_at(oid, data, offset)
             except OSError as exc:
                 metrics.CACHE_WRITE_ERRORS.inc()
                 log.warning("cannot write block to the cache (%s); serving from memory", exc.strerror)
@@ -328,50 +352,16 @@ class BlockCache:
             if not admitted:
                 self._release_bytes(oid, [(offset, len(data))])
         self._release_blocks(evicted)
+        if self._deferred:
+            self.release_deferred()
         return admitted
 
     def _index_put(self, bid: bytes, length: int, digest: int) -> tuple[bool, list[tuple[bytes, int]]]:
-        now = time.time()
-        evicted: list[tuple[bytes, int]] = []
-        with self._lock:
-            pinned = set(self._pinned)
-        with self._env.write() as txn:
-            if txn.get(bid, db=self._blocks_db) is not None:
-                return True, []
-            raw_used = txn.get(_USED_KEY, db=self._meta_db)
-            used = int(raw_used) if raw_used else 0
-            evicted_bytes = 0
-            if used + length > self.capacity:
-                if self.policy == "keep":
-                    metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return False, []
-                cur = txn.cursor(db=self._lru_db)
-                cur.first()
-                while used - evicted_bytes + length > self.capacity and cur.key():
-                    old = bytes(cur.key()[_LRU_TIME.size:])
-                    if old[:OID_LEN] in pinned:
-                        if not cur.next():
-                            break
-                        continue
-                    cur.delete()  # moves to the next entry
-                    raw = txn.pop(old, db=self._blocks_db)
-                    if raw is not None:
-                        n = _BLOCK.unpack(raw)[0]
-                        evicted_bytes += n
-                        evicted.append((old, n))
-                if used - evicted_bytes + length > self.capacity:
-                    # Only pinned blocks are left to evict: do not admit (nothing is lost,
-                    # the evictions already made stand).
-                    txn.put(_USED_KEY, str(used - evicted_bytes).encode(), db=self._meta_db)
-                    self._account(used - evicted_bytes, -len(evicted), evicted_bytes, len(evicted))
-                    metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return False, evicted
-            txn.put(bid, _BLOCK.pack(length, digest, now), db=self._blocks_db)
-            txn.put(_LRU_TIME.pack(now) + bid, b"", db=self._lru_db)
-            new_used = used - evicted_bytes + length
-            txn.put(_USED_KEY, str(new_used).encode(), db=self._meta_db)
-        self._account(new_used, 1 - len(evicted), evicted_bytes, len(evicted))
-        return True, evicted
+        result: PutResult = self.index.put(bid, length, digest, self._is_pinned)
+        if result.used is not None:
+            delta = (1 if result.admitted else 0) - len(result.evicted)
+            self._account(result.used, delta, result.evicted_bytes, len(result.evicted))
+        return result.admitted, result.evicted
 
     def _account(self, used: int, count_delta: int, evicted_bytes: int, evicted: int) -> None:
         with self._lock:
@@ -382,23 +372,10 @@ class BlockCache:
             metrics.CACHE_EVICTED_BYTES.inc(evicted_bytes)
         self._publish()
 
-    def _remove(self, bids: list[bytes]) -> None:
-        """Drop blocks from the index, then their bytes (worker threads)."""
-        removed_bytes = 0
-        removed: list[tuple[bytes, int]] = []
-        with self._env.write() as txn:
-            raw_used = txn.get(_USED_KEY, db=self._meta_db)
-            used = int(raw_used) if raw_used else 0
-            for bid in bids:
-                raw = txn.pop(bid, db=self._blocks_db)
-                if raw is None:
-                    continue
-                length, _, last = _BLOCK.unpack(raw)
-                txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
-                removed_bytes += length
-                removed.append((bid, length))
-            used = max(0, used - removed_bytes)
-            txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
+    def _remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None) -> None:
+        """Drop blocks from the index, then their bytes (worker threads). With ``expect``,
+        a block is dropped only while it is still indexed as that (length, checksum)."""
+        removed, used = self.index.remove(bids, expect)
         with self._lock:
             self._used = used
             self._count -= len(removed)
@@ -412,60 +389,70 @@ class BlockCache:
             oid, offset = split_block_id(bid)
             by_object.setdefault(oid, []).append((offset, length))
         for oid, ranges in by_object.items():
+            failpoints.hit("evict.release")
             with self._file_lock(oid):
                 self._release_bytes(oid, ranges)
 
     def _release_bytes(self, oid: bytes, ranges: list[tuple[int, int]]) -> None:
-        """Remove the object's file if no block of it is indexed, else punch the ranges
-        out of it. The caller holds the object's stripe lock."""
-        path = self.object_path(oid)
-        if not self._object_indexed(oid):
-            _unlink(path)
-            return
+        """Free the byte ranges of dropped blocks of ``oid``: remove the object's file if
+        the index names none of its blocks, else punch the ranges out of it. Ranges of
+        blocks indexed again meanwhile are kept; a pinned object's release is deferred
+        until its unpin. The caller holds the object's stripe lock."""
+        with self._lock:
+            if oid in self._pinned:
+                self._deferred.setdefault(oid, []).extend(ranges)
+                return
         try:
-            fd = os.open(path, os.O_WRONLY)
-        except OSError:
+            indexed, any_indexed = self.index.state(oid, [off for off, _ in ranges])
+        except CacheError as exc:
+            self.index.report_error(exc)
+            return  # keep the bytes: never punch what the index may still name
+        if not any_indexed:
+            self.files.remove(oid)
             return
-        try:
-            for offset, length in ranges:
-                # Blocks start on multiples of the block size (a power of two >= 64 KiB),
-                # and only an object's last block is short, so rounding the end up to
-                # the page frees the tail page without touching another block's bytes.
-                length = -(-(offset + length) // _PAGE) * _PAGE - offset
-                if not _punch_hole(fd, offset, length) and not self._punch_warned:
-                    self._punch_warned = True
-                    log.warning("the cache file system cannot punch holes: evicted blocks of "
-                                "partly cached objects keep their disk space until the object goes")
-        finally:
-            os.close(fd)
+        ranges = [(off, n) for off, n in ranges if off not in indexed]
+        if ranges:
+            self.files.punch(oid, ranges)
+
+    def release_deferred(self) -> None:
+        """Release the bytes whose release waited for an object's unpin (worker thread)."""
+        with self._lock:
+            jobs = [(oid, self._deferred.pop(oid)) for oid in list(self._deferred)
+                    if oid not in self._pinned]
+        for oid, ranges in jobs:
+            with self._file_lock(oid):
+                self._release_bytes(oid, ranges)  # pinned again meanwhile: deferred again
 
     def _object_indexed(self, oid: bytes) -> bool:
-        """Whether any block of ``oid`` is in the index (blocks of one object sort together)."""
-        with self._env.read() as txn:
-            cur = txn.cursor(db=self._blocks_db)
-            return bool(cur.set_range(oid)) and bytes(cur.key()[:OID_LEN]) == oid
+        """Whether any block of ``oid`` is in the index (blocks of one object sort
+        together). True when the index cannot be read (nothing is removed then)."""
+        try:
+            return self.index.state(oid, [])[1]
+        except CacheError as exc:
+            self.index.report_error(exc)
+            return True
 
     # -- maintenance (worker threads, driven by the daemon) -----------------------------
+    def touch(self, bids: Iterable[bytes]) -> None:
+        """Record a use of these blocks now (any thread)."""
+        now = time.time()
+        with self._lock:
+            for bid in bids:
+                self._touched[bid] = now
+
     def take_touches(self) -> dict[bytes, float]:
-        """Hand over pending last-use updates (trio thread)."""
-        touched, self._touched = self._touched, {}
+        """Hand over pending last-use updates (any thread)."""
+        with self._lock:
+            touched, self._touched = self._touched, {}
         return touched
 
     def flush_touches(self, touched: dict[bytes, float]) -> None:
-        """Write last-use times in one transaction (worker thread)."""
-        if not touched:
-            return
-        with self._env.write() as txn:
-            for bid, t in touched.items():
-                raw = txn.get(bid, db=self._blocks_db)
-                if raw is None:
-                    continue
-                length, digest, last = _BLOCK.unpack(raw)
-                if t <= last:
-                    continue
-                txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
-                txn.put(_LRU_TIME.pack(t) + bid, b"", db=self._lru_db)
-                txn.put(bid, _BLOCK.pack(length, digest, t), db=self._blocks_db)
+        """Write last-use times in one transaction (worker thread); then release bytes
+        whose release waited for an unpin."""
+        if touched:
+            self.index.flush_touches(touched)
+        if self._deferred:
+            self.release_deferred()
 
     def remove_orphans(self, older_than: float) -> int:
         """Delete files the index does not name (worker thread): object files with no
@@ -473,13 +460,10 @@ class BlockCache:
 
         Only files last modified before ``older_than`` (the daemon's start) are
         considered: a block is written just before it is indexed, so a younger
-        file without entries may be a put in progress, not an orphan.
+        file without entries may be a put in progress, not an orphan. Files of
+        pinned objects are kept.
         """
-        removed = 0
-        for legacy in _LEGACY_DIRS:
-            if (self.root / legacy).is_dir():
-                shutil.rmtree(self.root / legacy, ignore_errors=True)
-                removed += 1
+        removed = self.files.remove_legacy()
 
         def stale(path: Path) -> bool:
             try:
@@ -487,64 +471,20 @@ class BlockCache:
             except FileNotFoundError:
                 return False
 
-        for sub in self.objects_dir.iterdir():
-            if not sub.is_dir():
+        for oid, f in self.files.scan():
+            if oid is None:
+                if stale(f):
+                    unlink(f)
+                    removed += 1
                 continue
-            for f in sub.iterdir():
-                try:
-                    oid = bytes.fromhex(f.name)
-                except ValueError:
-                    oid = b""
-                if len(oid) != OID_LEN:
-                    if stale(f):
-                        _unlink(f)
-                        removed += 1
-                    continue
-                with self._file_lock(oid):
-                    if not self._object_indexed(oid) and stale(f):
-                        _unlink(f)
-                        removed += 1
+            with self._file_lock(oid):
+                if not self._is_pinned(oid) and not self._object_indexed(oid) and stale(f):
+                    unlink(f)
+                    removed += 1
         if removed:
             log.info("removed %d orphan file(s) from the cache", removed)
         return removed
 
 
-def _write_at(path: Path, data: bytes, offset: int) -> None:
-    """Write ``data`` at ``offset`` of ``path`` (created with its directory if missing).
-    Cached bytes are private to the mounting user whatever the umask (files 0600,
-    directories 0700): the mount's permissions must not be bypassed through the cache."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except FileNotFoundError:
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
-    finally:
-        os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> bool:
-    """Free ``length`` bytes at ``offset`` (they read back as zeros); False if unsupported."""
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
-        log.warning("cannot free evicted cache bytes: %s", os.strerror(err))
-    return False
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc.strerror)
+def _matches(data: bytes, entry: Entry) -> bool:
+    return len(data) == entry[0] and checksum(data) == entry[1]

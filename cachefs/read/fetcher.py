@@ -24,8 +24,15 @@ Tasks and ownership:
   Speculative loads (started by :mod:`cachefs.read.prefetcher`, the one owner of
   every speculative fetch) additionally take ``prefetch_limiter`` (a share of
   the connections) so demand GETs always find a free connection.
+* Speculative loads of blocks already on local disk are bounded
+  (:data:`MAX_DISK_AHEAD` waiting or running): beyond that a prefetch of a
+  cached block is skipped, so readers' own disk reads never queue behind
+  thousands of speculative ones (a reader reads a skipped block from disk
+  when it gets there).
 * Everything here runs on the trio thread; ``_flights`` and the memory tier
-  are only touched there.
+  are only touched there. No LMDB transaction is held across an ``await``
+  here or below (the disk tier looks blocks up in synchronous helpers), so a
+  load waiting for a disk thread holds no index reader slot.
 
 Invariant: a block id names one object version (key, ETag), so bytes of two
 versions are never mixed; a version that changed on S3 raises ObjectChanged.
@@ -42,7 +49,8 @@ import trio
 
 from cachefs import metrics
 from cachefs.background import contained
-from cachefs.cache.blocks import BlockCache, block_id, block_id_at, object_id
+from cachefs.cache.blockid import block_id, block_id_at, object_id
+from cachefs.cache.blocks import BlockCache
 from cachefs.errors import TransientStoreError
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.tiers import BlockRef, DiskTier, MemoryTier, Tier
@@ -51,6 +59,8 @@ from cachefs.s3.store import ObjectStore
 log = logging.getLogger(__name__)
 
 ORIGIN = "s3"  # the source name of blocks fetched from the origin
+#: Speculative loads of blocks on local disk in flight at most (see the module docstring).
+MAX_DISK_AHEAD = 64
 
 
 class ReadNotes(Protocol):
@@ -83,9 +93,10 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 class _Flight:
     """One load of one block, shared by everyone who wants it while it runs."""
 
-    __slots__ = ("data", "error", "event", "prefetch", "settled", "source")
+    __slots__ = ("data", "disk_ahead", "error", "event", "prefetch", "settled", "source")
 
     def __init__(self, prefetch: bool) -> None:
+        self.disk_ahead = False  # a speculative load of a block on local disk
         self.source = "disk"
         self.event = trio.Event()  # data or error is there
         self.settled = trio.Event()  # written back too: the flight is gone
@@ -115,6 +126,8 @@ class Fetcher:
         self._flights: dict[bytes, _Flight] = {}
         self._nursery: trio.Nursery | None = None
         self._pending = 0  # flights + write-backs not finished
+        self._disk_ahead = 0  # speculative loads of cached blocks in flight
+        self.max_disk_ahead = MAX_DISK_AHEAD
         self._idle = trio.Event()
         self._idle.set()
 
@@ -242,7 +255,15 @@ class Fetcher:
     # -- loads started ahead of readers (by cachefs.read.prefetcher) --------------------------
     def load_ahead(self, obj: ObjectVersion, index: int, bid: bytes, *, reserved: int) -> None:
         """Start a speculative load of a block that is neither in memory nor in flight.
-        ``reserved`` bytes of the memory budget are handed to the load (it releases them)."""
+        ``reserved`` bytes of the memory budget are handed to the load (it releases them).
+        A load of a block on local disk (``reserved`` 0) is skipped when
+        :attr:`max_disk_ahead` such loads are in flight."""
+        if not reserved:
+            if self._disk_ahead >= self.max_disk_ahead:
+                return
+            self._disk_ahead += 1
+            self._start_load(obj, index, bid, prefetch=True, reserved=0).disk_ahead = True
+            return
         self._start_load(obj, index, bid, prefetch=True, reserved=reserved)
 
     async def wait_loaded(self, bid: bytes) -> bool:
@@ -324,6 +345,8 @@ class Fetcher:
                     del self._flights[bid]
                     flight.settled.set()
         finally:
+            if flight.disk_ahead:
+                self._disk_ahead -= 1
             if reserved:
                 self.budget.release(reserved)
             self._pending -= 1

@@ -1,0 +1,250 @@
+"""The block index in LMDB: which blocks are cached, their checksums, and eviction.
+
+Schema (databases of :class:`~cachefs.cache.lmdbenv.LmdbEnv`):
+
+* ``blocks``  block id -> (length u32, xxh3-64 u64, last use f64)
+* ``lru``     last use (big-endian f64, so byte order is time order) + block id -> ""
+* ``meta``    ``used_bytes`` (decimal text), ``layout`` (the cache layout version)
+
+Eviction policy (:meth:`BlockIndex.put`): ``keep`` admits until the capacity is
+reached and then refuses (the optimum for a fresh random permutation every epoch
+over a dataset larger than the cache: hit ratio = cache/dataset, where LRU gets
+c + (1-c) ln(1-c)); ``lru`` removes the least recently used blocks to make room,
+skipping those of pinned objects, in the same write transaction as the admission.
+
+Contracts: lookups (:meth:`entry`, :meth:`entries`, :meth:`contains_all`) are
+small synchronous helpers: no transaction outlives them, so no reader slot is
+held across an ``await`` (see :mod:`cachefs.cache.lmdbenv`), and any failure to
+read the index is reported (:meth:`report_error`: counted, logged at most once a
+minute) and answered as a miss. Writes (:meth:`put`, :meth:`remove`,
+:meth:`flush_touches`) run in worker threads and raise CacheError. The index
+knows nothing of files or locks: :class:`~cachefs.cache.blocks.BlockCache`
+orders index writes against file writes and releases.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Callable
+
+from cachefs import failpoints, metrics
+from cachefs.cache.blockid import OID_LEN, block_id_at
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.errors import CacheError
+
+log = logging.getLogger(__name__)
+
+_BLOCK = struct.Struct("<IQd")  # length, xxh3-64, last use
+_LRU_TIME = struct.Struct(">d")  # big-endian so byte order == time order (times are > 0)
+_USED_KEY = b"used_bytes"
+_LAYOUT_KEY = b"layout"
+_LAYOUT = b"objects-v2"
+POLICIES = ("keep", "lru")
+_ERROR_LOG_INTERVAL = 60.0
+
+#: (length, checksum) of an indexed block.
+Entry = tuple[int, int]
+
+
+class PutResult:
+    """What :meth:`BlockIndex.put` did: whether the block was admitted, the blocks it
+    evicted (id, length), and the used bytes after it."""
+
+    __slots__ = ("admitted", "evicted", "evicted_bytes", "used")
+
+    def __init__(self, admitted: bool, evicted: list[tuple[bytes, int]], used: int | None) -> None:
+        self.admitted = admitted
+        self.evicted = evicted
+        self.evicted_bytes = sum(n for _, n in evicted)
+        self.used = used
+
+
+class BlockIndex:
+    """The ``blocks``/``lru`` databases and the used-bytes counter of one cache."""
+
+    def __init__(self, env: LmdbEnv, *, capacity: int, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}")
+        self._env = env
+        self._blocks_db = env.db("blocks")
+        self._lru_db = env.db("lru")
+        self._meta_db = env.db("meta")
+        self.capacity = capacity
+        self.policy = policy
+        self._error_logged = 0.0
+        self._errors_unlogged = 0
+
+    # -- start-up -------------------------------------------------------------------------
+    def adopt_layout(self) -> None:
+        """An index written by an earlier layout is dropped (the cache is best-effort)."""
+        with self._env.write() as txn:
+            if txn.get(_LAYOUT_KEY, db=self._meta_db) == _LAYOUT:
+                return
+            if txn.stat(self._blocks_db)["entries"]:
+                log.info("the cache directory holds an older layout: starting with an empty cache")
+            txn.drop(self._blocks_db, delete=False)
+            txn.drop(self._lru_db, delete=False)
+            txn.put(_USED_KEY, b"0", db=self._meta_db)
+            txn.put(_LAYOUT_KEY, _LAYOUT, db=self._meta_db)
+
+    def totals(self) -> tuple[int, int]:
+        """(used bytes, block count) as stored."""
+        with self._env.read() as txn:
+            return _int(txn.get(_USED_KEY, db=self._meta_db)), txn.stat(self._blocks_db)["entries"]
+
+    # -- lookups (any thread) -------------------------------------------------------------
+    def report_error(self, exc: Exception) -> None:
+        """An index read failed: the caller treats it as a miss."""
+        metrics.CACHE_INDEX_ERRORS.inc()
+        now = time.monotonic()
+        if now - self._error_logged < _ERROR_LOG_INTERVAL:
+            self._errors_unlogged += 1
+            return
+        more = (f" ({self._errors_unlogged} more since the last report)"
+                if self._errors_unlogged else "")
+        self._error_logged, self._errors_unlogged = now, 0
+        log.warning("cache index read failed (%s); served as a cache miss%s", exc, more)
+
+    def entry(self, bid: bytes) -> Entry | None:
+        """(length, checksum) of an indexed block; None when it is not indexed or the
+        index cannot be read (reported: a miss)."""
+        try:
+            raw = self._env.get("blocks", bid)
+            if raw is None:
+                return None
+            length, digest, _ = _BLOCK.unpack(raw)
+        except (CacheError, struct.error) as exc:
+            self.report_error(exc)
+            return None
+        return int(length), int(digest)
+
+    def contains_all(self, bids: list[bytes]) -> bool:
+        """Whether every block is indexed (one read transaction)."""
+        try:
+            return all(raw is not None for raw in self._env.get_many("blocks", bids))
+        except CacheError as exc:
+            self.report_error(exc)
+            return False
+
+    def entries(self, bids: list[bytes]) -> list[Entry] | None:
+        """(length, checksum) of every block, or None if one is not indexed (or the index
+        cannot be read: reported)."""
+        try:
+            raws = self._env.get_many("blocks", bids)
+            if any(raw is None for raw in raws):
+                return None
+            return [(int(n), int(d)) for n, d, _ in (_BLOCK.unpack(raw) for raw in raws)]  # type: ignore[arg-type]
+        except (CacheError, struct.error) as exc:
+            self.report_error(exc)
+            return None
+
+    def state(self, oid: bytes, offsets: list[int]) -> tuple[set[int], bool]:
+        """(the offsets among ``offsets`` whose block is indexed, whether any block of
+        ``oid`` is indexed), from one snapshot. Raises CacheError."""
+        with self._env.read() as txn:
+            indexed = {off for off in offsets
+                       if txn.get(block_id_at(oid, off), db=self._blocks_db) is not None}
+            cur = txn.cursor(db=self._blocks_db)
+            any_indexed = bool(cur.set_range(oid)) and bytes(cur.key()[:OID_LEN]) == oid
+        return indexed, any_indexed
+
+    # -- writes (worker threads; raise CacheError) ------------------------------------------
+    def put(self, bid: bytes, length: int, digest: int,
+            is_pinned: Callable[[bytes], bool]) -> PutResult:
+        """Index a block whose bytes are written, making room by the policy. Pins are
+        read inside the write transaction (``is_pinned(object id)``): no pinned
+        object's block is chosen. ``used`` is None when nothing changed."""
+        now = time.time()
+        evicted: list[tuple[bytes, int]] = []
+        with self._env.write() as txn:
+            failpoints.hit("put.index")
+            if txn.get(bid, db=self._blocks_db) is not None:
+                return PutResult(True, [], None)
+            used = _int(txn.get(_USED_KEY, db=self._meta_db))
+            if used + length > self.capacity:
+                if self.policy == "keep":
+                    metrics.CACHE_ADMISSION_REJECTS.inc()
+                    return PutResult(False, [], None)
+                evicted = self._evict_lru(txn, used + length - self.capacity, is_pinned)
+                failpoints.hit("evict.chosen")
+                freed = sum(n for _, n in evicted)
+                if used - freed + length > self.capacity:
+                    # Only pinned blocks are left to evict: do not admit (nothing is lost,
+                    # the evictions already made stand).
+                    txn.put(_USED_KEY, str(used - freed).encode(), db=self._meta_db)
+                    metrics.CACHE_ADMISSION_REJECTS.inc()
+                    return PutResult(False, evicted, used - freed)
+                used -= freed
+            txn.put(bid, _BLOCK.pack(length, digest, now), db=self._blocks_db)
+            txn.put(_LRU_TIME.pack(now) + bid, b"", db=self._lru_db)
+            used += length
+            txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
+        return PutResult(True, evicted, used)
+
+    def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool]
+                   ) -> list[tuple[bytes, int]]:
+        """Remove least recently used blocks of unpinned objects until ``need`` bytes
+        are freed (or none is left); returns them."""
+        evicted: list[tuple[bytes, int]] = []
+        freed = 0
+        cur = txn.cursor(db=self._lru_db)  # type: ignore[attr-defined]
+        cur.first()
+        while freed < need and cur.key():
+            old = bytes(cur.key()[_LRU_TIME.size:])
+            if is_pinned(old[:OID_LEN]):
+                if not cur.next():
+                    break
+                continue
+            cur.delete()  # moves to the next entry
+            raw = txn.pop(old, db=self._blocks_db)  # type: ignore[attr-defined]
+            if raw is not None:
+                n = _BLOCK.unpack(raw)[0]
+                freed += n
+                evicted.append((old, n))
+        return evicted
+
+    def remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None
+               ) -> tuple[list[tuple[bytes, int]], int]:
+        """Drop blocks from the index; returns (the blocks dropped with their lengths,
+        used bytes after). With ``expect``, a block is dropped only while it is still
+        indexed as that (length, checksum)."""
+        removed: list[tuple[bytes, int]] = []
+        with self._env.write() as txn:
+            used = _int(txn.get(_USED_KEY, db=self._meta_db))
+            for bid in bids:
+                raw = txn.get(bid, db=self._blocks_db)
+                if raw is None:
+                    continue
+                length, digest, last = _BLOCK.unpack(raw)
+                if expect is not None and expect.get(bid) != (length, digest):
+                    continue
+                txn.delete(bid, db=self._blocks_db)
+                txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
+                removed.append((bid, length))
+            used = max(0, used - sum(n for _, n in removed))
+            txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
+        return removed, used
+
+    def flush_touches(self, touched: dict[bytes, float]) -> None:
+        """Write last-use times in one transaction."""
+        with self._env.write() as txn:
+            for bid, t in touched.items():
+                raw = txn.get(bid, db=self._blocks_db)
+                if raw is None:
+                    continue
+                length, digest, last = _BLOCK.unpack(raw)
+                if t <= last:
+                    continue
+                txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
+                txn.put(_LRU_TIME.pack(t) + bid, b"", db=self._lru_db)
+                txn.put(bid, _BLOCK.pack(length, digest, t), db=self._blocks_db)
+
+
+def _int(raw: bytes | None) -> int:
+    """A counter stored as decimal text (0 when missing or unreadable)."""
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        return 0

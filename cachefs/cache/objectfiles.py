@@ -1,0 +1,138 @@
+"""The cache's files: one sparse file per object version, blocks at their offsets.
+
+Layout::
+
+    DIR/objects/ab/ab12...ef     the file of object id ab12...ef (hex); the block at
+                                 byte offset o of the object lives at offset o
+
+Plain file operations only (no index, no locks): :class:`ObjectFiles` writes a
+block, reads bytes back, punches the holes of dropped blocks and removes files;
+the block cache (:mod:`cachefs.cache.blocks`) decides when, under its locks.
+Cached bytes are private to the mounting user whatever the umask (files 0600,
+directories 0700): the mount's permissions must not be bypassed through the
+cache. Worker threads only (every call may wait on the disk).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from cachefs.cache.blockid import OID_LEN
+from cachefs.errors import CacheError
+
+log = logging.getLogger(__name__)
+
+_PAGE = 4096
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_LEGACY_DIRS = ("blocks", "tmp")  # the one-file-per-block layout of earlier versions
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+class ObjectFiles:
+    """The object files under ``root/objects``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.objects_dir = root / "objects"
+        self._punch_warned = False
+        try:
+            self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
+
+    def path(self, oid: bytes) -> Path:
+        h = oid.hex()
+        return self.objects_dir / h[:2] / h
+
+    def write_at(self, oid: bytes, data: bytes, offset: int) -> None:
+        """Write ``data`` at ``offset`` of the object's file (created with its directory
+        if missing). Raises OSError."""
+        path = self.path(oid)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+
+    def punch(self, oid: bytes, ranges: list[tuple[int, int]]) -> None:
+        """Free the byte ranges (they read back as zeros). Blocks start on multiples of
+        the block size (a power of two >= 64 KiB) and only an object's last block is
+        short, so rounding a range's end up to the page frees the tail page without
+        touching another block's bytes."""
+        try:
+            fd = os.open(self.path(oid), os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            for offset, length in ranges:
+                length = -(-(offset + length) // _PAGE) * _PAGE - offset
+                if not _punch_hole(fd, offset, length) and not self._punch_warned:
+                    self._punch_warned = True
+                    log.warning("the cache file system cannot punch holes: evicted blocks of "
+                                "partly cached objects keep their disk space until the object goes")
+        finally:
+            os.close(fd)
+
+    def remove(self, oid: bytes) -> None:
+        unlink(self.path(oid))
+
+    def remove_legacy(self) -> int:
+        """Remove the directories of an earlier layout; returns how many there were."""
+        removed = 0
+        for legacy in _LEGACY_DIRS:
+            if (self.root / legacy).is_dir():
+                shutil.rmtree(self.root / legacy, ignore_errors=True)
+                removed += 1
+        return removed
+
+    def scan(self) -> Iterator[tuple[bytes | None, Path]]:
+        """Every file under ``objects/`` as (object id, path); the id is None for a file
+        whose name is not an object id (a stray file)."""
+        for sub in self.objects_dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for f in sub.iterdir():
+                try:
+                    oid = bytes.fromhex(f.name)
+                except ValueError:
+                    oid = b""
+                yield (oid if len(oid) == OID_LEN else None), f
+
+
+def pread(fd: int, length: int, offset: int) -> bytes:
+    return os.pread(fd, length, offset)
+
+
+def unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc.strerror)
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free ``length`` bytes at ``offset``; False if the file system cannot."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
+        log.warning("cannot free evicted cache bytes: %s", os.strerror(err))
+    return False

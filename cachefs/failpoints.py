@@ -1,0 +1,75 @@
+"""Failpoints: named places in the code where a test can hold a thread.
+
+Races (an eviction against a passthrough open, a read against a punch) cannot
+be tested by hoping for the right timing. The code under test calls
+:func:`hit` at the places where the interleaving matters; normally that is one
+dict lookup and nothing else. A test arms a point with a callable
+(in-process, :func:`arm`), or for a daemon in another process through the
+environment::
+
+    CACHEFS_FAILPOINTS=evict.chosen,attach.verified  CACHEFS_FAILPOINT_DIR=/some/dir
+
+An armed point in a daemon holds the thread that reaches it while the file
+``DIR/NAME.hold`` exists: it first creates ``DIR/NAME.reached`` (so the test
+knows), then waits until the test removes ``NAME.hold`` (at most
+:data:`HOLD_LIMIT` seconds). Points are only hit in worker threads, never on
+the trio thread (a held trio thread would stop the whole mount).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: A held thread continues after this many seconds whatever the test does.
+HOLD_LIMIT = 60.0
+
+_armed: dict[str, Callable[[], None]] = {}
+
+
+def hit(name: str) -> None:
+    """Run what is armed at ``name`` (nothing, unless a test armed it)."""
+    action = _armed.get(name)
+    if action is not None:
+        action()
+
+
+def arm(name: str, action: Callable[[], None]) -> None:
+    _armed[name] = action
+
+
+def disarm(name: str) -> None:
+    _armed.pop(name, None)
+
+
+def _holder(name: str, directory: Path) -> Callable[[], None]:
+    hold, reached = directory / f"{name}.hold", directory / f"{name}.reached"
+
+    def action() -> None:
+        if not hold.exists():
+            return
+        reached.touch()
+        deadline = time.monotonic() + HOLD_LIMIT
+        while hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    return action
+
+
+def arm_from_environment() -> None:
+    """Arm the points named in ``CACHEFS_FAILPOINTS`` (a daemon under test)."""
+    names = os.environ.get("CACHEFS_FAILPOINTS", "")
+    directory = os.environ.get("CACHEFS_FAILPOINT_DIR", "")
+    if not names or not directory:
+        return
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        arm(name, _holder(name, Path(directory)))
+    log.warning("failpoints armed for tests: %s", names)
+
+
+arm_from_environment()

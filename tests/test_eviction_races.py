@@ -1,0 +1,494 @@
+"""Eviction racing passthrough and reads (issue 16, part 3): each interleaving forced.
+
+A thread is held at a failpoint (:mod:`cachefs.failpoints`) while the racing
+operation runs, then released. In-process tests hold BlockCache threads; the
+real-mount tests hold the daemon's worker threads through files (the daemon
+arms the points named in CACHEFS_FAILPOINTS).
+
+What must hold: a pinned object's bytes are never punched (pins are read inside
+the eviction's write transaction, and again under the object's lock when the
+bytes are released); a read that loses a race with an eviction is a miss, not
+corruption; a file evicted before a passthrough open could open it is a miss for
+that open only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cachefs import failpoints, metrics
+from cachefs.cache.blocks import BlockCache, block_id, object_id
+from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.passthrough import supported as passthrough_supported
+
+BLOCK = 4096
+
+
+def _sample(name: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name) or 0.0
+
+
+def _bid(key: str, i: int) -> bytes:
+    return block_id("bucket", key, "e", BLOCK, i)
+
+
+def _data(seed: int, n: int = BLOCK) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class Held:
+    """A failpoint that holds the first thread reaching it until :meth:`release`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reached = threading.Event()
+        self._go = threading.Event()
+        self._used = False
+        failpoints.arm(name, self._action)
+
+    def _action(self) -> None:
+        if self._used:
+            return
+        self._used = True
+        self.reached.set()
+        self._go.wait(30)
+
+    def wait(self) -> None:
+        assert self.reached.wait(30), f"nothing reached {self.name}"
+
+    def release(self) -> None:
+        self._go.set()
+        failpoints.disarm(self.name)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[BlockCache]:
+    env = LmdbEnv(tmp_path / "meta.lmdb")
+    yield BlockCache(env, tmp_path, capacity=2 * BLOCK, policy="lru")
+    env.close()
+
+
+def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(fn()))
+    t.start()
+    return t, result
+
+
+def _stored(cache: BlockCache, bid: bytes) -> bytes:
+    path, offset = cache.location(bid)
+    with open(path, "rb") as f:
+        return os.pread(f.fileno(), BLOCK, offset)
+
+
+# -- in-process: BlockCache ------------------------------------------------------------------
+def test_a_pin_taken_while_an_eviction_waits_keeps_the_object(cache: BlockCache) -> None:
+    a = [_bid("a", i) for i in range(2)]
+    for i, b in enumerate(a):
+        assert cache.put_sync(b, _data(i))
+    held = Held("put.index")  # inside the write transaction, before choosing victims
+    t, admitted = _in_thread(lambda: cache.put_sync(_bid("b", 0), _data(9)))
+    held.wait()
+    oid = object_id("bucket", "a", "e", BLOCK)
+    cache.pin(oid)
+    assert cache.verify_object(a) == 2 * BLOCK  # what a passthrough open checks
+    held.release()
+    t.join()
+    assert admitted == [False], "only pinned blocks were left to evict"
+    assert all(cache.contains(b) for b in a)
+    assert [_stored(cache, b) for b in a] == [_data(0), _data(1)]
+    cache.unpin(oid)
+
+
+def test_a_pin_taken_after_victims_were_chosen_defers_the_punch(cache: BlockCache) -> None:
+    a = [_bid("a", i) for i in range(2)]
+    for i, b in enumerate(a):
+        assert cache.put_sync(b, _data(i))
+    held = Held("evict.chosen")  # victims chosen, the transaction not committed yet
+    t, admitted = _in_thread(lambda: cache.put_sync(_bid("b", 0), _data(9)))
+    held.wait()
+    oid = object_id("bucket", "a", "e", BLOCK)
+    cache.pin(oid)
+    # The verification reads the snapshot before the eviction commits: it passes.
+    assert cache.verify_object(a) == 2 * BLOCK
+    held.release()
+    t.join()
+    assert admitted == [True] and not cache.contains(a[0])
+    assert _stored(cache, a[0]) == _data(0), "punched under a pinned (verified) object"
+    assert cache.deferred_bytes == BLOCK
+    cache.flush_touches({})
+    assert _stored(cache, a[0]) == _data(0), "released while still pinned"
+    cache.unpin(oid)
+    cache.flush_touches({})  # maintenance releases what waited for the unpin
+    assert cache.deferred_bytes == 0
+    assert _stored(cache, a[0]) == bytes(BLOCK), "the evicted block's bytes are freed"
+    assert _stored(cache, a[1]) == _data(1)
+
+
+def test_a_deferred_release_keeps_a_block_stored_again(cache: BlockCache) -> None:
+    a = [_bid("a", i) for i in range(2)]
+    for i, b in enumerate(a):
+        assert cache.put_sync(b, _data(i))
+    held = Held("evict.chosen")
+    t, _ = _in_thread(lambda: cache.put_sync(_bid("b", 0), _data(9)))
+    held.wait()
+    oid = object_id("bucket", "a", "e", BLOCK)
+    cache.pin(oid)
+    held.release()
+    t.join()
+    assert not cache.contains(a[0]) and cache.deferred_bytes == BLOCK
+    cache.unpin(oid)
+    # a[0] is read again (a miss) and stored again before the deferred release runs
+    cache._remove([a[1]])
+    assert cache.put_sync(a[0], _data(0))  # also runs the deferred release
+    assert cache.deferred_bytes == 0
+    assert trio.run(cache.get, a[0]) == _data(0), "a block indexed again was punched"
+
+
+def test_a_read_racing_an_eviction_is_a_miss_not_corruption(cache: BlockCache) -> None:
+    a0 = _bid("a", 0)
+    assert cache.put_sync(a0, _data(0))
+    assert cache.put_sync(_bid("a", 1), _data(1))
+    corrupt = _sample("cachefs_cache_corrupt_blocks_total")
+    held = Held("read.indexed")  # looked up in the index, not read yet
+
+    async def read() -> bytes | None:
+        return await cache.get(a0)
+
+    t, got = _in_thread(lambda: trio.run(read))
+    held.wait()
+    assert cache.put_sync(_bid("b", 0), _data(9))  # evicts a0: its hole is punched
+    assert not cache.contains(a0)
+    held.release()
+    t.join()
+    assert got == [None], "zeros served, or a miss not reported"
+    assert _sample("cachefs_cache_corrupt_blocks_total") == corrupt
+
+
+def test_a_read_racing_a_file_removal_is_a_miss_not_corruption(tmp_path: Path) -> None:
+    env = LmdbEnv(tmp_path / "meta.lmdb")
+    try:
+        cache = BlockCache(env, tmp_path, capacity=BLOCK, policy="lru")
+        a0 = _bid("a", 0)
+        assert cache.put_sync(a0, _data(0))
+        corrupt = _sample("cachefs_cache_corrupt_blocks_total")
+        held = Held("read.indexed")
+        t, got = _in_thread(lambda: trio.run(cache.get, a0))
+        held.wait()
+        assert cache.put_sync(_bid("b", 0), _data(9))  # evicts a: its file is removed
+        assert not cache.location(a0)[0].exists()
+        held.release()
+        t.join()
+        assert got == [None]
+        assert _sample("cachefs_cache_corrupt_blocks_total") == corrupt
+    finally:
+        env.close()
+
+
+def test_real_damage_is_still_corruption(cache: BlockCache) -> None:
+    a0 = _bid("a", 0)
+    assert cache.put_sync(a0, _data(0))
+    path, offset = cache.location(a0)
+    with open(path, "r+b") as f:
+        os.pwrite(f.fileno(), b"\x00", offset + 17)
+    corrupt = _sample("cachefs_cache_corrupt_blocks_total")
+    assert trio.run(cache.get, a0) is None
+    assert _sample("cachefs_cache_corrupt_blocks_total") == corrupt + 1
+    assert not cache.contains(a0)
+
+
+def test_touches_from_any_thread_never_race_their_flush(tmp_path: Path) -> None:
+    """verify_object (a worker thread) records uses while flush_touches writes the last
+    batch out in another: the batch handed over is never written to again."""
+    import sys
+
+    env = LmdbEnv(tmp_path / "meta.lmdb")
+    try:
+        cache = BlockCache(env, tmp_path, capacity=1 << 30, policy="lru")
+        blocks = [_bid("t", i) for i in range(512)]
+        for b in blocks:
+            assert cache.put_sync(b, b"x")
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def verifier() -> None:
+            try:
+                while not stop.is_set():
+                    assert cache.verify_object(blocks) == len(blocks)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            t = threading.Thread(target=verifier)
+            t.start()
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not errors:
+                touched = cache.take_touches()
+                time.sleep(0.0005)  # the verifier may still hold the dict just taken
+                cache.flush_touches(touched)
+            stop.set()
+            t.join()
+        finally:
+            sys.setswitchinterval(old)
+        assert not errors, errors
+    finally:
+        env.close()
+
+
+# -- real mounts: the daemon held at failpoints ----------------------------------------------
+MNT_BLOCK = 64 * 1024
+
+
+class DaemonHolds:
+    """Failpoints of a daemon under test, held and released through files."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def hold(self, name: str) -> None:
+        (self.dir / f"{name}.hold").touch()
+
+    def wait(self, name: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.dir / f"{name}.reached").exists():
+            assert time.monotonic() < deadline, f"the daemon did not reach {name}"
+            time.sleep(0.01)
+
+    def release(self, name: str) -> None:
+        (self.dir / f"{name}.hold").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonHolds]:
+    d = tmp_path / "failpoints"
+    d.mkdir()
+    monkeypatch.setenv("CACHEFS_FAILPOINTS",
+                       "put.index,evict.chosen,read.indexed,attach.start,attach.verified")
+    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(d))
+    h = DaemonHolds(d)
+    yield h
+    for f in d.glob("*.hold"):
+        f.unlink()
+
+
+def _drop_page_cache() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _wait(m: Any, what: Callable[[dict[str, float]], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if what(m.metrics()):
+            return
+        assert time.monotonic() < deadline, "timed out waiting for the daemon"
+        time.sleep(0.05)
+
+
+def _evictions_or_rejects(s: dict[str, float]) -> float:
+    return s.get("cachefs_cache_evictions_total", 0) + s.get(
+        "cachefs_cache_admission_rejected_total", 0)
+
+
+def _read_file(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _read_fd(fd: int) -> bytes:
+    out, off = [], 0
+    while chunk := os.pread(fd, MNT_BLOCK, off):
+        out.append(chunk)
+        off += len(chunk)
+    return b"".join(out)
+
+
+def _objects(bucket: Any, sizes: dict[str, int]) -> dict[str, bytes]:
+    client, name = bucket
+    files = {key: _data(i + 100, n) for i, (key, n) in enumerate(sizes.items())}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    return files
+
+
+def _mount(mount_factory: Any, bucket: Any, cache_blocks: int, *extra: str) -> Any:
+    _, name = bucket
+    return mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size",
+                         f"{cache_blocks * 64}K", "--cache-policy", "lru", "--memory-budget",
+                         "256K", "--metadata-ttl", "inf", "--read-ahead", "64K", *extra)
+
+
+def _cached(m: Any, path: Path, body: bytes, blocks: int) -> None:
+    assert _read_file(path) == body
+    _wait(m, lambda s: s["cachefs_cache_blocks"] == blocks
+          and s["cachefs_open_file_handles"] == 0)
+
+
+needs_passthrough = pytest.mark.skipif(not passthrough_supported(),
+                                       reason="pyfuse3 lacks passthrough (make deps)")
+
+
+@pytest.mark.fuse
+@needs_passthrough
+@pytest.mark.parametrize("point", ["put.index", "evict.chosen"])
+def test_an_eviction_never_punches_a_file_the_kernel_reads(bucket, mount_factory, holds, point) -> None:  # type: ignore[no-untyped-def]
+    """An object verified and handed to the kernel while an eviction of its blocks was
+    being decided (before it chose them, or after) keeps its bytes."""
+    files = _objects(bucket, {"a.bin": 2 * MNT_BLOCK, "b.bin": MNT_BLOCK})
+    m = _mount(mount_factory, bucket, 2)
+    _cached(m, m.path / "a.bin", files["a.bin"], 2)
+    holds.hold(point)
+    t, got = _in_thread(lambda: _read_file(m.path / "b.bin"))  # its put must evict a
+    holds.wait(point)
+    fd = os.open(m.path / "a.bin", os.O_RDONLY)
+    try:
+        assert m.metric("cachefs_passthrough_opens_total") == 1
+        holds.release(point)
+        t.join()
+        assert got == [files["b.bin"]]
+        _wait(m, lambda s: _evictions_or_rejects(s) >= 1)
+        _drop_page_cache()
+        assert _read_fd(fd) == files["a.bin"], "the kernel read punched (zeroed) bytes"
+    finally:
+        os.close(fd)
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.fuse
+def test_a_daemon_read_racing_an_eviction_is_a_miss_not_corruption(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
+    files = _objects(bucket, {"a.bin": 2 * MNT_BLOCK, "b.bin": MNT_BLOCK})
+    m = _mount(mount_factory, bucket, 2, "--passthrough", "off")
+    _cached(m, m.path / "a.bin", files["a.bin"], 2)  # memory holds block 1 only
+    _drop_page_cache()
+    holds.hold("read.indexed")
+
+    def read_head() -> bytes:
+        with open(m.path / "a.bin", "rb", buffering=0) as f:
+            return os.pread(f.fileno(), 100, 0)
+
+    t, got = _in_thread(read_head)
+    holds.wait("read.indexed")  # block 0 found in the index, not read yet
+    assert _read_file(m.path / "b.bin") == files["b.bin"]
+    _wait(m, lambda s: s.get("cachefs_cache_evictions_total", 0) >= 1)  # block 0 punched
+    holds.release("read.indexed")
+    t.join()
+    assert got == [files["a.bin"][:100]]
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0, "a lost race counted as damage"
+
+
+@pytest.mark.fuse
+@needs_passthrough
+def test_a_file_evicted_under_a_passthrough_open_is_a_miss_for_that_open(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
+    """An eviction decided before the open pinned the object, committed after the
+    open verified it: the open must neither hand punched bytes to the kernel nor
+    switch passthrough off for the mount."""
+    files = _objects(bucket, {"a.bin": MNT_BLOCK, "b.bin": MNT_BLOCK})
+    m = _mount(mount_factory, bucket, 1)
+    _cached(m, m.path / "a.bin", files["a.bin"], 1)
+    holds.hold("put.index")
+    holds.hold("attach.verified")
+    t_b, got_b = _in_thread(lambda: _read_file(m.path / "b.bin"))
+    holds.wait("put.index")  # the eviction of a is being decided
+    t_a, got_a = _in_thread(lambda: _read_file(m.path / "a.bin"))
+    holds.wait("attach.verified")  # a's open verified its file
+    holds.release("put.index")
+    _wait(m, lambda s: _evictions_or_rejects(s) >= 1)
+    holds.release("attach.verified")
+    t_a.join()
+    t_b.join()
+    assert got_a == [files["a.bin"]] and got_b == [files["b.bin"]]
+    assert m.metric("cachefs_passthrough_enabled") == 1, "one evicted file switched passthrough off"
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.fuse
+@needs_passthrough
+def test_a_file_gone_before_a_passthrough_open_is_a_miss_for_that_open(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
+    files = _objects(bucket, {"a.bin": MNT_BLOCK, "b.bin": MNT_BLOCK})
+    m = _mount(mount_factory, bucket, 1)
+    _cached(m, m.path / "a.bin", files["a.bin"], 1)
+    declined = 'cachefs_passthrough_declined_total{reason="not_cached"}'
+    assert _read_file(m.path / "b.bin") == files["b.bin"]  # b cached now, a evicted
+    _drop_page_cache()
+    assert _read_file(m.path / "a.bin") == files["a.bin"]  # a cached again, b evicted
+    _wait(m, lambda s: s["cachefs_open_file_handles"] == 0
+          and s.get("cachefs_cache_evictions_total", 0) >= 2)
+    before = m.metric(declined)
+    holds.hold("attach.start")
+    t_a, got_a = _in_thread(lambda: _read_file(m.path / "a.bin"))
+    holds.wait("attach.start")  # a is cached: its open goes to verify it
+    assert _read_file(m.path / "b.bin") == files["b.bin"]
+    _wait(m, lambda s: s.get("cachefs_cache_evictions_total", 0) >= 3)  # a's file removed
+    holds.release("attach.start")
+    t_a.join()
+    assert got_a == [files["a.bin"]]
+    s = m.metrics()
+    assert s["cachefs_passthrough_enabled"] == 1
+    assert s[declined] == before + 2  # b (not cached), and a (gone when opened)
+    assert s["cachefs_cache_corrupt_blocks_total"] == 0
+
+
+# -- the issue's load, bounded ----------------------------------------------------------------
+@pytest.mark.fuse
+@pytest.mark.slow
+def test_eviction_under_passthrough_load_never_serves_a_wrong_byte(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """60 objects of 1-3 MiB through an 8 MiB LRU cache with passthrough on, 8 readers
+    (half of their picks from 6 hot objects) checking sha256, the page cache dropped
+    every second."""
+    client, name = bucket
+    rnd = random.Random(16)
+    sums: dict[str, str] = {}
+    for i in range(60):
+        body = rnd.randbytes(rnd.randrange(1 << 20, 3 << 20))
+        client.put_object(Bucket=name, Key=f"o/{i:02d}.bin", Body=body)
+        sums[f"{i:02d}.bin"] = hashlib.sha256(body).hexdigest()
+    m = mount_factory(f"s3://{name}/o", "--cache-size", "8M", "--block-size", "1M",
+                      "--cache-policy", "lru", "--memory-budget", "4M", "--metadata-ttl", "inf")
+    names = sorted(sums)
+    stop = threading.Event()
+    wrong: list[str] = []
+    reads = [0]
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            while not stop.is_set():
+                n = names[r.randrange(6)] if r.random() < 0.5 else r.choice(names)
+                if hashlib.sha256(_read_file(m.path / n)).hexdigest() != sums[n]:
+                    wrong.append(n)
+                reads[0] += 1
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        _drop_page_cache()
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    s = m.metrics()
+    print(f"{reads[0]} reads, {len(wrong)} wrong; passthrough opens "
+          f"{s.get('cachefs_passthrough_opens_total', 0)}, evictions "
+          f"{s.get('cachefs_cache_evictions_total', 0)}")
+    assert not errors, errors
+    assert reads[0] > 100
+    assert s.get("cachefs_passthrough_opens_total", 0) > 0 or not passthrough_supported()
+    assert not wrong, f"{len(wrong)} wrong reads of {reads[0]}"
+    assert s.get("cachefs_cache_corrupt_blocks_total", 0) == 0

@@ -1,0 +1,286 @@
+"""Objects overwritten under readers (issue 16, part 1), on real mounts.
+
+The promise checked here: every read of an open file returns bytes of the one
+object version that open pinned, at that version's length, or fails with
+ESTALE; never bytes of two versions, never a length from another version.
+Whatever serves the bytes: the kernel's page cache (keep_cache, its
+readahead), the daemon's memory tier and disk cache, or the kernel reading the
+cache file itself (passthrough).
+
+Objects are tagged: every 64-byte unit of version ``v`` of file ``f`` holds
+``(v, f, unit index)``, and a version's length depends on ``v``, so a reader
+can tell a correct read, a read of another version's length and a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import struct
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefs.passthrough import supported as passthrough_supported
+
+pytestmark = pytest.mark.fuse
+
+MIB = 1 << 20
+UNIT = 64
+_TAG = struct.Struct("<III")
+
+
+def units_of(version: int) -> int:
+    """About 6 MiB; the length differs between versions (by whole 4 KiB pages and by
+    odd units, so a length from another version cannot pass as this one's)."""
+    return 6 * MIB // UNIT - 2048 + (version * 389) % 4096
+
+
+def tagged(version: int, file: int) -> bytes:
+    return b"".join(_TAG.pack(version, file, i) + bytes(UNIT - _TAG.size)
+                    for i in range(units_of(version)))
+
+
+def classify(data: bytes, file: int) -> str:
+    """"ok", "wrong_length" (one version's bytes at another length) or "mixed"."""
+    if not data or len(data) % UNIT:
+        return "mixed" if data else "wrong_length"
+    versions: set[int] = set()
+    for i in range(0, len(data), UNIT):
+        v, f, n = _TAG.unpack_from(data, i)
+        if f != file or n != i // UNIT:
+            return "mixed"
+        versions.add(v)
+    if len(versions) != 1:
+        return "mixed"
+    (v,) = versions
+    return "ok" if len(data) == units_of(v) * UNIT else "wrong_length"
+
+
+def _read_whole(path: Path) -> bytes:
+    """The issue's reader: one open, 1 MiB reads with 10 ms pauses, until EOF."""
+    parts = []
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(MIB)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+            time.sleep(0.01)
+
+
+def overwrite_under_readers(client: Any, bucket: str, root: Path, *, seconds: float,
+                            files: int = 6, readers: int = 4) -> Counter[str]:
+    """A writer overwrites every file every 0.5 s while readers read whole files."""
+    stop = threading.Event()
+    outcomes: Counter[str] = Counter()
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def writer() -> None:
+        version = 1
+        try:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                version += 1
+                for f in range(files):
+                    client.put_object(Bucket=bucket, Key=f"v/f{f}.bin", Body=tagged(version, f))
+                stop.wait(max(0.0, 0.5 - (time.monotonic() - t0)))
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+
+    def reader(seed: int) -> None:
+        n = seed
+        try:
+            while not stop.is_set():
+                f = n % files
+                n += 1
+                try:
+                    got = classify(_read_whole(root / "v" / f"f{f}.bin"), f)
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        raise
+                    got = "estale"
+                with lock:
+                    outcomes[got] += 1
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+
+    threads = [threading.Thread(target=writer)]
+    threads += [threading.Thread(target=reader, args=(r * 3,)) for r in range(readers)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures
+    return outcomes
+
+
+@pytest.fixture
+def tagged_bucket(bucket: Any) -> tuple[Any, str]:
+    client, name = bucket
+    for f in range(6):
+        client.put_object(Bucket=name, Key=f"v/f{f}.bin", Body=tagged(1, f))
+    return client, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ttl", ["2s", "default"])
+def test_overwritten_objects_are_never_mixed_or_misread(tagged_bucket, mount_factory, ttl) -> None:  # type: ignore[no-untyped-def]
+    client, name = tagged_bucket
+    extra = ["--block-size", "1M"] + (["--metadata-ttl", ttl] if ttl != "default" else [])
+    m = mount_factory(f"s3://{name}", *extra)
+    outcomes = overwrite_under_readers(client, name, m.path, seconds=15)
+    print(dict(outcomes))
+    assert outcomes["ok"] > 0
+    assert outcomes["mixed"] == 0, outcomes
+    assert outcomes["wrong_length"] == 0, outcomes
+
+
+# -- each cache the kernel keeps per inode, forced deterministically -------------------------
+BLOCK = 64 * 1024
+
+
+def _payload(seed: int, size: int) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(size)
+
+
+def _read_fd(fd: int, size: int, offset: int = 0) -> bytes:
+    import os
+
+    out = []
+    while True:
+        chunk = os.pread(fd, size, offset)
+        if not chunk:
+            return b"".join(out)
+        out.append(chunk)
+        offset += len(chunk)
+
+
+def _read_or_estale(fd: int, expected: bytes) -> None:
+    """The whole of ``fd`` is ``expected`` (the version it opened), or the read fails
+    with ESTALE; nothing else."""
+    try:
+        got = _read_fd(fd, BLOCK)
+    except OSError as exc:
+        assert exc.errno == errno.ESTALE, exc
+        return
+    assert len(got) == len(expected), "a length from another version"
+    assert got == expected, "bytes from another version"
+
+
+def test_a_newer_listing_never_changes_the_size_of_an_open_file(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    client, name = bucket
+    v1, v2 = _payload(1, 4 * BLOCK + 100), _payload(2, 6 * BLOCK + 7)
+    client.put_object(Bucket=name, Key="f.bin", Body=v1)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1s",
+                      "--read-ahead", "64K")
+    path = m.path / "f.bin"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, BLOCK, 0) == v1[:BLOCK]
+        client.put_object(Bucket=name, Key="f.bin", Body=v2)
+        _until(lambda: os.stat(path).st_size == len(v2))  # the name shows the new version
+        try:  # the open file is still the old one (or, no longer listed, ESTALE)
+            assert os.fstat(fd).st_size == len(v1), "an open file took another version's size"
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+        _read_or_estale(fd, v1)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == v2
+
+
+def test_the_page_cache_of_one_version_never_serves_another(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    client, name = bucket
+    v1, v2 = b"1" * (3 * BLOCK), b"2" * (3 * BLOCK)  # one length: only the bytes tell
+    client.put_object(Bucket=name, Key="f.bin", Body=v1)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1s",
+                      "--passthrough", "off")
+    path = m.path / "f.bin"
+    fd1 = os.open(path, os.O_RDONLY)
+    try:
+        assert _read_fd(fd1, BLOCK) == v1  # v1 in the page cache (kept across opens)
+        client.put_object(Bucket=name, Key="f.bin", Body=v2)
+        # New opens find v2 (its pages: never in fd1's cache) once the listing has it.
+        _until(lambda: path.read_bytes() == v2)
+        assert _read_fd(fd1, BLOCK) == v1  # cached blocks of v1, never v2's pages
+    finally:
+        os.close(fd1)
+
+
+@pytest.mark.skipif(not passthrough_supported(), reason="pyfuse3 lacks passthrough (make deps)")
+def test_a_passed_through_file_never_serves_a_newer_open(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    client, name = bucket
+    v1, v2 = _payload(1, 3 * BLOCK), _payload(2, 5 * BLOCK + 3)
+    client.put_object(Bucket=name, Key="f.bin", Body=v1)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1s")
+    path = m.path / "f.bin"
+    assert path.read_bytes() == v1  # cached
+    _wait_metric(m, "cachefs_open_file_handles", 0)
+    fd1 = os.open(path, os.O_RDONLY)  # passed through to v1's cache file
+    try:
+        assert m.metric("cachefs_passthrough_opens_total") == 1
+        client.put_object(Bucket=name, Key="f.bin", Body=v2)
+        _until(lambda: os.stat(path).st_size == len(v2))
+        fd2 = os.open(path, os.O_RDONLY)
+        try:
+            assert os.fstat(fd2).st_size == len(v2)
+            assert _read_fd(fd2, BLOCK) == v2
+        finally:
+            os.close(fd2)
+        assert _read_fd(fd1, BLOCK) == v1
+    finally:
+        os.close(fd1)
+
+
+def test_an_outdated_entry_in_the_kernel_opens_the_current_version(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernel may hold a name's entry (to the old version's inode) after the
+    daemon's listing learnt of a new version: the open answers ESTALE and the
+    kernel looks the name up again, so the caller opens the new version."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"old a")
+    client.put_object(Bucket=name, Key="d/b.bin", Body=b"b")
+    client.put_object(Bucket=name, Key="d/c.bin", Body=b"c")
+    m = mount_factory(f"s3://{name}", "--metadata-ttl", "3s")
+    t0 = time.monotonic()
+    assert (m.path / "d" / "b.bin").read_bytes() == b"b"  # the directory is listed now
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"new a!")
+    time.sleep(max(0.0, t0 + 2.0 - time.monotonic()))
+    assert (m.path / "d" / "a.bin").stat().st_size == 5  # entry kept by the kernel for 3 s
+    time.sleep(max(0.0, t0 + 3.3 - time.monotonic()))
+    lists = m.metric('cachefs_s3_requests_total{op="list"}')
+    (m.path / "d" / "c.bin").stat()  # the directory is listed again: a is "new a!" now
+    _until(lambda: m.metric('cachefs_s3_requests_total{op="list"}') > lists)
+    time.sleep(0.2)  # the new listing is stored
+    assert time.monotonic() < t0 + 4.5, "too slow to test: the kernel's entry of a expired"
+    assert (m.path / "d" / "a.bin").read_bytes() == b"new a!"
+
+
+def _until(condition: Any, timeout: float = 15) -> None:
+    """Poll until ``condition()`` (an expired listing may be answered while it is
+    refreshed, so a new version shows up shortly after the TTL, not at it)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _wait_metric(m: Any, metric: str, value: float) -> None:
+    for _ in range(100):
+        if m.metric(metric) == value:
+            return
+        time.sleep(0.05)
