@@ -66,7 +66,10 @@ from cachefs.read.fetcher import Fetcher
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
+from cachefs.read.shared import SharedLayout, SharedSettings, SharedTier
+from cachefs.s3 import express
 from cachefs.s3.boto import S3Store
+from cachefs.s3.objects import ObjectClient
 from cachefs.s3.origin import Origin
 from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
 
@@ -176,6 +179,43 @@ def probe_store(store: S3Store, cfg: MountConfig) -> None:
         raise StoreError(f"cannot read {cfg.source}: {exc}") from None
 
 
+def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier | None:
+    """The shared cache tier of ``--shared-cache``, or None. Makes no request: the tier
+    checks itself in the background (it must never keep a node from mounting)."""
+    url = cfg.shared_cache
+    if url is None:
+        return None
+    import boto3
+    import botocore.exceptions
+
+    try:
+        session = boto3.session.Session(profile_name=cfg.shared_cache_profile)
+    except botocore.exceptions.ProfileNotFound:
+        raise ConfigError(f"--shared-cache-profile: AWS profile "
+                          f"{cfg.shared_cache_profile!r} not found") from None
+    region = cfg.shared_cache_region or cfg.region or session.region_name or "us-east-1"
+    endpoint = cfg.shared_cache_endpoint_url
+    if endpoint is None:
+        endpoint = (express.zonal_endpoint(url.bucket, region)
+                    if express.is_directory_bucket(url.bucket)
+                    else f"https://s3.{region}.amazonaws.com")
+    # Anonymous only with --no-sign-request and no profile of its own; missing credentials
+    # otherwise fail each request (the breaker then says so once).
+    anonymous = cfg.no_sign_request and not cfg.shared_cache_profile
+    credentials = None if anonymous else session.get_credentials()
+    timeout = cfg.shared_cache_timeout
+    try:
+        client = ObjectClient(url.bucket, endpoint_url=endpoint, region=region,
+                              credentials=credentials, anonymous=anonymous,
+                              connect_timeout=timeout, read_timeout=timeout)
+    except ValueError as exc:
+        raise ConfigError(f"--shared-cache-endpoint-url: {exc}") from None
+    settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),
+                              queue_bytes=publish_queue_bytes)
+    return SharedTier(client, SharedLayout(url.prefix, cfg.source.bucket, cfg.block_size),
+                      label=str(url), settings=settings)
+
+
 class Daemon:
     """One mount: owns every component and their lifetimes."""
 
@@ -183,6 +223,7 @@ class Daemon:
         self.cfg = cfg
         self.started_at = time.time()
         self.env: LmdbEnv | None = None
+        self.shared: SharedTier | None = None
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -219,10 +260,19 @@ class Daemon:
         # of the same block are not re-read and re-verified); the rest bounds
         # fetches in flight and blocks waiting to be written.
         hot = cfg.memory_budget // 4
-        budget = MemoryBudget(cfg.memory_budget - hot)
+        # With a shared tier, an eighth of the budget holds blocks waiting to be published.
+        publish_queue = cfg.memory_budget // 8 if cfg.shared_cache else 0
+        budget = MemoryBudget(cfg.memory_budget - hot - publish_queue)
+        shared = make_shared_tier(cfg, publish_queue)
+        self.shared = shared
         ledger = PrefetchLedger()
+        # The shared tier's misses go to the origin (retries, hedging, integrity checks);
+        # a block is published only as the fetcher writes it back, i.e. once the origin's
+        # checks passed (the combined CRC of multi-block objects withdraws it, see
+        # cachefs.read.assembled).
         fetcher = Fetcher(origin, cache, block_size=cfg.block_size, budget=budget,
-                          hot_capacity=hot, notes=ledger)
+                          hot_capacity=hot, notes=ledger,
+                          lower_tiers=[shared] if shared is not None else [])
         # Listing threads wait on the origin's pages (and their retries) holding no S3
         # connection; this bounds how many wait at once.
         listing_threads = trio.CapacityLimiter(cfg.max_connections)
@@ -248,7 +298,7 @@ class Daemon:
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
                         read_order=read_order, lookahead=lookahead, backing=passthrough)
-        warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix)
+        warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
                                 warmer=warmer, root_prefix=cfg.source.prefix)
         ops = Operations(
@@ -270,8 +320,7 @@ class Daemon:
         unmounted = False
         try:
             trio.run(self._serve, origin, fetcher, metadata, read_order, control, passthrough,
-                     cache,
-                     env, on_ready)
+                     cache, env, shared, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -286,11 +335,14 @@ class Daemon:
     async def _serve(self, origin: Origin, fetcher: Fetcher, metadata: Metadata,
                      read_order: ReadOrder,
                      control: ControlServer, passthrough: Passthrough, cache: BlockCache,
-                     env: LmdbEnv, on_ready: Callable[[], None]) -> None:
+                     env: LmdbEnv, shared: SharedTier | None,
+                     on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
             await nursery.start(metadata.run)
+            if shared is not None:
+                await nursery.start(shared.run)
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals, origin)
@@ -307,14 +359,17 @@ class Daemon:
                     self._publish_status()  # (the maintenance loop tries again every second)
                 on_ready()
                 sd_notify("READY=1")
-                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s)", cfg.source,
+                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s%s)", cfg.source,
                          cfg.mountpoint, cfg.cache_dir, cfg.cache_policy,
-                         "on" if passthrough.enabled else "off")
+                         "on" if passthrough.enabled else "off",
+                         f", shared tier {shared.label}" if shared is not None else "")
                 nursery.start_soon(self._watch_unmount, origin)
             log.info("unmounted; finishing cache writes")
             origin.close()  # S3 requests and retry waits end now, even in an outage
             with trio.move_on_after(DRAIN_TIMEOUT):
                 await fetcher.drain()
+                if shared is not None:
+                    await shared.drain()
             nursery.cancel_scope.cancel()
 
     async def _watch_unmount(self, origin: Origin) -> None:
@@ -341,6 +396,12 @@ class Daemon:
             "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
             "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
             "updated_at": time.time(), "stats": metrics.totals(),
+            "tiers": {"read_bytes": metrics.by_label(metrics.TIER_READ_BYTES),
+                      "loads": metrics.by_label(metrics.TIER_HITS),
+                      "shared_lookups": metrics.by_label(metrics.SHARED_LOOKUPS),
+                      "shared_publishes": metrics.by_label(metrics.SHARED_PUBLISHES),
+                      "shared_leases": metrics.by_label(metrics.SHARED_LEASES)},
+            "shared": self.shared.describe() if self.shared is not None else None,
             "background_errors": metrics.by_label(metrics.BACKGROUND_ERRORS),
             "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
         })

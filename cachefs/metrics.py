@@ -197,6 +197,80 @@ TIER_READ_BYTES = Counter(
     "cachefs_tier_read_bytes", "Bytes of file reads through the daemon, by where they came "
     "from (memory, disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
 
+# --- shared cache tier (cachefs.read.shared) ----------------------------------
+SHARED_OPS = ("get", "head", "put", "lease", "delete", "session")
+SHARED_ENABLED = Gauge(
+    "cachefs_shared_enabled", "1 when the mount has a shared cache tier (--shared-cache)",
+    registry=REGISTRY)
+SHARED_REQUESTS = Counter(
+    "cachefs_shared_requests", "Requests sent to the shared cache tier (each attempt counts)",
+    ["op"], registry=REGISTRY)
+SHARED_LATENCY = Histogram(
+    "cachefs_shared_request_duration_seconds", "Shared cache tier request latency (one "
+    "attempt; abandoned requests are observed when they end)", ["op"], buckets=LATENCY_BUCKETS,
+    registry=REGISTRY)
+SHARED_LOOKUPS = Counter(
+    "cachefs_shared_lookups", "Block lookups in the shared tier by result: hit, miss, corrupt "
+    "or foreign (a miss that was also dropped), error, timeout, skipped (breaker open)",
+    ["result"], registry=REGISTRY)
+SHARED_GET_BYTES = Counter(
+    "cachefs_shared_get_bytes", "Verified block bytes received from the shared tier",
+    registry=REGISTRY)
+SHARED_PUBLISHED_BYTES = Counter(
+    "cachefs_shared_published_bytes", "Block bytes written to the shared tier", registry=REGISTRY)
+SHARED_PUBLISHES = Counter(
+    "cachefs_shared_publishes", "Blocks handed to the shared tier by outcome: stored, present "
+    "(already there), dropped_full (queue full), dropped_unavailable (breaker open or "
+    "publishing refused), failed", ["result"], registry=REGISTRY)
+SHARED_QUEUE_BYTES = Gauge(
+    "cachefs_shared_publish_queue_bytes", "Bytes of blocks waiting to be published",
+    registry=REGISTRY)
+SHARED_QUEUE_BLOCKS = Gauge(
+    "cachefs_shared_publish_queue_blocks", "Blocks waiting to be published", registry=REGISTRY)
+SHARED_QUEUE_CAPACITY = Gauge(
+    "cachefs_shared_publish_queue_capacity_bytes", "Bound of the publish queue",
+    registry=REGISTRY)
+SHARED_BREAKER_OPEN = Gauge(
+    "cachefs_shared_breaker_open", "1 while the shared tier's circuit breaker is open (reads "
+    "go straight to the origin)", registry=REGISTRY)
+SHARED_BREAKER_OPENS = Counter(
+    "cachefs_shared_breaker_opens", "Times the shared tier's circuit breaker opened",
+    registry=REGISTRY)
+SHARED_PUBLISH_ENABLED = Gauge(
+    "cachefs_shared_publish_enabled", "1 while blocks are published to the shared tier (0: "
+    "writes refused, e.g. access denied or store full)", registry=REGISTRY)
+SHARED_LEASES = Counter(
+    "cachefs_shared_leases", "Fetch leases by outcome: won (this node fetches from the origin), "
+    "lost_served (another node's fetch was waited for), lost_timeout (waited, then fetched "
+    "from the origin), raced (answered after its miss went ahead, found taken: two nodes "
+    "fetched the block), error, skipped (none written: too many in flight)", ["result"],
+    registry=REGISTRY)
+
+SHARED_LOOKUP_RESULTS = ("hit", "miss", "corrupt", "foreign", "error", "timeout", "skipped")
+SHARED_PUBLISH_RESULTS = ("stored", "present", "dropped_full", "dropped_unavailable", "failed")
+SHARED_LEASE_RESULTS = ("won", "lost_served", "lost_timeout", "raced", "error", "skipped")
+TIERS = ("memory", "disk", "shared", "s3")
+
+
+def create_shared_series() -> None:
+    """Create the labelled series of the shared tier and of the tiers at zero, so that a
+    dashboard shows 0 (not "No data") on mounts without a shared tier. Idempotent (part
+    of create_known_series)."""
+    for op in SHARED_OPS:
+        SHARED_REQUESTS.labels(op)
+        SHARED_LATENCY.labels(op)
+    for result in SHARED_LOOKUP_RESULTS:
+        SHARED_LOOKUPS.labels(result)
+    for result in SHARED_PUBLISH_RESULTS:
+        SHARED_PUBLISHES.labels(result)
+    for result in SHARED_LEASE_RESULTS:
+        SHARED_LEASES.labels(result)
+    for tier in TIERS:
+        TIER_READ_BYTES.labels(tier)
+        if tier != "memory":
+            TIER_HITS.labels(tier)
+
+
 # --- warm ------------------------------------------------------------------
 WARM_BYTES_DONE = Counter(
     "cachefs_warm_bytes", "Bytes made resident by warm requests", registry=REGISTRY)
@@ -289,6 +363,7 @@ def create_known_series() -> None:
         BACKGROUND_ERRORS.labels(task)
     for reason in CONTROL_REJECT_REASONS:
         CONTROL_REJECTED.labels(reason)
+    create_shared_series()
 
 
 def parse_metrics_addr(value: str) -> tuple[str, int]:

@@ -72,6 +72,8 @@ def wrong_region_answer(region: str, *, head: bool, redirect: bool,
 class _QuietServer(http.server.ThreadingHTTPServer):
     """Clients hanging up mid-answer (aborted hedges, unmounts) are normal here."""
 
+    request_queue_size = 128  # the default 5 drops connections of busy clients
+
     def handle_error(self, request: object, client_address: object) -> None:
         import sys
 
