@@ -221,7 +221,9 @@ SHARED_PUBLISHED_BYTES = Counter(
 SHARED_PUBLISHES = Counter(
     "cachefs_shared_publishes", "Blocks handed to the shared tier by outcome: stored, present "
     "(already there), dropped_full (queue full), dropped_unavailable (breaker open or "
-    "publishing refused), failed", ["result"], registry=REGISTRY)
+    "publishing refused), failed, withdrawn (its bytes failed the origin's full-object "
+    "checksum afterwards: dropped or deleted), withdraw_failed (the delete of a withdrawn "
+    "block failed)", ["result"], registry=REGISTRY)
 SHARED_QUEUE_BYTES = Gauge(
     "cachefs_shared_publish_queue_bytes", "Bytes of blocks waiting to be published",
     registry=REGISTRY)
@@ -247,7 +249,8 @@ SHARED_LEASES = Counter(
     registry=REGISTRY)
 
 SHARED_LOOKUP_RESULTS = ("hit", "miss", "corrupt", "foreign", "error", "timeout", "skipped")
-SHARED_PUBLISH_RESULTS = ("stored", "present", "dropped_full", "dropped_unavailable", "failed")
+SHARED_PUBLISH_RESULTS = ("stored", "present", "dropped_full", "dropped_unavailable", "failed",
+                          "withdrawn", "withdraw_failed")
 SHARED_LEASE_RESULTS = ("won", "lost_served", "lost_timeout", "raced", "error", "skipped")
 TIERS = ("memory", "disk", "shared", "s3")
 

@@ -8,7 +8,7 @@ origin and is filled from it; a block found in a lower tier is written back abov
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,10 @@ class DictTier:
     async def put(self, ref: BlockRef, data: bytes) -> None:
         self.puts += 1
         self.blocks[ref.bid] = data
+
+    async def withdraw(self, refs: Sequence[BlockRef]) -> None:
+        for ref in refs:
+            self.blocks.pop(ref.bid, None)
 
 
 def run(tmp_path: Path, store: MemoryStore, fn: Callable[[Fetcher, Prefetcher], Awaitable[Any]],

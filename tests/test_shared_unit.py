@@ -434,3 +434,194 @@ def test_describe_is_plain_data(nodes: int) -> None:
     d = a.describe()
     assert d["url"] == "s3://cache/pfx/" and d["breaker"] == CLOSED and d["publishing"]
     assert a.shard_of(ref(0), nodes) in range(nodes)
+
+
+# -- withdrawal: blocks whose bytes failed the origin's checks never stay in the tier -------
+def test_a_withdrawn_block_is_deleted_and_never_served_by_this_node() -> None:
+    store = MemoryObjects()
+    a, b = tier(store), tier(store)
+    key = a.layout.block_key(ref(1))
+
+    async def main() -> None:
+        await a.put(ref(1), block(1))
+        await a.drain()
+        assert key in store.objects
+        before = publishes("withdrawn")
+        await a.withdraw([ref(1)])
+        assert publishes("withdrawn") == before + 1
+        with trio.fail_after(5):
+            while key in store.objects:
+                await trio.sleep(0.01)
+        assert await a.get(ref(1)) is None
+        assert await b.get(ref(1)) is None  # gone for every node
+        await a.put(ref(1), block(1))  # the block fetched again: published again
+        await a.drain()
+        assert await a.get(ref(1)) == block(1)
+    run(main, a, b)
+
+
+def test_a_withdrawn_block_whose_delete_fails_is_still_not_served_here() -> None:
+    store = MemoryObjects()
+    a = tier(store)
+    key = a.layout.block_key(ref(0))
+
+    async def main() -> None:
+        await a.put(ref(0), block(0))
+        await a.drain()
+        store.gates["delete"] = threading.Event()  # deletes hang: answered after the test
+        gets = store.counts["get"]
+        await a.withdraw([ref(0)])
+        assert await a.get(ref(0)) is None
+        assert store.counts["get"] == gets  # not even asked
+        assert key in store.objects
+        store.gates["delete"].set()
+    run(main, a)
+
+
+def test_a_queued_publish_that_is_withdrawn_is_never_written() -> None:
+    store = MemoryObjects()
+    a = tier(store, publishers=1)
+    store.gates["put"] = threading.Event()
+
+    async def main() -> None:
+        await a.put(ref(0), block(0))  # taken by the one publisher, held at the gate
+        await a.put(ref(1), block(1))  # queued behind it
+        await trio.sleep(0.05)
+        await a.withdraw([ref(1)])
+        assert a.queue.pending(a.layout.block_key(ref(1))) is None
+        store.gates["put"].set()
+        await a.drain()
+    run(main, a)
+    assert a.layout.block_key(ref(0)) in store.objects
+    assert a.layout.block_key(ref(1)) not in store.objects
+
+
+def test_a_publish_withdrawn_while_it_is_written_is_deleted_afterwards() -> None:
+    store = MemoryObjects()
+    a = tier(store, publishers=1)
+    key = a.layout.block_key(ref(2))
+    store.gates["put"] = threading.Event()
+
+    async def main() -> None:
+        await a.put(ref(2), block(2))
+        await trio.sleep(0.05)  # the publisher is in the PUT
+        await a.withdraw([ref(2)])
+        store.gates["put"].set()
+        await a.drain()
+        with trio.fail_after(5):
+            while key in store.objects:
+                await trio.sleep(0.01)
+        assert await a.get(ref(2)) is None
+    run(main, a)
+    assert store.counts["put"] == 1 and key not in store.objects
+
+
+def _fetcher_over(tmp_path: Any, origin_store: Any, shared: SharedTier,
+                  fn: Callable[[Any], Any]) -> Any:
+    from cachefs.cache.blocks import BlockCache
+    from cachefs.cache.lmdbenv import LmdbEnv
+    from cachefs.read.budget import MemoryBudget
+    from cachefs.read.fetcher import Fetcher
+    from cachefs.s3.origin import Backoff, Origin
+
+    env = LmdbEnv(tmp_path / "meta.lmdb")
+
+    async def main() -> Any:
+        cache = BlockCache(env, tmp_path, capacity=1 << 20)
+        origin = Origin(origin_store, max_connections=4, deadline=30,
+                        backoff=Backoff(base=0.001, cap=0.001))
+        fetcher = Fetcher(origin, cache, block_size=BS, budget=MemoryBudget(1 << 20),
+                          hot_capacity=0, lower_tiers=[shared])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run)
+            await nursery.start(shared.run)
+            try:
+                result = await fn(fetcher)
+                await fetcher.drain()
+                await shared.drain()
+                return result
+            finally:
+                nursery.cancel_scope.cancel()
+    try:
+        return trio.run(main)
+    finally:
+        env.close()
+
+
+def _alter(origin_store: Any, which: set[int]) -> None:
+    """Alter the bytes of the origin's GETs numbered in ``which`` (1-based), as in transit."""
+    seen = [0]
+    lock = threading.Lock()
+
+    def mangle(key: str, data: bytes) -> bytes:
+        with lock:
+            seen[0] += 1
+            n = seen[0]
+        if n not in which:
+            return data
+        return data[:3] + bytes([data[3] ^ 0x55]) + data[4:]
+    origin_store.mangle = mangle
+
+
+def test_only_verified_whole_objects_reach_the_shared_tier(tmp_path: Any) -> None:
+    from cachefs.s3.memory import MemoryStore
+
+    origin_store = MemoryStore()
+    data = bytes(range(256)) * 2
+    origin_store.put("small.bin", data)
+    info = origin_store.head("small.bin")
+    obj = ObjectVersion("small.bin", info.etag, info.size)
+    _alter(origin_store, {1})  # the first GET is altered: the ETag (MD5) check retries
+    store = MemoryObjects()
+    shared = tier(store)
+
+    async def body(f: Any) -> None:
+        assert await f.read(obj, 0, len(data)) == data
+
+    _fetcher_over(tmp_path, origin_store, shared, body)
+    key = shared.layout.block_key(BlockRef(obj, 0, len(data), b""))
+    assert store.objects[key][0] == data and store.counts["put"] == 1
+
+
+def test_blocks_of_an_object_failing_its_combined_crc_leave_the_shared_tier(
+        tmp_path: Any) -> None:
+    from cachefs.s3.memory import MemoryStore
+
+    origin_store = MemoryStore()
+    data = random_bytes(4 * BS + 10)
+    origin_store.put("big.bin", data, checksum="crc64nvme")
+    info = origin_store.head("big.bin")
+    obj = ObjectVersion("big.bin", info.etag, info.size)
+    _alter(origin_store, {2})  # one ranged GET altered in transit
+    store = MemoryObjects()
+    shared = tier(store)
+    other = tier(store)  # another node on the same tier
+    mismatches = metrics.S3_ASSEMBLED_CHECKS.labels("mismatch")._value.get()
+
+    def keys() -> set[str]:
+        return {k for k in store.objects if "/v1/" in k}
+
+    async def body(f: Any) -> None:
+        assert await f.read(obj, 0, len(data)) != data
+        await f.drain()
+        with trio.fail_after(10):
+            while metrics.S3_ASSEMBLED_CHECKS.labels("mismatch")._value.get() == mismatches:
+                await trio.sleep(0.01)
+            while keys():  # every block deleted from the tier (published or not)
+                await trio.sleep(0.01)
+        assert not any(f.cache.contains(bid) for bid in f.block_ids(obj))
+        for i in range(5):
+            assert await other.get(f.ref(obj, i)) is None
+        assert await f.read(obj, 0, len(data)) == data  # from the origin, right this time
+        await f.drain()
+        await shared.drain()
+        assert len(keys()) == 5
+        for i in range(5):
+            assert await other.get(f.ref(obj, i)) == data[i * BS:(i + 1) * BS]
+
+    _fetcher_over(tmp_path, origin_store, shared, body)
+
+
+def random_bytes(n: int) -> bytes:
+    import random
+    return random.Random(3).randbytes(n)

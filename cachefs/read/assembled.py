@@ -10,11 +10,13 @@ block of the object has landed, the block CRCs are combined (CRC(A || B) from
 CRC(A), CRC(B) and len(B): no block is read twice) and compared with S3's.
 
 On a mismatch some block was altered in transit: every block of the object
-is dropped from the disk cache and the memory tier, counted
+is withdrawn from every tier (memory, the disk cache, and a shared tier,
+which drops pending publishes and deletes what it published, see
+:meth:`cachefs.read.tiers.Tier.withdraw`), counted
 (``cachefs_s3_integrity_errors_total{check="combined_<crc>"}``) and logged,
 and is fetched again when next read. Readers may already have been given
 those bytes: the bytes of ranged reads rely on TLS in transit; this check
-keeps altered bytes from staying in the cache.
+keeps altered bytes from staying in the caches.
 
 Blocks already on disk when the object's tracker started (cached in an
 earlier session, or fetched before S3's checksum was known) have no CRC: when
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -67,12 +69,12 @@ class AssembledChecks:
 
     def __init__(self, origin: Origin, cache: BlockCache, *, block_size: int,
                  block_ids: Callable[[ObjectVersion], list[bytes]],
-                 forget: Callable[[list[bytes]], None]) -> None:
+                 withdraw: Callable[[ObjectVersion, list[bytes]], Awaitable[None]]) -> None:
         self._origin = origin
         self._cache = cache
         self._block_size = block_size
         self._block_ids = block_ids
-        self._forget = forget  # drops blocks from the memory tier
+        self._withdraw = withdraw  # takes blocks back from every tier
         self._trackers: OrderedDict[tuple[str, str], _Tracker] = OrderedDict()
         self._nursery: trio.Nursery | None = None
 
@@ -160,9 +162,8 @@ class AssembledChecks:
         metrics.S3_ASSEMBLED_CHECKS.labels("mismatch").inc()
         metrics.S3_INTEGRITY_ERRORS.labels(f"combined_{kind}").inc()
         log.warning("s3://%s/%s: its %d blocks disagree with the object's %s (%x != %x): "
-                    "altered in transit; dropping them from the cache", self._origin.bucket,
+                    "altered in transit; dropping them from the caches", self._origin.bucket,
                     obj.key, len(bids), kind, combined, checksum.crc)
-        self._forget(bids)
-        await trio.to_thread.run_sync(self._cache.drop, bids)
+        await self._withdraw(obj, bids)
         tracker.crcs.clear()
         tracker.pending = set(range(len(bids)))

@@ -124,7 +124,7 @@ class Fetcher:
         self.budget = budget
         self.memory = MemoryTier(hot_capacity)
         self.assembled = AssembledChecks(origin, cache, block_size=block_size,
-                                         block_ids=self.block_ids, forget=self._forget)
+                                         block_ids=self.block_ids, withdraw=self._withdraw)
         # Walked in order after memory; the disk tier first (residency checks use it).
         self.tiers: list[Tier] = [DiskTier(cache), *lower_tiers]
         self._notes = notes
@@ -381,7 +381,14 @@ class Fetcher:
         return await self.origin.get(obj.key, obj.etag, start, end, whole=whole,
                                      background=background, crc_kind=crc_kind)
 
-    def _forget(self, bids: list[bytes]) -> None:
-        """Drop blocks from the memory tier (their bytes failed a check)."""
+    async def _withdraw(self, obj: ObjectVersion, bids: list[bytes]) -> None:
+        """Take the blocks ``bids`` of ``obj`` back from every tier (their bytes failed a
+        check after they were put): memory, the disk cache, and any lower tier (a shared
+        tier drops their pending publishes and deletes what it published)."""
+        refs = [self.ref(obj, i, bid) for i, bid in enumerate(bids)]
         for bid in bids:
             self.memory.discard(bid)
+        for tier in self.tiers:
+            # One tier's failure (even a bug) must not keep the others' copies.
+            with contained("cache_write", f"withdrawing blocks from the {tier.name} tier"):
+                await tier.withdraw(refs)

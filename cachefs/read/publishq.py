@@ -36,6 +36,7 @@ class Publish:
     leased: bool = False  # this node won the fetch lease: other nodes wait for it
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     stored: bool = False  # outcome: the block is in the shared tier (written or present)
+    withdrawn: bool = False  # its bytes failed a check: not to be written, or deleted again
 
 
 class PublishQueue:
@@ -89,6 +90,22 @@ class PublishQueue:
                 self._forget(victim)
                 return True
         return False
+
+    def withdraw(self, key: str) -> Publish | None:
+        """Withdraw the publish of ``key`` (its bytes failed a check): a queued one leaves the
+        queue (done, not stored); one being written is marked :attr:`Publish.withdrawn`, for
+        its publisher to delete what it wrote. Returns the one being written, if any."""
+        item = self._known.get(key)
+        if item is None:
+            return None
+        item.withdrawn = True
+        if item not in self._items:
+            return item
+        self._items.remove(item)
+        self.bytes -= len(item.data)
+        self._publish_gauges()
+        self.finish(item, False)
+        return None
 
     async def take(self) -> Publish:
         """The oldest queued block (waits for one). The caller must :meth:`finish` it."""

@@ -55,6 +55,16 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   not count against the budget. Writes refused for good reasons (access
   denied, store full) stop publishing and leases only (one log line), for
   ``PUBLISH_RETRY`` seconds; reads go on.
+* Withdrawal: blocks whose bytes failed a check after they were offered
+  (the combined CRC of a multi-block object, see :mod:`cachefs.read.assembled`)
+  are taken back (:meth:`SharedTier.withdraw`): a queued publish is dropped, a
+  publish being written deletes its object once written, and what may already
+  be in the tier is deleted (in the background, retried ``WITHDRAW_ATTEMPTS``
+  times). Until this node publishes the block again, its own lookups of it are
+  misses (a delete that failed must not make it serve the bytes back), and its
+  next publish overwrites. Another node that read the block from the tier
+  before the delete keeps its copy (that node's own checks apply to what it
+  fetched from the origin only).
 * Cluster warm: :meth:`shard_of` assigns every block to one of N nodes by its
   identity hash (stable across nodes); :meth:`ensure_published` makes sure a
   block this node holds is in the shared tier (``cachefs warm --shard``).
@@ -76,7 +86,7 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -99,6 +109,7 @@ LEASE_HISTORY = 32  # leases won in a row after contention before misses stop wa
 MAX_ANNOUNCING = 64  # lease writes in flight in the background, at most
 LEASE_GRACE = 0.1  # without contention, a miss waits this share of the budget for its lease
 POLL_FIRST, POLL_MAX = 0.05, 0.4  # a lease loser's polls: backoff from, up to (s)
+WITHDRAW_ATTEMPTS = 4  # deletes of a withdrawn block tried, 1 s apart
 
 T = TypeVar("T")
 
@@ -226,6 +237,7 @@ class SharedTier:
         self._confirmed = _Keys(s.remembered_keys)  # known to be in the tier, verified
         self._bad = _Keys(s.remembered_keys)  # seen corrupt or foreign: overwrite on publish
         self._leased = _Keys(s.remembered_keys)  # this node holds the fetch lease
+        self._withdrawn = _Keys(s.remembered_keys)  # failed a check: never served from here
         self._publish_off_until = 0.0  # monotonic; publishing refused until then
         # Recent lease outcomes (True: another node held it); background lease writes.
         self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
@@ -244,6 +256,11 @@ class SharedTier:
             metrics.SHARED_LOOKUPS.labels("skipped").inc()
             return None
         key = self.layout.block_key(ref)
+        if key in self._withdrawn:
+            # This node took the block back (bad bytes); the tier may still hold them if
+            # the delete failed. The origin, until this node publishes it again.
+            metrics.SHARED_LOOKUPS.labels("skipped").inc()
+            return None
         data, result = await self._lookup(ref, key)
         # Only a plain miss is worth a lease: a bad object is replaced by this node, and
         # a failing tier is left alone.
@@ -259,6 +276,45 @@ class SharedTier:
         item = Publish(key, ref, data, overwrite=key in self._bad, leased=key in self._leased)
         if not self.queue.offer(item):
             metrics.SHARED_PUBLISHES.labels("dropped_full").inc()
+
+    async def withdraw(self, refs: Sequence[BlockRef]) -> None:
+        """Take back blocks whose bytes failed a check (see the module docstring). Never
+        waits for the store: the deletes run in :meth:`run`'s nursery."""
+        keys = []
+        for ref in refs:
+            key = self.layout.block_key(ref)
+            self._withdrawn.add(key)
+            self._bad.add(key)  # the next publish overwrites whatever is there
+            self._confirmed.discard(key)
+            self._leased.discard(key)
+            self.queue.withdraw(key)  # one being written deletes its own object afterwards
+            keys.append(key)
+        metrics.SHARED_PUBLISHES.labels("withdrawn").inc(len(keys))
+        if self._nursery is None:  # not running (stopping): nothing can be written either
+            log.warning("shared cache tier %s: not running; %d withdrawn blocks not deleted",
+                        self.label, len(keys))
+            return
+        self._nursery.start_soon(self._delete_withdrawn, keys)
+
+    async def _delete_withdrawn(self, keys: list[str]) -> None:
+        """Delete withdrawn blocks from the tier, each tried WITHDRAW_ATTEMPTS times."""
+        for key in keys:
+            for attempt in range(WITHDRAW_ATTEMPTS):
+                if attempt:
+                    await trio.sleep(1.0)
+                if key not in self._withdrawn:
+                    break  # published again (verified bytes) meanwhile: keep that
+                try:
+                    await self._call(self.settings.publish_timeout, self.client.delete, key)
+                except StoreError as exc:
+                    log.debug("deleting withdrawn block %s failed: %s", key, exc)
+                    continue
+                break
+            else:
+                metrics.SHARED_PUBLISHES.labels("withdraw_failed").inc()
+                log.warning("shared cache tier %s: could not delete %s (a block whose bytes "
+                            "failed the origin's checksum); other nodes may read it until "
+                            "it is replaced", self.label, key)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -437,6 +493,11 @@ class SharedTier:
             stored = False
             try:
                 stored = await self._publish(item)
+                if stored and item.withdrawn:
+                    # Withdrawn while it was written: what was written goes again.
+                    stored = False
+                    self._withdrawn.add(item.key)
+                    await self._delete_withdrawn([item.key])
             finally:
                 self.queue.finish(item, stored)
 
@@ -459,8 +520,11 @@ class SharedTier:
         metrics.SHARED_PUBLISHES.labels("stored" if new else "present").inc()
         if new:
             metrics.SHARED_PUBLISHED_BYTES.inc(len(item.data))
+        if item.withdrawn:
+            return True  # the publisher deletes it again
         self._bad.discard(item.key)
         self._leased.discard(item.key)
+        self._withdrawn.discard(item.key)
         self._confirmed.add(item.key)
         return True
 
