@@ -78,6 +78,34 @@ def test_http_proxy_is_used_and_no_proxy_bypasses_it(bucket, s3_endpoint,
         assert len(fwd.seen) == seen
 
 
+def test_shared_tier_client_uses_the_same_proxy_settings(bucket, s3_endpoint,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from botocore.credentials import Credentials
+
+    from cachefs.s3.objects import ObjectClient
+
+    with ForwardProxy() as fwd:
+        monkeypatch.setenv("HTTP_PROXY", fwd.url.replace("http://", "http://user:pa%3Ass@"))
+        client = ObjectClient(bucket[1], endpoint_url=s3_endpoint, region="us-east-1",
+                              credentials=Credentials("testing", "testing"))
+        assert client.put("blk", b"shared bytes", metadata={"cachefs-block": "x"},
+                          if_none_match=True)
+        got = client.get("blk")
+        assert got is not None and got.body == b"shared bytes"
+        assert got.headers["x-amz-meta-cachefs-block"] == "x"
+        client.delete("blk")
+        assert client.head("blk") is None
+        host = s3_endpoint.removeprefix("http://")
+        assert [m for m, t in fwd.seen if t == f"http://{host}/{bucket[1]}/blk"] == [
+            "PUT", "GET", "DELETE", "HEAD"]
+        assert "Basic dXNlcjpwYTpzcw==" in fwd.auth
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        seen = len(fwd.seen)
+        direct = ObjectClient(bucket[1], endpoint_url=s3_endpoint, region="us-east-1",
+                              credentials=Credentials("testing", "testing"))
+        assert direct.get("blk") is None and len(fwd.seen) == seen
+
+
 def test_https_through_a_connect_proxy_with_a_private_ca(bucket, s3_endpoint, tmp_path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     etag = put(bucket, "t.bin", b"tls bytes")

@@ -33,6 +33,10 @@ SeaweedFS accept): hashing every block for the signature would cost the CPU of
 a SHA-256 over each published block; the block's stamp (checked on every read,
 see :mod:`cachefs.read.shared`) is what guards its content.
 
+Connections are opened by :class:`cachefs.s3.connections.Connector`, as the
+origin's are: proxies from ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY`` and TLS
+verified against ``AWS_CA_BUNDLE`` when set.
+
 Thread-safety: as :class:`cachefs.s3.ranges.RangeClient`: connections are
 taken from and returned to a LIFO pool; credentials are read per request.
 """
@@ -44,7 +48,6 @@ import http.client
 import queue
 import re
 import socket
-import ssl
 import time
 import urllib.parse
 from typing import Any
@@ -56,6 +59,7 @@ from botocore.credentials import Credentials
 from cachefs import metrics
 from cachefs.errors import CredentialsError, EndpointUnreachable, StoreError, TransientStoreError
 from cachefs.s3 import express
+from cachefs.s3.connections import Connector
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
@@ -110,12 +114,12 @@ class ObjectClient:
         self.region = region
         self._credentials = credentials
         self._anonymous = anonymous
-        self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._session_mode = session_mode
         self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
             maxsize=max_connections)
-        self._ssl = ssl.create_default_context() if self._https else None
+        self._connector = Connector(self._host, self._port, https=self._https,
+                                    connect_timeout=connect_timeout)
         if express_sessions is None:
             express_sessions = (express.is_directory_bucket(bucket)
                                 and not express.session_auth_disabled())
@@ -132,18 +136,14 @@ class ObjectClient:
             return self._pool.get_nowait()
         except queue.Empty:
             pass
-        conn: http.client.HTTPConnection
-        if self._https:
-            conn = http.client.HTTPSConnection(self._host, self._port,
-                                               timeout=self._connect_timeout, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(self._host, self._port,
-                                              timeout=self._connect_timeout)
+        conn = self._connector.new()
         try:
             conn.connect()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            raise EndpointUnreachable(f"cannot connect to {self._base}: {exc}") from exc
+            via = self._connector.via_proxy
+            where = self._base + (f" via proxy {via}" if via else "")
+            raise EndpointUnreachable(f"cannot connect to {where}: {exc}") from exc
         assert conn.sock is not None
         conn.sock.settimeout(self._read_timeout)
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -206,7 +206,8 @@ class ObjectClient:
             conn = self._connect()
             assert conn.sock is not None
             conn.sock.settimeout(self._read_timeout if timeout is None else timeout)
-            conn.request(method, path, body=body or None, headers=headers)
+            conn.request(method, self._connector.target(path), body=body or None,
+                         headers={**headers, **self._connector.request_headers()})
             resp = conn.getresponse()
             data = resp.read()
             status = resp.status
