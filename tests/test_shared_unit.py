@@ -625,3 +625,46 @@ def test_blocks_of_an_object_failing_its_combined_crc_leave_the_shared_tier(
 def random_bytes(n: int) -> bytes:
     import random
     return random.Random(3).randbytes(n)
+
+
+def test_a_bad_block_from_the_tier_fails_the_combined_crc_of_a_reader_and_leaves(
+        tmp_path: Any) -> None:
+    # Another node published block 3 with bytes altered in its own ranged GET (its check
+    # never completed). This node fetches blocks 0-2 from the origin and block 3 from the
+    # tier: the object's combined CRC covers the tier's block too, and withdraws them all.
+    from cachefs.s3.memory import MemoryStore
+
+    origin_store = MemoryStore()
+    data = random_bytes(4 * BS)
+    origin_store.put("mixed.bin", data, checksum="crc64nvme")
+    info = origin_store.head("mixed.bin")
+    obj = ObjectVersion("mixed.bin", info.etag, info.size)
+    store = MemoryObjects()
+    shared = tier(store)
+    other = tier(store)
+    bad = bytearray(data[3 * BS:])
+    bad[7] ^= 0x55
+    mismatches = metrics.S3_ASSEMBLED_CHECKS.labels("mismatch")._value.get()
+
+    async def publish_bad() -> None:
+        await other.put(ref(3, obj), bytes(bad))
+        await other.drain()
+    run(publish_bad, other)
+    key3 = other.layout.block_key(ref(3, obj))
+    assert key3 in store.objects
+
+    async def body(f: Any) -> None:
+        # Block 0 first: the object's check starts (every block pending) before block 3
+        # arrives from the tier.
+        got = await f.read(obj, 0, BS) + await f.read(obj, BS, 3 * BS)
+        assert got[:3 * BS] == data[:3 * BS] and got[3 * BS:] == bytes(bad)
+        await f.drain()
+        with trio.fail_after(10):
+            while metrics.S3_ASSEMBLED_CHECKS.labels("mismatch")._value.get() == mismatches:
+                await trio.sleep(0.01)
+            while key3 in store.objects and store.objects[key3][0] == bytes(bad):
+                await trio.sleep(0.01)
+        assert not any(f.cache.contains(bid) for bid in f.block_ids(obj))
+        assert await f.read(obj, 0, len(data)) == data  # all from the origin now
+
+    _fetcher_over(tmp_path, origin_store, shared, body)

@@ -19,8 +19,10 @@ those bytes: the bytes of ranged reads rely on TLS in transit; this check
 keeps altered bytes from staying in the caches.
 
 Blocks already on disk when the object's tracker started (cached in an
-earlier session, or fetched before S3's checksum was known) have no CRC: when
-the rest is complete their bytes are read back from the cache once.
+earlier session, or fetched before S3's checksum was known) and blocks that
+came from a shared tier (published by another node) have no CRC: when the
+rest is complete their bytes are read back from the cache once. So on a
+mismatch every block is withdrawn whichever node's fetch altered it.
 
 Bounds: trackers for at most :data:`TRACKED` object versions (least recently
 used dropped), each holding one integer per block. Everything runs on the
@@ -114,8 +116,10 @@ class AssembledChecks:
             self._maybe_check(obj, tracker)
 
     def landed(self, obj: ObjectVersion, index: int, crc: int | None) -> None:
-        """Block ``index`` of ``obj`` arrived from S3 and was offered to the cache; ``crc``
-        is its CRC of the kind :meth:`crc_kind` named then (None: not known then)."""
+        """Block ``index`` of ``obj`` arrived from S3 (or from a tier below the disk, e.g.
+        the shared tier) and was offered to the cache; ``crc`` is its CRC of the kind
+        :meth:`crc_kind` named then (None: not known then, or not from S3). Objects without
+        a tracker (none of their blocks fetched from S3 in this session) are ignored."""
         tracker = self._trackers.get((obj.key, obj.etag))
         if tracker is None:
             return

@@ -352,8 +352,11 @@ class Fetcher:
                 finally:
                     del self._flights[bid]
                     flight.settled.set()
-                if got is not None and self.block_count(obj) > 1:
-                    self.assembled.landed(obj, index, got.crc)
+                if self.block_count(obj) > 1:
+                    # From the origin with its CRC; from a lower tier (another node's fetch)
+                    # without one: if this object is being checked, its bytes are read back
+                    # from disk, so the combined CRC covers every block whatever its source.
+                    self.assembled.landed(obj, index, got.crc if got is not None else None)
         finally:
             if flight.disk_ahead:
                 self._disk_ahead -= 1
