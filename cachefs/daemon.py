@@ -246,6 +246,7 @@ class Daemon:
         s3 = make_store(cfg)
         probe_store(s3, cfg)
         log.info("S3 endpoint %s, region %s", s3.endpoint, s3.region)
+        metrics.S3_REGION.labels(s3.region, s3.endpoint).set(1)
         origin = Origin(s3, max_connections=cfg.max_connections, deadline=cfg.retry_deadline)
         metrics.START_TIME.set(self.started_at)
         metrics.create_known_series()

@@ -161,6 +161,10 @@ S3_ASSEMBLED_CHECKS = Counter(
     "cachefs_s3_assembled_checks", "Multi-block objects checked against S3's full-object CRC "
     "once all their blocks were cached (result=ok or mismatch: blocks dropped)", ["result"],
     registry=REGISTRY)
+S3_REGION = Gauge(
+    "cachefs_s3_region", "1 for the region S3 requests are signed for (the bucket's, found at "
+    "mount, unless --region) and the endpoint they go to", ["region", "endpoint"],
+    registry=REGISTRY)
 S3_THROTTLES = Counter(
     "cachefs_s3_throttles", "S3 requests answered 503 SlowDown / 429", ["op"], registry=REGISTRY)
 S3_BYTES = Counter(
