@@ -291,6 +291,13 @@ START_TIME = Gauge(
     "cachefs_start_time_seconds", "Unix time the daemon started", registry=REGISTRY)
 METADATA_LISTINGS = Counter(
     "cachefs_metadata_listings", "Directory listings fetched from S3", registry=REGISTRY)
+METADATA_STALE_SERVED = Counter(
+    "cachefs_metadata_stale_served", "Answers from a directory listing older than the metadata "
+    "TTL (or invalidated), given while it is refreshed in the background "
+    "(stale-while-revalidate)", registry=REGISTRY)
+METADATA_REFRESH_FAILURES = Counter(
+    "cachefs_metadata_refresh_failures", "Background refreshes of a known listing that failed "
+    "(the old listing goes on serving; retried after a pause)", registry=REGISTRY)
 
 # --- crashes, housekeeping and the control socket ---------------------------------
 #: Background tasks that report their failures (cachefs.background); label values.

@@ -255,12 +255,15 @@ class Metadata:
             self._start(prefix)
 
     def _revalidate(self, prefix: str, listed_at: float) -> None:
-        if self._store is None or prefix in self._inflight:
+        """Called for every answer from ``prefix``'s complete listing: counts a stale
+        answer and starts its refresh unless one runs or the last failed moments ago."""
+        if self._store is None:
             return
         now = self._clock()
         if prefix in self._stale or now - listed_at >= self._ttl:
-            if now < self._retry_after.get(prefix, 0.0):
-                return  # the last refresh failed moments ago; the old listing serves
+            metrics.METADATA_STALE_SERVED.inc()
+            if prefix in self._inflight or now < self._retry_after.get(prefix, 0.0):
+                return  # refreshing, or the last refresh failed moments ago: the old serves
             self._start(prefix)
 
     async def settled(self, prefix: str) -> None:
@@ -450,6 +453,7 @@ class Metadata:
             listing.error = exc
             self._retry_after[prefix] = self._clock() + REFRESH_BACKOFF
             if self.listed_at(prefix) is not None:
+                metrics.METADATA_REFRESH_FAILURES.inc()
                 log.warning("refreshing the listing of %r failed (%s); serving the old one",
                             prefix, exc)
             else:
