@@ -149,18 +149,7 @@ def make_store(cfg: MountConfig) -> S3Store:
                         max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
     except ValueError as exc:  # botocore: "Invalid endpoint: ..." (e.g. AWS_ENDPOINT_URL)
         raise ConfigError(f"invalid S3 endpoint: {exc}") from None
-    if cfg.region is not None:
-        return store
-    try:
-        region = store.bucket_region()
-    except StoreError as exc:
-        log.debug("bucket region lookup failed: %s", exc)
-        return store
-    if region and region != store.region:
-        log.info("bucket %s is in %s: signing requests for it (the AWS config says %s)",
-                 cfg.source.bucket, region, store.region)
-        store = store.for_region(region)
-    return store
+    return store if cfg.region is not None else store.in_bucket_region()
 
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:

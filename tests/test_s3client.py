@@ -55,6 +55,31 @@ def test_daemon_store_signs_for_the_buckets_region_unless_overridden(bucket, s3_
         assert pinned.region == "ap-south-1"  # --region stays an override
 
 
+@pytest.mark.parametrize("command", ["probe", "manifest export"])
+def test_cli_tools_sign_for_the_buckets_region(bucket, s3_endpoint, command: str) -> None:
+    # cachefs probe and cachefs manifest export look the region up as the mount does.
+    import json
+
+    from tests.conftest import run_cachefs
+
+    put(bucket, "d/r.bin", b"regional bytes")
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.bucket_region = "eu-west-1"
+        url = f"s3://{bucket[1]}/d/"
+        if command == "probe":
+            args = ["probe", url, "--samples", "2", "--parallel", "1", "--seconds", "0.2",
+                    "--json"]
+        else:
+            args = ["manifest", "export", url, "--format", "jsonl"]
+        r = run_cachefs(*args, "--endpoint-url", proxy.url)
+        assert r.returncode == 0, r.stderr
+        if command == "probe":
+            assert json.loads(r.stdout)["objects_seen"] == 1
+        else:
+            assert [json.loads(line)["key"] for line in r.stdout.splitlines()] == ["d/r.bin"]
+        assert proxy.faults["wrong_region"] >= 1  # the first request was refused: looked up
+
+
 def test_bucket_region_of_a_server_that_does_not_say_is_none(bucket, s3_endpoint) -> None:
     assert S3Store(bucket[1], endpoint_url=s3_endpoint).bucket_region() in (None, "us-east-1")
 

@@ -12,16 +12,19 @@ config). The daemon asks :meth:`S3Store.bucket_region` at mount and, unless
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from cachefs import metrics
-from cachefs.errors import TransientStoreError
+from cachefs.errors import StoreError, TransientStoreError
 from cachefs.s3.errors import translate_botocore
 from cachefs.s3.integrity import Checksum
 from cachefs.s3.ranges import RangeClient
 from cachefs.s3.store import Body, Exchange, ListPage, ObjectInfo
+
+log = logging.getLogger(__name__)
 
 
 def _strip_etag(etag: str) -> str:
@@ -99,6 +102,21 @@ class S3Store:
         """The bucket's region as S3 states it (None if it does not say). Raises the
         errors of list_page."""
         return self._ranges.bucket_region()
+
+    def in_bucket_region(self) -> S3Store:
+        """This store, or the same one signing for the bucket's own region when S3 names
+        another (what the mount and the CLI tools do unless ``--region`` was given). A
+        failed lookup keeps this store: the request that follows reports what is wrong."""
+        try:
+            region = self.bucket_region()
+        except StoreError as exc:
+            log.debug("bucket region lookup failed: %s", exc)
+            return self
+        if not region or region == self.region:
+            return self
+        log.info("bucket %s is in %s: signing requests for it (the AWS config says %s)",
+                 self.bucket, region, self.region)
+        return self.for_region(region)
 
     # -- requests ------------------------------------------------------------
     def _call(self, op: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
