@@ -67,9 +67,8 @@ from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.read.shared import SharedLayout, SharedSettings, SharedTier
-from cachefs.s3 import express
 from cachefs.s3.boto import S3Store
-from cachefs.s3.objects import ObjectClient
+from cachefs.s3.objects import open_tier_client
 from cachefs.s3.origin import Origin
 from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
 
@@ -174,31 +173,13 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
     url = cfg.shared_cache
     if url is None:
         return None
-    import boto3
-    import botocore.exceptions
-
-    try:
-        session = boto3.session.Session(profile_name=cfg.shared_cache_profile)
-    except botocore.exceptions.ProfileNotFound:
-        raise ConfigError(f"--shared-cache-profile: AWS profile "
-                          f"{cfg.shared_cache_profile!r} not found") from None
-    region = cfg.shared_cache_region or cfg.region or session.region_name or "us-east-1"
-    endpoint = cfg.shared_cache_endpoint_url
-    if endpoint is None:
-        endpoint = (express.zonal_endpoint(url.bucket, region)
-                    if express.is_directory_bucket(url.bucket)
-                    else f"https://s3.{region}.amazonaws.com")
     # Anonymous only with --no-sign-request and no profile of its own; missing credentials
     # otherwise fail each request (the breaker then says so once).
-    anonymous = cfg.no_sign_request and not cfg.shared_cache_profile
-    credentials = None if anonymous else session.get_credentials()
     timeout = cfg.shared_cache_timeout
-    try:
-        client = ObjectClient(url.bucket, endpoint_url=endpoint, region=region,
-                              credentials=credentials, anonymous=anonymous,
-                              connect_timeout=timeout, read_timeout=timeout)
-    except ValueError as exc:
-        raise ConfigError(f"--shared-cache-endpoint-url: {exc}") from None
+    client = open_tier_client(
+        url.bucket, endpoint_url=cfg.shared_cache_endpoint_url,
+        region=cfg.shared_cache_region or cfg.region, profile=cfg.shared_cache_profile,
+        anonymous=cfg.no_sign_request and not cfg.shared_cache_profile, timeout=timeout)
     settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),
                               queue_bytes=publish_queue_bytes)
     return SharedTier(client, SharedLayout(url.prefix, cfg.source.bucket, cfg.block_size),

@@ -177,3 +177,26 @@ def test_the_direction_rule_catches_an_upward_import(tmp_path: Path) -> None:
                      "from . import sibling\n")
     assert _imports(probe) == {"cachefs.read.fetcher", "cachefs.fs", "cachefs.daemon",
                                "cachefs.control.registry"}
+
+
+# Third-party clients stay behind their package: S3 libraries in cachefs.s3, LMDB in the
+# one module that owns the environment (so its error mapping and reader rules hold).
+CONFINED = {"boto3": "cachefs.s3.", "botocore": "cachefs.s3.", "awscrt": "cachefs.s3.",
+            "lmdb": "cachefs.cache.lmdbenv"}
+
+
+def _third_party(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_s3_and_lmdb_libraries_stay_behind_their_package() -> None:
+    wrong = [f"{name} imports {lib}" for name, path in _modules_with_paths()
+             for lib in sorted(_third_party(path) & CONFINED.keys())
+             if not name.startswith(CONFINED[lib])]
+    assert wrong == []

@@ -57,7 +57,13 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 from cachefs import metrics
-from cachefs.errors import CredentialsError, EndpointUnreachable, StoreError, TransientStoreError
+from cachefs.errors import (
+    ConfigError,
+    CredentialsError,
+    EndpointUnreachable,
+    StoreError,
+    TransientStoreError,
+)
 from cachefs.s3 import express
 from cachefs.s3.connections import Connector
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
@@ -296,3 +302,32 @@ class ObjectClient:
         status, _, body = self._request("delete", "DELETE", key, {}, timeout=timeout)
         if status not in (200, 204, 404):
             raise self._error(status, body, key)
+
+
+def open_tier_client(bucket: str, *, endpoint_url: str | None, region: str | None,
+                     profile: str | None, anonymous: bool, timeout: float) -> ObjectClient:
+    """The client of a shared tier in ``bucket``, credentials from the AWS profile
+    ``profile`` (default chain if None) unless ``anonymous``; ``region`` defaults to the
+    profile's (else us-east-1) and ``endpoint_url`` to the region's S3 endpoint, or the
+    zonal endpoint of an S3 Express directory bucket. Makes no request; a missing
+    credential fails each request later. Raises ConfigError for a profile that does not
+    exist or an unusable endpoint URL (the flags named, for the one-line error)."""
+    import boto3
+    import botocore.exceptions
+
+    try:
+        session = boto3.session.Session(profile_name=profile)
+    except botocore.exceptions.ProfileNotFound:
+        raise ConfigError(f"--shared-cache-profile: AWS profile {profile!r} not found") from None
+    region = region or session.region_name or "us-east-1"
+    if endpoint_url is None:
+        endpoint_url = (express.zonal_endpoint(bucket, region)
+                        if express.is_directory_bucket(bucket)
+                        else f"https://s3.{region}.amazonaws.com")
+    credentials = None if anonymous else session.get_credentials()
+    try:
+        return ObjectClient(bucket, endpoint_url=endpoint_url, region=region,
+                            credentials=credentials, anonymous=anonymous,
+                            connect_timeout=timeout, read_timeout=timeout)
+    except ValueError as exc:
+        raise ConfigError(f"--shared-cache-endpoint-url: {exc}") from None
