@@ -14,7 +14,7 @@ IMAGE    ?= localhost/cachefs
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev patch curl python3-dev \
 	prometheus buildah debootstrap
 
-.PHONY: demo test check lint typecheck test-fast bench bench-quick deps dist image clean
+.PHONY: demo test check lint typecheck test-fast bench bench-quick bench-cluster deps dist image clean
 
 ## demo: a local S3 server with a sample dataset, mounted and read cold then warm
 demo: deps
@@ -45,6 +45,10 @@ bench: deps
 
 bench-quick: deps
 	$(BIN)/python -m benchmarks.run --quick
+
+## bench-cluster: four nodes with and without a shared cache tier (minutes)
+bench-cluster: deps
+	$(BIN)/python -m benchmarks.cluster
 
 ## dist: wheel and sdist in dist/, versioned from git (setuptools-scm); older ones removed
 dist: deps

@@ -9,4 +9,6 @@ Modules, one job each:
 - ``reader``   the PyTorch DataLoader reader, run as a subprocess per system/link.
 - ``report``   metrics, warm-up detection, plot and ``RESULTS.md`` table.
 - ``run``      the command line: ``python -m benchmarks.run [--quick] ...``.
+- ``cluster``  four cachefs nodes, a remote origin and a shared in-region tier:
+               ``python -m benchmarks.cluster [--quick]`` (``make bench-cluster``).
 """

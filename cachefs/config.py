@@ -199,6 +199,14 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None or value == "" else parse_int(value)
 
 
+def _opt_s3_url(value: Any) -> S3Url | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, S3Url):
+        return value
+    return parse_s3_url(str(value))
+
+
 #: Every mount option, with its default. README's option table is generated from this.
 OPTIONS: tuple[Option, ...] = (
     Option("cache_dir", _path, None, "Directory for the block cache and metadata (required).",
@@ -212,8 +220,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("endpoint_url", _endpoint_url, None,
            "S3 endpoint URL (default: AWS, or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL).",
            metavar="URL"),
-    Option("region", _opt_str, None, "AWS region of the bucket (default: from the AWS config).",
-           metavar="REGION"),
+    Option("region", _opt_str, None,
+           "Region to sign requests for (default: the bucket's own region, asked from S3 at "
+           "mount; else the AWS config's).", metavar="REGION"),
     Option("no_sign_request", parse_bool, False, "Send anonymous requests (public buckets).",
            flag=True),
     Option("metrics_addr", _opt_str, None,
@@ -242,6 +251,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("fuse_workers", parse_int, 4,
            "Threads answering FUSE requests (lookups, opens, reads of cached blocks) at once.",
            metavar="N"),
+    Option("retry_deadline", parse_duration, "5m",
+           "How long a read or listing keeps retrying S3 through outages, throttling and "
+           "timeouts before it fails with EIO ('inf' never gives up).", metavar="DURATION"),
     Option("read_ahead", parse_size, "1M",
            "Kernel readahead for the mount (larger FUSE read requests).", metavar="SIZE"),
     Option("allow_other", parse_bool, False, "Let users other than the mounting one read.",
@@ -252,6 +264,24 @@ OPTIONS: tuple[Option, ...] = (
            metavar="GID"),
     Option("file_mode", parse_mode, "0444", "Permission bits of files.", metavar="MODE"),
     Option("dir_mode", parse_mode, "0555", "Permission bits of directories.", metavar="MODE"),
+    Option("shared_cache", _opt_s3_url, None,
+           "A cache tier shared by every node of the cluster, between the local cache and "
+           "the origin: an S3 Express One Zone directory bucket, a bucket or any S3-compatible "
+           "store (e.g. SeaweedFS) in the compute region. Blocks fetched from the origin are "
+           "published there; every node uses the same --block-size.", metavar="s3://BUCKET[/PREFIX]"),
+    Option("shared_cache_endpoint_url", _opt_str, None,
+           "Endpoint URL of the shared cache tier (default: AWS; the zonal endpoint for a "
+           "directory bucket).", metavar="URL"),
+    Option("shared_cache_region", _opt_str, None,
+           "Region of the shared cache tier (default: --region, else from the AWS config).",
+           metavar="REGION"),
+    Option("shared_cache_profile", _opt_str, None,
+           "AWS profile with the shared cache tier's credentials (default: the same "
+           "credentials as the source).", metavar="PROFILE"),
+    Option("shared_cache_timeout", parse_duration, "1s",
+           "Latency budget of one shared-tier request: a slower answer counts as a failure, "
+           "and 3 failures in a row send reads straight to the origin for a while (circuit "
+           "breaker).", metavar="DURATION"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "Log level.",
            metavar="LEVEL"),
     Option("log_file", _opt_str, None,
@@ -283,12 +313,18 @@ class MountConfig:
     memory_budget: int
     max_connections: int
     fuse_workers: int
+    retry_deadline: float
     read_ahead: int
     allow_other: bool
     uid: int | None
     gid: int | None
     file_mode: int
     dir_mode: int
+    shared_cache: S3Url | None
+    shared_cache_endpoint_url: str | None
+    shared_cache_region: str | None
+    shared_cache_profile: str | None
+    shared_cache_timeout: float
     log_level: str
     log_file: str | None
 
@@ -375,5 +411,13 @@ def _check_ranges(cfg: MountConfig) -> None:
         raise ConfigError("--max-connections must be between 1 and 1024")
     if not 1 <= cfg.fuse_workers <= 64:
         raise ConfigError("--fuse-workers must be between 1 and 64")
+    if cfg.retry_deadline < 1:
+        raise ConfigError("--retry-deadline must be at least 1s")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:
         raise ConfigError("--read-ahead must be between 4K and 64M")
+    if not 0.01 <= cfg.shared_cache_timeout <= 60:
+        raise ConfigError("--shared-cache-timeout must be between 10ms and 60s")
+    if cfg.shared_cache is None and (cfg.shared_cache_endpoint_url or cfg.shared_cache_profile
+                                     or cfg.shared_cache_region):
+        raise ConfigError("--shared-cache-endpoint-url, --shared-cache-region and "
+                          "--shared-cache-profile need --shared-cache s3://BUCKET[/PREFIX]")

@@ -7,9 +7,10 @@ Order of start-up (each step fails with one clear CachefsError line):
 2. cache directory: created 0700 (wider modes tightened), writable, locked for
    this daemon only, large enough for ``--cache-size``;
 3. LMDB index opened (wiped if unreadable), metadata of another source dropped;
-4. S3: one probe request (bucket exists, credentials work, endpoint answers:
-   a one-key listing, or HeadBucket for a manifest mount, which never lists);
-   with ``--manifest``, the manifest loaded into the index (skipped when unchanged);
+4. S3: the bucket's region looked up (unless ``--region``), then one probe
+   request (bucket exists, credentials work, endpoint answers: a one-key
+   listing, or HeadBucket for a manifest mount, which never lists); with
+   ``--manifest``, the manifest loaded into the index (skipped when unchanged);
 5. metrics endpoint bound (if asked);
 6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
@@ -18,12 +19,14 @@ Tasks (all owned by the nursery in :func:`_serve`): the FUSE request server
 (:mod:`cachefs.fuse.server`: worker threads, and its nursery for requests that wait),
 the fetcher's flights, the listings (background refreshes, listing ahead),
 the maintenance loop (last-use batches, LMDB sync), the orphan scan, the
-control socket, and the signal watcher. SIGTERM/SIGINT unmount cleanly. No
-background task ends the daemon on an error: each unit of work runs in
-:func:`cachefs.background.contained` (logged, counted, goes on); only
-cancellation ends them.
-When the request loop ends (unmounted), pending cache writes are drained
-(bounded wait), then the rest is cancelled and the index synced and closed.
+control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
+unmount cleanly. No background task ends the daemon on an error: each unit of
+work runs in :func:`cachefs.background.contained` (logged, counted, goes on);
+only cancellation ends them.
+When the request loop ends (unmounted), S3 requests in flight and retry
+waits are stopped at once (:meth:`Origin.close`), pending cache writes are
+drained (bounded wait), then the rest is cancelled and the index synced and
+closed.
 """
 
 from __future__ import annotations
@@ -66,13 +69,16 @@ from cachefs.read.fetcher import Fetcher
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
+from cachefs.read.shared import SharedLayout, SharedSettings, SharedTier
 from cachefs.s3.boto import S3Store
-from cachefs.s3.retry import RetryingStore
+from cachefs.s3.objects import open_tier_client
+from cachefs.s3.origin import Origin
 from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
 
 log = logging.getLogger(__name__)
 
 MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
+UNMOUNT_POLL = 1.0  # how often the mount table is checked for our mount
 STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
 DRAIN_TIMEOUT = 30.0
 #: After SIGTERM, files still open keep the (lazily unmounted) connection alive this
@@ -113,6 +119,15 @@ def sd_notify(message: str) -> None:
         log.warning("sd_notify failed: %s", exc)
 
 
+def _device_mounted(device: str) -> bool:
+    """Whether a file system with this ``major:minor`` is mounted (this mount namespace)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(line.split(maxsplit=3)[2] == device for line in f)
+    except OSError:
+        return True  # cannot tell: assume it is
+
+
 def _source_identity(cfg: MountConfig) -> bytes:
     # A manifest mount and a listing mount of the same source do not share listings.
     manifest = f"|manifest={cfg.manifest}" if cfg.manifest else ""
@@ -133,11 +148,15 @@ def _drop_foreign_metadata(env: LmdbEnv, cfg: MountConfig) -> None:
 
 
 def make_store(cfg: MountConfig) -> S3Store:
+    """The S3 store of ``cfg``, signing for the bucket's own region: S3 is asked at mount
+    (HeadBucket) unless ``--region`` overrides it. A failed lookup keeps the configured
+    region (the probe that follows reports what is wrong)."""
     try:
-        return S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                       max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
+        store = S3Store(cfg.source.bucket, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                        max_connections=cfg.max_connections, anonymous=cfg.no_sign_request)
     except ValueError as exc:  # botocore: "Invalid endpoint: ..." (e.g. AWS_ENDPOINT_URL)
         raise ConfigError(f"invalid S3 endpoint: {exc}") from None
+    return store if cfg.region is not None else store.in_bucket_region()
 
 
 def probe_store(store: S3Store, cfg: MountConfig) -> None:
@@ -156,6 +175,25 @@ def probe_store(store: S3Store, cfg: MountConfig) -> None:
         raise StoreError(f"cannot read {cfg.source}: {exc}") from None
 
 
+def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier | None:
+    """The shared cache tier of ``--shared-cache``, or None. Makes no request: the tier
+    checks itself in the background (it must never keep a node from mounting)."""
+    url = cfg.shared_cache
+    if url is None:
+        return None
+    # Anonymous only with --no-sign-request and no profile of its own; missing credentials
+    # otherwise fail each request (the breaker then says so once).
+    timeout = cfg.shared_cache_timeout
+    client = open_tier_client(
+        url.bucket, endpoint_url=cfg.shared_cache_endpoint_url,
+        region=cfg.shared_cache_region or cfg.region, profile=cfg.shared_cache_profile,
+        anonymous=cfg.no_sign_request and not cfg.shared_cache_profile, timeout=timeout)
+    settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),
+                              queue_bytes=publish_queue_bytes)
+    return SharedTier(client, SharedLayout(url.prefix, cfg.source.bucket, cfg.block_size),
+                      label=str(url), settings=settings)
+
+
 class Daemon:
     """One mount: owns every component and their lifetimes."""
 
@@ -166,6 +204,7 @@ class Daemon:
         self.device: Device | None = None
         self.server: RequestServer | None = None
         self._dev = ""  # major:minor of the mount, for aborting its connection
+        self.shared: SharedTier | None = None
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -193,14 +232,15 @@ class Daemon:
         _drop_foreign_metadata(env, cfg)
         s3 = make_store(cfg)
         probe_store(s3, cfg)
-        store = RetryingStore(s3)
+        log.info("S3 endpoint %s, region %s", s3.endpoint, s3.region)
+        metrics.S3_REGION.labels(s3.region, s3.endpoint).set(1)
+        origin = Origin(s3, max_connections=cfg.max_connections, deadline=cfg.retry_deadline)
         metrics.START_TIME.set(self.started_at)
         metrics.create_known_series()
         if cfg.metrics_addr:
             host, port = metrics.serve_metrics(cfg.metrics_addr)
             log.info("metrics at http://%s:%d/metrics", host, port)
 
-        s3_limiter = trio.CapacityLimiter(cfg.max_connections)
         disk_limiter = trio.CapacityLimiter(16)
         cache = BlockCache(env, cfg.cache_dir, capacity=cfg.cache_size, policy=cfg.cache_policy,
                            limiter=disk_limiter)
@@ -208,12 +248,25 @@ class Daemon:
         # of the same block are not re-read and re-verified); the rest bounds
         # fetches in flight and blocks waiting to be written.
         hot = cfg.memory_budget // 4
-        budget = MemoryBudget(cfg.memory_budget - hot)
+        # With a shared tier, an eighth of the budget holds blocks waiting to be published.
+        publish_queue = cfg.memory_budget // 8 if cfg.shared_cache else 0
+        budget = MemoryBudget(cfg.memory_budget - hot - publish_queue)
+        shared = make_shared_tier(cfg, publish_queue)
+        self.shared = shared
         ledger = PrefetchLedger()
-        fetcher = Fetcher(store, cache, block_size=cfg.block_size, budget=budget,
-                          s3_limiter=s3_limiter, hot_capacity=hot, notes=ledger)
-        metadata = Metadata(env, None if manifest_path else store, ttl=cfg.metadata_ttl,
-                            limiter=s3_limiter, list_ahead=cfg.list_ahead)
+        # The shared tier's misses go to the origin (retries, hedging, integrity checks);
+        # a block is published only as the fetcher writes it back, i.e. once the origin's
+        # checks passed (the combined CRC of multi-block objects withdraws it, see
+        # cachefs.read.assembled).
+        fetcher = Fetcher(origin, cache, block_size=cfg.block_size, budget=budget,
+                          hot_capacity=hot, notes=ledger,
+                          lower_tiers=[shared] if shared is not None else [])
+        # Listing threads wait on the origin's pages (and their retries) holding no S3
+        # connection; this bounds how many wait at once.
+        listing_threads = trio.CapacityLimiter(cfg.max_connections)
+        metadata = Metadata(env, None if manifest_path else origin.blocking(),
+                            ttl=cfg.metadata_ttl, limiter=listing_threads,
+                            list_ahead=cfg.list_ahead)
         if manifest_path is not None:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
@@ -237,7 +290,7 @@ class Daemon:
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
                         read_order=read_order, lookahead=lookahead, backing=passthrough)
-        warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix)
+        warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
                                 warmer=warmer, root_prefix=cfg.source.prefix)
 
@@ -271,8 +324,8 @@ class Daemon:
         fs.post = server.post
         unmounted = False
         try:
-            trio.run(self._serve, server, fetcher, metadata, read_order, control, passthrough,
-                     cache, env, on_ready)
+            trio.run(self._serve, server, origin, fetcher, metadata, read_order, control,
+                     passthrough, cache, env, shared, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -281,17 +334,21 @@ class Daemon:
                 unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, server: RequestServer, fetcher: Fetcher, metadata: Metadata,
+    async def _serve(self, server: RequestServer, origin: Origin, fetcher: Fetcher,
+                     metadata: Metadata,
                      read_order: ReadOrder,
                      control: ControlServer, passthrough: Passthrough, cache: BlockCache,
-                     env: LmdbEnv, on_ready: Callable[[], None]) -> None:
+                     env: LmdbEnv, shared: SharedTier | None,
+                     on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
             await nursery.start(metadata.run)
+            if shared is not None:
+                await nursery.start(shared.run)
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
-            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._watch_signals, origin)
             await nursery.start(read_order.run)
             await nursery.start(control.serve)
             async with trio.open_nursery() as fuse_nursery:
@@ -305,13 +362,35 @@ class Daemon:
                     self._publish_status()  # (the maintenance loop tries again every second)
                 on_ready()
                 sd_notify("READY=1")
-                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s)", cfg.source,
+                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s%s)", cfg.source,
                          cfg.mountpoint, cfg.cache_dir, cfg.cache_policy,
-                         "on" if passthrough.enabled else "off")
+                         "on" if passthrough.enabled else "off",
+                         f", shared tier {shared.label}" if shared is not None else "")
+                nursery.start_soon(self._watch_unmount, origin)
             log.info("unmounted; finishing cache writes")
+            origin.close()  # S3 requests and retry waits end now, even in an outage
             with trio.move_on_after(DRAIN_TIMEOUT):
                 await fetcher.drain()
+                if shared is not None:
+                    await shared.drain()
             nursery.cancel_scope.cancel()
+
+    async def _watch_unmount(self, origin: Origin) -> None:
+        """Stop S3 requests as soon as the mount is gone from the mount table.
+
+        The request server ends only once every file is closed and every request in
+        flight answered, and an unmount (plain, with the kernel's own readahead in
+        flight, or lazy, with readers still blocked) says nothing to the daemon: reads
+        waiting on S3 through an outage would hold the daemon until their retry
+        deadline. They fail at once instead.
+        """
+        device = await trio.to_thread.run_sync(registry.mount_device, self.cfg.mountpoint)
+        if device is None:
+            return
+        while await trio.to_thread.run_sync(_device_mounted, device):
+            await trio.sleep(UNMOUNT_POLL)
+        log.info("%s was unmounted; stopping S3 requests in flight", self.cfg.mountpoint)
+        origin.close()
 
     def _publish_status(self) -> None:
         cfg = self.cfg
@@ -321,16 +400,25 @@ class Daemon:
             "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
             "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
             "updated_at": time.time(), "stats": metrics.totals(),
+            "tiers": {"read_bytes": metrics.by_label(metrics.TIER_READ_BYTES),
+                      "loads": metrics.by_label(metrics.TIER_HITS),
+                      "shared_lookups": metrics.by_label(metrics.SHARED_LOOKUPS),
+                      "shared_publishes": metrics.by_label(metrics.SHARED_PUBLISHES),
+                      "shared_leases": metrics.by_label(metrics.SHARED_LEASES)},
+            "shared": self.shared.describe() if self.shared is not None else None,
             "background_errors": metrics.by_label(metrics.BACKGROUND_ERRORS),
             "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
         })
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(self, origin: Origin) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for signum in sigs:
                 if signum == signal.SIGHUP:
                     continue
                 log.info("received %s; unmounting", signal.Signals(signum).name)
+                # Reads waiting on S3 (an outage) fail now instead of at their retry
+                # deadline, so their files are closed and the connection can end.
+                origin.close()
                 await self._stop_serving()
                 return
 

@@ -12,6 +12,7 @@
     |   +-- CredentialsError      no credentials, or the store rejected them
     |   +-- TransientStoreError   worth retrying: 5xx, throttling, resets, timeouts
     |       +-- EndpointUnreachable   connection refused / DNS / connect timeout
+    |       +-- IntegrityError        the bytes disagree with what S3 says the object is
     +-- CacheError                local cache directory unusable (not writable, corrupt env)
 
 Lower layers raise these typed errors; only the FUSE adapter (cachefs.fuse_ops)
@@ -60,12 +61,36 @@ class CredentialsError(StoreError):
 
 
 class TransientStoreError(StoreError):
-    """A failure that may succeed when retried (5xx, throttling, timeouts)."""
+    """A failure that may succeed when retried (5xx, throttling, timeouts).
 
-    def __init__(self, message: str, *, throttled: bool = False) -> None:
+    ``reason`` names the kind of failure for metrics and logs, from a small fixed set:
+    ``throttled``, ``server_error``, ``timeout``, ``connection``, ``unreachable``,
+    ``short_body``, ``integrity``, ``stopping``.
+    """
+
+    def __init__(self, message: str, *, throttled: bool = False,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.throttled = throttled
+        self.reason = reason or ("throttled" if throttled else "server_error")
 
 
 class EndpointUnreachable(TransientStoreError):
     """The endpoint did not accept a connection (refused, DNS, connect timeout)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="unreachable")
+
+
+class IntegrityError(TransientStoreError):
+    """Bytes received disagree with the checksum S3 states for the object (altered in
+    transit): dropped, counted and fetched again. ``check`` names the checksum that
+    failed; ``computed`` is what the received bytes gave (two answers giving the same
+    wrong value mean the stated checksum, not the transfer, is wrong); ``data`` holds
+    those bytes."""
+
+    def __init__(self, message: str, *, check: str, computed: object, data: bytes) -> None:
+        super().__init__(message, reason="integrity")
+        self.check = check
+        self.computed = computed
+        self.data = data

@@ -129,7 +129,44 @@ S3_REQUESTS = Counter(
 S3_ERRORS = Counter(
     "cachefs_s3_errors", "S3 requests that failed", ["op", "kind"], registry=REGISTRY)
 S3_RETRIES = Counter(
-    "cachefs_s3_retries", "S3 requests retried after a transient failure", ["op"],
+    "cachefs_s3_retries", "S3 requests retried after a transient failure, by reason (throttled, "
+    "server_error, timeout, connection, unreachable, short_body, integrity)", ["op", "reason"],
+    registry=REGISTRY)
+S3_DEADLINE_EXCEEDED = Counter(
+    "cachefs_s3_deadline_exceeded", "S3 requests given up because they kept failing until the "
+    "retry deadline (--retry-deadline): each one failed a read (EIO)", ["op"], registry=REGISTRY)
+S3_HEDGES_SENT = Counter(
+    "cachefs_s3_hedges_sent", "Second GETs sent because the first went silent for longer "
+    "than the hedge delay", registry=REGISTRY)
+S3_HEDGES_WON = Counter(
+    "cachefs_s3_hedges_won", "Hedged GETs whose second request answered first",
+    registry=REGISTRY)
+S3_HEDGE_DELAY = Gauge(
+    "cachefs_s3_hedge_delay_seconds", "Silence after which a GET is hedged (from the p99 of "
+    "recent first-byte latencies, with a floor)", registry=REGISTRY)
+S3_CONCURRENCY_LIMIT = Gauge(
+    "cachefs_s3_concurrency_limit", "S3 requests allowed in flight now (--max-connections, "
+    "lowered while S3 throttles)", registry=REGISTRY)
+S3_INTEGRITY_ERRORS = Counter(
+    "cachefs_s3_integrity_errors", "S3 answers whose bytes disagreed with the object's checksum "
+    "or ETag (altered in transit): dropped and fetched again; check=crc64nvme, crc32c, crc32, "
+    "sha256, sha1, etag_md5, or combined_<crc> for a multi-block object", ["check"],
+    registry=REGISTRY)
+S3_VERIFIED_BYTES = Counter(
+    "cachefs_s3_verified_bytes", "Object bytes received from S3 by the check they passed before "
+    "use (none: ranged blocks, checked as a whole object once complete where S3 keeps a CRC)",
+    ["check"], registry=REGISTRY)
+S3_CHECKSUM_DISAGREEMENTS = Counter(
+    "cachefs_s3_checksum_disagreements", "Objects S3 served with the same bytes twice, both "
+    "disagreeing with its stated checksum or ETag (served: S3 is the truth)", ["check"],
+    registry=REGISTRY)
+S3_ASSEMBLED_CHECKS = Counter(
+    "cachefs_s3_assembled_checks", "Multi-block objects checked against S3's full-object CRC "
+    "once all their blocks were cached (result=ok or mismatch: blocks dropped)", ["result"],
+    registry=REGISTRY)
+S3_REGION = Gauge(
+    "cachefs_s3_region", "1 for the region S3 requests are signed for (the bucket's, found at "
+    "mount, unless --region) and the endpoint they go to", ["region", "endpoint"],
     registry=REGISTRY)
 S3_THROTTLES = Counter(
     "cachefs_s3_throttles", "S3 requests answered 503 SlowDown / 429", ["op"], registry=REGISTRY)
@@ -167,6 +204,83 @@ TIER_READ_BYTES = Counter(
     "cachefs_tier_read_bytes", "Bytes of file reads through the daemon, by where they came "
     "from (memory, disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
 
+# --- shared cache tier (cachefs.read.shared) ----------------------------------
+SHARED_OPS = ("get", "head", "put", "lease", "delete", "session")
+SHARED_ENABLED = Gauge(
+    "cachefs_shared_enabled", "1 when the mount has a shared cache tier (--shared-cache)",
+    registry=REGISTRY)
+SHARED_REQUESTS = Counter(
+    "cachefs_shared_requests", "Requests sent to the shared cache tier (each attempt counts)",
+    ["op"], registry=REGISTRY)
+SHARED_LATENCY = Histogram(
+    "cachefs_shared_request_duration_seconds", "Shared cache tier request latency (one "
+    "attempt; abandoned requests are observed when they end)", ["op"], buckets=LATENCY_BUCKETS,
+    registry=REGISTRY)
+SHARED_LOOKUPS = Counter(
+    "cachefs_shared_lookups", "Block lookups in the shared tier by result: hit, miss, corrupt "
+    "or foreign (a miss that was also dropped), error, timeout, skipped (breaker open)",
+    ["result"], registry=REGISTRY)
+SHARED_GET_BYTES = Counter(
+    "cachefs_shared_get_bytes", "Verified block bytes received from the shared tier",
+    registry=REGISTRY)
+SHARED_PUBLISHED_BYTES = Counter(
+    "cachefs_shared_published_bytes", "Block bytes written to the shared tier", registry=REGISTRY)
+SHARED_PUBLISHES = Counter(
+    "cachefs_shared_publishes", "Blocks handed to the shared tier by outcome: stored, present "
+    "(already there), dropped_full (queue full), dropped_unavailable (breaker open or "
+    "publishing refused), failed, withdrawn (its bytes failed the origin's full-object "
+    "checksum afterwards: dropped or deleted), withdraw_failed (the delete of a withdrawn "
+    "block failed)", ["result"], registry=REGISTRY)
+SHARED_QUEUE_BYTES = Gauge(
+    "cachefs_shared_publish_queue_bytes", "Bytes of blocks waiting to be published",
+    registry=REGISTRY)
+SHARED_QUEUE_BLOCKS = Gauge(
+    "cachefs_shared_publish_queue_blocks", "Blocks waiting to be published", registry=REGISTRY)
+SHARED_QUEUE_CAPACITY = Gauge(
+    "cachefs_shared_publish_queue_capacity_bytes", "Bound of the publish queue",
+    registry=REGISTRY)
+SHARED_BREAKER_OPEN = Gauge(
+    "cachefs_shared_breaker_open", "1 while the shared tier's circuit breaker is open (reads "
+    "go straight to the origin)", registry=REGISTRY)
+SHARED_BREAKER_OPENS = Counter(
+    "cachefs_shared_breaker_opens", "Times the shared tier's circuit breaker opened",
+    registry=REGISTRY)
+SHARED_PUBLISH_ENABLED = Gauge(
+    "cachefs_shared_publish_enabled", "1 while blocks are published to the shared tier (0: "
+    "writes refused, e.g. access denied or store full)", registry=REGISTRY)
+SHARED_LEASES = Counter(
+    "cachefs_shared_leases", "Fetch leases by outcome: won (this node fetches from the origin), "
+    "lost_served (another node's fetch was waited for), lost_timeout (waited, then fetched "
+    "from the origin), raced (answered after its miss went ahead, found taken: two nodes "
+    "fetched the block), error, skipped (none written: too many in flight)", ["result"],
+    registry=REGISTRY)
+
+SHARED_LOOKUP_RESULTS = ("hit", "miss", "corrupt", "foreign", "error", "timeout", "skipped")
+SHARED_PUBLISH_RESULTS = ("stored", "present", "dropped_full", "dropped_unavailable", "failed",
+                          "withdrawn", "withdraw_failed")
+SHARED_LEASE_RESULTS = ("won", "lost_served", "lost_timeout", "raced", "error", "skipped")
+TIERS = ("memory", "disk", "shared", "s3")
+
+
+def create_shared_series() -> None:
+    """Create the labelled series of the shared tier and of the tiers at zero, so that a
+    dashboard shows 0 (not "No data") on mounts without a shared tier. Idempotent (part
+    of create_known_series)."""
+    for op in SHARED_OPS:
+        SHARED_REQUESTS.labels(op)
+        SHARED_LATENCY.labels(op)
+    for result in SHARED_LOOKUP_RESULTS:
+        SHARED_LOOKUPS.labels(result)
+    for result in SHARED_PUBLISH_RESULTS:
+        SHARED_PUBLISHES.labels(result)
+    for result in SHARED_LEASE_RESULTS:
+        SHARED_LEASES.labels(result)
+    for tier in TIERS:
+        TIER_READ_BYTES.labels(tier)
+        if tier != "memory":
+            TIER_HITS.labels(tier)
+
+
 # --- warm ------------------------------------------------------------------
 WARM_BYTES_DONE = Counter(
     "cachefs_warm_bytes", "Bytes made resident by warm requests", registry=REGISTRY)
@@ -180,6 +294,13 @@ START_TIME = Gauge(
     "cachefs_start_time_seconds", "Unix time the daemon started", registry=REGISTRY)
 METADATA_LISTINGS = Counter(
     "cachefs_metadata_listings", "Directory listings fetched from S3", registry=REGISTRY)
+METADATA_STALE_SERVED = Counter(
+    "cachefs_metadata_stale_served", "Answers from a directory listing older than the metadata "
+    "TTL (or invalidated), given while it is refreshed in the background "
+    "(stale-while-revalidate)", registry=REGISTRY)
+METADATA_REFRESH_FAILURES = Counter(
+    "cachefs_metadata_refresh_failures", "Background refreshes of a known listing that failed "
+    "(the old listing goes on serving; retried after a pause)", registry=REGISTRY)
 
 # --- crashes, housekeeping and the control socket ---------------------------------
 #: Background tasks that report their failures (cachefs.background); label values.
@@ -309,6 +430,11 @@ REGISTRY.register(FUSE_STATS)
 #: The errno an operator must notice (the one every StoreError and internal error ends in).
 FUSE_ALERT_ERRNO = "EIO"
 S3_OPS = ("get", "head", "list")
+#: TransientStoreError.reason values (cachefs.errors) that a retry is counted under.
+S3_RETRY_REASONS = ("throttled", "server_error", "timeout", "connection", "unreachable",
+                    "short_body", "integrity")
+#: Checks a body can fail or pass (cachefs.s3.integrity.CHECKS and the ETag's MD5).
+S3_CHECKS = ("crc64nvme", "crc32c", "crc32", "sha256", "sha1", "etag_md5")
 #: The kind a failing or throttling S3 endpoint produces (cachefs.errors).
 S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
@@ -327,9 +453,17 @@ def create_known_series() -> None:
     for op in S3_OPS:
         S3_REQUESTS.labels(op)
         S3_LATENCY.labels(op)
-        S3_RETRIES.labels(op)
         S3_THROTTLES.labels(op)
+        S3_DEADLINE_EXCEEDED.labels(op)
         S3_ERRORS.labels(op, S3_ALERT_KIND)
+        for reason in S3_RETRY_REASONS:
+            S3_RETRIES.labels(op, reason)
+    for check in S3_CHECKS:
+        S3_INTEGRITY_ERRORS.labels(check)
+        S3_VERIFIED_BYTES.labels(check)
+    S3_VERIFIED_BYTES.labels("none")
+    for result in ("ok", "mismatch"):
+        S3_ASSEMBLED_CHECKS.labels(result)
     for reason in SKIP_REASONS:
         SKIPPED_KEYS.labels(reason)
     for reason in PASSTHROUGH_DECLINE_REASONS:
@@ -342,6 +476,7 @@ def create_known_series() -> None:
         BACKGROUND_ERRORS.labels(task)
     for reason in CONTROL_REJECT_REASONS:
         CONTROL_REJECTED.labels(reason)
+    create_shared_series()
 
 
 def parse_metrics_addr(value: str) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from cachefs.daemon import Daemon
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.s3.memory import MemoryStore
+from cachefs.s3.origin import Origin
 
 
 def errors(task: str) -> float:
@@ -126,8 +127,8 @@ def test_a_failing_cache_write_after_a_fetch_does_not_end_the_fetcher(tmp_path: 
     before = errors("cache_write")
 
     async def main() -> None:
-        fetcher = Fetcher(store, cache, block_size=256, budget=MemoryBudget(1 << 20),
-                          s3_limiter=trio.CapacityLimiter(4), hot_capacity=0)
+        fetcher = Fetcher(Origin(store, max_connections=4, deadline=0), cache, block_size=256,
+                          budget=MemoryBudget(1 << 20), hot_capacity=0)
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
             assert await fetcher.read(obj, 0, len(data)) == data

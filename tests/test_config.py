@@ -327,6 +327,31 @@ def test_mode_from_toml_integer_is_not_silently_decimal() -> None:
     assert from_file == from_flag
 
 
+# -- the shared cache tier ------------------------------------------------------------------
+def test_shared_cache_options_from_each_source() -> None:
+    assert make().shared_cache is None
+    cfg = make({"shared_cache": "s3://cache--usw2-az1--x-s3/ds1"},
+               environ={"CACHEFS_SHARED_CACHE_REGION": "us-west-2"},
+               file_values={"shared_cache_timeout": "250ms",
+                            "shared_cache_endpoint_url": "http://127.0.0.1:8333"})
+    assert cfg.shared_cache == config.S3Url("cache--usw2-az1--x-s3", "ds1/")
+    assert cfg.shared_cache_region == "us-west-2"
+    assert cfg.shared_cache_timeout == 0.25
+    assert cfg.shared_cache_endpoint_url == "http://127.0.0.1:8333"
+    assert make({"shared_cache": "s3://cache"}).shared_cache_timeout == 1.0
+
+
+@pytest.mark.parametrize(("cli", "needle"), [
+    ({"shared_cache": "http://x"}, "--shared-cache: invalid source"),
+    ({"shared_cache": "s3://ok", "shared_cache_timeout": "2m"}, "--shared-cache-timeout"),
+    ({"shared_cache_endpoint_url": "http://127.0.0.1:1"}, "need --shared-cache"),
+    ({"shared_cache_profile": "cache"}, "need --shared-cache"),
+])
+def test_shared_cache_bad_values(cli: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        make(cli)
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com",
                                  "http://[::1]:8333/", "HTTPS://minio.internal"])
 def test_endpoint_urls_accepted(url: str) -> None:

@@ -219,7 +219,14 @@ def test_known_label_sets_cover_the_code_and_are_created() -> None:
     for op in metrics.S3_OPS:
         assert ("cachefs_s3_errors_total", (("kind", metrics.S3_ALERT_KIND), ("op", op))) in samples
         assert ("cachefs_s3_throttles_total", (("op", op),)) in samples
-        assert ("cachefs_s3_retries_total", (("op", op),)) in samples
+        for reason in metrics.S3_RETRY_REASONS:
+            assert ("cachefs_s3_retries_total", (("op", op), ("reason", reason))) in samples
+        assert ("cachefs_s3_deadline_exceeded_total", (("op", op),)) in samples
+    from cachefs.s3.integrity import CHECKS
+
+    assert set(metrics.S3_CHECKS) == {*CHECKS, "etag_md5"}
+    for check in metrics.S3_CHECKS:
+        assert ("cachefs_s3_integrity_errors_total", (("check", check),)) in samples
     for op in metrics.FUSE_OPS:
         assert ("cachefs_fuse_errors_total", (("errno", "EIO"), ("op", op))) in samples
     for reason in metrics.SKIP_REASONS:

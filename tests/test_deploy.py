@@ -259,6 +259,24 @@ def test_install_is_idempotent_and_restarts_only_on_change(staging: dict[str, ob
     assert calls[-1] == "systemctl restart cachefs@train.service"
 
 
+def test_install_configures_a_shared_cache_tier(staging: dict[str, object]) -> None:
+    root = staging["root"]
+    assert isinstance(root, Path)
+    run_install(staging, "s3://bucket/p", "/mnt/data",
+                CACHEFS_SHARED_CACHE="s3://cachefs-cache--use1-az4--x-s3/p",
+                CACHEFS_SHARED_CACHE_REGION="us-east-1")
+    config = tomllib.loads((root / "etc/cachefs/data.toml").read_text())
+    assert config["shared_cache"] == "s3://cachefs-cache--use1-az4--x-s3/p"
+    assert config["shared_cache_region"] == "us-east-1"
+    assert "shared_cache_endpoint_url" not in config
+    proc = subprocess.run(
+        ["bash", str(INSTALL_SH), "s3://b/p", "/mnt/data"], check=False, capture_output=True,
+        text=True, timeout=30, env={**staging["env"], "CACHEFS_SHARED_CACHE": "cache"})  # type: ignore[dict-item]
+    assert proc.returncode == 1
+    assert proc.stderr == ("install_cachefs.sh: CACHEFS_SHARED_CACHE must be an s3:// URL, "
+                           "got 'cache'\n")
+
+
 def test_install_refuses_a_disk_without_room(staging: dict[str, object]) -> None:
     proc = subprocess.run(
         ["bash", str(INSTALL_SH), "s3://b/p", "/mnt/data"], check=False, capture_output=True,

@@ -22,7 +22,7 @@ from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, Prefetcher, PrefetchLedger
 from cachefs.s3.memory import MemoryStore
-from cachefs.s3.retry import RetryingStore, RetryPolicy
+from cachefs.s3.origin import Backoff, Origin
 from cachefs.s3.store import ObjectStore
 
 BS = 64  # tiny blocks: many block boundaries with little data
@@ -36,9 +36,12 @@ class Rig:
     """Everything a Fetcher needs, built inside one trio run."""
 
     def __init__(self, root: Path, store: ObjectStore, *, budget: int = 1 << 20, hot: int = 0,
-                 capacity: int = 1 << 20, connections: int = 8) -> None:
+                 capacity: int = 1 << 20, connections: int = 8, deadline: float = 0,
+                 backoff: Backoff | None = None) -> None:
         self.root = root
         self.store = store
+        self.deadline = deadline  # 0: no retries
+        self.backoff = backoff
         root.mkdir(parents=True, exist_ok=True)
         self.env = LmdbEnv(root / "meta.lmdb")
         self.budget_limit = budget
@@ -49,8 +52,10 @@ class Rig:
     @contextlib.asynccontextmanager
     async def fetcher(self) -> AsyncIterator[Fetcher]:
         cache = BlockCache(self.env, self.root, capacity=self.capacity)
-        fetcher = Fetcher(self.store, cache, block_size=BS, budget=MemoryBudget(self.budget_limit),
-                          s3_limiter=trio.CapacityLimiter(self.connections), hot_capacity=self.hot)
+        origin = Origin(self.store, max_connections=self.connections, deadline=self.deadline,
+                        backoff=self.backoff)
+        fetcher = Fetcher(origin, cache, block_size=BS, budget=MemoryBudget(self.budget_limit),
+                          hot_capacity=self.hot)
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run)
             try:
@@ -509,20 +514,17 @@ def test_transient_failures_are_retried(tmp_path: Path, mem: MemoryStore) -> Non
                 raise TransientStoreError("500 InternalError")
 
     mem.fault = flaky
-    slept: list[float] = []
-    store = RetryingStore(mem, policy=RetryPolicy(attempts=3, base=0), sleep=slept.append)
-    rig = Rig(tmp_path, store)
+    rig = Rig(tmp_path, mem, deadline=30, backoff=Backoff(base=0.001, cap=0.001))
     try:
         async def body(f: Fetcher) -> None:
             assert await f.read(obj, 0, BS) == data[:BS]
         rig.run(body)
         assert mem.calls["get"] == 3
-        assert slept == [0.0, 0.0]
     finally:
         rig.close()
 
 
-def test_retries_give_up_after_the_policy_attempts(tmp_path: Path, mem: MemoryStore) -> None:
+def test_retries_give_up_at_the_deadline_not_after_a_count(tmp_path: Path, mem: MemoryStore) -> None:
     mem.put("k", payload(BS))
     obj = version(mem, "k")
 
@@ -530,13 +532,16 @@ def test_retries_give_up_after_the_policy_attempts(tmp_path: Path, mem: MemorySt
         raise TransientStoreError("503 SlowDown", throttled=True)
 
     mem.fault = always
-    rig = Rig(tmp_path, RetryingStore(mem, policy=RetryPolicy(attempts=3, base=0), sleep=lambda s: None))
+    rig = Rig(tmp_path, mem, deadline=0.3, backoff=Backoff(base=0.01, cap=0.02))
     try:
-        async def body(f: Fetcher) -> None:
-            with pytest.raises(TransientStoreError):
+        async def body(f: Fetcher) -> float:
+            t0 = trio.current_time()
+            with pytest.raises(TransientStoreError, match="retry deadline"):
                 await f.read(obj, 0, BS)
-        rig.run(body)
-        assert mem.calls["get"] == 3
+            return trio.current_time() - t0
+        elapsed = rig.run(body)
+        assert elapsed >= 0.3  # kept trying until the deadline...
+        assert mem.calls["get"] > 8  # ...many more times than the old fixed count
     finally:
         rig.close()
 
@@ -575,5 +580,128 @@ def test_permanent_failure_reaches_every_waiter_and_is_not_cached(rig: Rig, mem:
         # The failure is not remembered: once access works again the read succeeds.
         mem.fault = None
         assert await f.read(obj, 0, 2 * BS) == data
+
+    rig.run(body)
+
+
+# -- bytes altered in transit ----------------------------------------------------------------
+def metric(name: str, labels: dict[str, str] | None = None) -> float:
+    from cachefs import metrics
+    return metrics.REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+def alter_gets(store: MemoryStore, which: set[int]) -> list[int]:
+    """Alter the bytes of the GETs numbered in ``which`` (1-based), as in transit."""
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def mangle(key: str, data: bytes) -> bytes:
+        with lock:
+            seen.append(len(seen) + 1)
+            n = len(seen)
+        if n not in which:
+            return data
+        at = n % len(data)  # another place each time
+        return data[:at] + bytes([data[at] ^ 0x55]) + data[at + 1:]
+    store.mangle = mangle
+    return seen
+
+
+def test_whole_object_reads_never_return_altered_bytes(rig: Rig, mem: MemoryStore) -> None:
+    rig.deadline = 30
+    rig.backoff = Backoff(base=0.001, cap=0.001)
+    data = payload(BS - 5)
+    mem.put("small", data)
+    obj = version(mem, "small")
+    alter_gets(mem, {1, 2})
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 0, BS) == data
+        await f.drain()
+        assert mem.calls["get"] == 3
+        assert await f.read(obj, 0, BS) == data  # what was cached is right too
+
+    rig.run(body)
+
+
+def test_multi_block_object_with_an_altered_block_is_dropped_from_the_cache(
+        rig: Rig, mem: MemoryStore) -> None:
+    data = payload(5 * BS + 7)
+    mem.put("big", data, checksum="crc64nvme")
+    obj = version(mem, "big")
+    alter_gets(mem, {3})
+    mismatches = metric("cachefs_s3_assembled_checks_total", {"result": "mismatch"})
+
+    async def body(f: Fetcher) -> None:
+        first = await f.read(obj, 0, len(data))
+        assert first != data  # ranged blocks are served as they come (TLS covers them)
+        await f.drain()
+        await until(lambda: metric("cachefs_s3_assembled_checks_total",
+                                   {"result": "mismatch"}) > mismatches)
+        assert not any(f.cache.contains(b) for b in f.block_ids(obj))
+        gets = mem.calls["get"]
+        assert await f.read(obj, 0, len(data)) == data  # fetched again, right this time
+        assert mem.calls["get"] == gets + 6
+        await f.drain()
+
+    rig.run(body)
+    assert metric("cachefs_s3_integrity_errors_total", {"check": "combined_crc64nvme"}) >= 1
+
+
+def test_multi_block_object_that_checks_out_stays_cached(rig: Rig, mem: MemoryStore) -> None:
+    data = payload(4 * BS)
+    mem.put("big", data, checksum="crc32c")
+    obj = version(mem, "big")
+    ok = metric("cachefs_s3_assembled_checks_total", {"result": "ok"})
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 0, len(data)) == data
+        await f.drain()
+        await until(lambda: metric("cachefs_s3_assembled_checks_total", {"result": "ok"}) > ok)
+        assert all(f.cache.contains(b) for b in f.block_ids(obj))
+
+    rig.run(body)
+    assert mem.calls["head"] == 1  # one checksum HEAD for the version
+
+
+def test_object_filled_across_sessions_is_checked_with_its_cached_blocks(
+        rig: Rig, mem: MemoryStore) -> None:
+    data = payload(4 * BS)
+    mem.put("big", data, checksum="crc64nvme")
+    obj = version(mem, "big")
+    alter_gets(mem, {1})  # the first block is altered, in the first session
+    mismatches = metric("cachefs_s3_assembled_checks_total", {"result": "mismatch"})
+
+    async def first_session(f: Fetcher) -> None:
+        await f.read(obj, 0, 2 * BS)
+        await f.drain()
+
+    async def second_session(f: Fetcher) -> None:
+        await f.read(obj, 0, len(data))
+        await f.drain()
+        await until(lambda: metric("cachefs_s3_assembled_checks_total",
+                                   {"result": "mismatch"}) > mismatches)
+        assert await f.read(obj, 0, len(data)) == data
+
+    rig.run(first_session)
+    rig.run(second_session)
+
+
+def test_objects_without_a_full_checksum_are_not_dropped(rig: Rig, mem: MemoryStore) -> None:
+    data = payload(3 * BS)
+    mem.put("big", data)  # no checksum S3 keeps (an old upload)
+
+    async def body(f: Fetcher) -> None:
+        obj = version(mem, "big")
+        assert await f.read(obj, 0, len(data)) == data
+        await f.drain()
+        await trio.sleep(0.1)
+        assert all(f.cache.contains(b) for b in f.block_ids(obj))
 
     rig.run(body)

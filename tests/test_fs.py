@@ -21,6 +21,7 @@ from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.s3.memory import MemoryStore
+from cachefs.s3.origin import Origin
 
 BS = 64
 
@@ -46,11 +47,12 @@ class World:
 
     def run(self, fn: Callable[[FileSystem], Awaitable[Any]], *, ttl: float = 300.0) -> Any:
         async def main() -> Any:
-            limiter = trio.CapacityLimiter(8)
+            origin = Origin(self.store, max_connections=8, deadline=0)  # no retries
             cache = BlockCache(self.env, self.root, capacity=1 << 20)
-            fetcher = Fetcher(self.store, cache, block_size=BS, budget=MemoryBudget(1 << 20),
-                              s3_limiter=limiter, hot_capacity=1 << 16)
-            metadata = Metadata(self.env, self.store, ttl=ttl, limiter=limiter, clock=self.clock)
+            fetcher = Fetcher(origin, cache, block_size=BS, budget=MemoryBudget(1 << 20),
+                              hot_capacity=1 << 16)
+            metadata = Metadata(self.env, self.store, ttl=ttl, limiter=trio.CapacityLimiter(8),
+                                clock=self.clock)
             prefetcher = Prefetcher(fetcher, fetcher.budget, PrefetchLedger())
             fs = FileSystem(metadata, fetcher, root_prefix=self.root_prefix, max_readahead=4 * BS,
                             prefetcher=prefetcher,

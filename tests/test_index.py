@@ -26,6 +26,7 @@ from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.s3.memory import MemoryStore
+from cachefs.s3.origin import Origin
 
 BS = 4096
 
@@ -42,8 +43,8 @@ def _payload(n: int, seed: int) -> bytes:
 def _fetcher(env: LmdbEnv, root: Path, store: MemoryStore, *, disk_threads: int = 2) -> Fetcher:
     cache = BlockCache(env, root, capacity=1 << 30,
                        limiter=trio.CapacityLimiter(disk_threads))
-    return Fetcher(store, cache, block_size=BS, budget=MemoryBudget(1 << 24),
-                   s3_limiter=trio.CapacityLimiter(4), hot_capacity=0)
+    return Fetcher(Origin(store, max_connections=4, deadline=0), cache, block_size=BS,
+                   budget=MemoryBudget(1 << 24), hot_capacity=0)
 
 
 def test_many_concurrent_reads_of_cached_blocks_use_few_reader_slots(tmp_path: Path) -> None:

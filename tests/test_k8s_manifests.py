@@ -21,7 +21,9 @@ KUBERNETES_VERSION = "1.30.0"
 CONFIG_KEYS = {
     "source", "mountpoint", "cache_dir", "cache_size", "endpoint_url", "region",
     "metrics_addr", "metadata_ttl", "cache_policy", "allow_other", "uid", "gid", "file_mode",
-    "dir_mode", "log_level", "memory_budget", "block_size",
+    "dir_mode", "log_level", "memory_budget", "block_size", "shared_cache",
+    "shared_cache_endpoint_url", "shared_cache_region", "shared_cache_profile",
+    "shared_cache_timeout",
 }
 UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
@@ -92,7 +94,8 @@ def test_kustomization_lists_every_deployment_manifest() -> None:
     kustomization = one("Kustomization")
     listed = set(kustomization["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml",
-                                                      "example-training-pod.yaml"}
+                                                      "example-training-pod.yaml",
+                                                      "warm-shard-job.yaml"}
     assert listed == on_disk
     namespace = one("Namespace")["metadata"]["name"]
     assert kustomization["namespace"] == namespace
@@ -190,3 +193,35 @@ def test_example_pod_reads_the_host_mount() -> None:
     assert host_dir in shared_host_dirs
     assert config()["mountpoint"] != host_dir and is_under(config()["mountpoint"], host_dir)
     assert config()["mountpoint"] in pod["spec"]["containers"][0]["command"][-1]
+
+
+def test_warm_shard_job_gives_each_node_its_shard() -> None:
+    job = one("Job", "warm-shard-job.yaml")
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    # One pod per shard, all at once, pod i warming shard i of N.
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == int(env["SHARDS"])
+    assert '--shard "$JOB_COMPLETION_INDEX/$SHARDS"' in container["command"][-1]
+    assert container["command"][-1].split()[1:4] == ["cachefs", "warm", config()["mountpoint"]]
+    # ... on different nodes.
+    term = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= (
+        spec["template"]["metadata"]["labels"].items())
+    # It reaches its node's daemon: the same host runtime directory (control sockets) ...
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    daemon_mounts = {m["mountPath"]: m["name"] for m in pod_spec()["containers"][0][
+        "volumeMounts"]}
+    daemon_volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    assert volumes[mounts["/run/cachefs"]["name"]] == (
+        daemon_volumes[daemon_mounts["/run/cachefs"]]["hostPath"]["path"])
+    # ... and the mount through the shared host directory, as training pods do.
+    host = mounts["/mnt/cachefs"]
+    assert host["mountPropagation"] == "HostToContainer"
+    assert volumes[host["name"]] == daemon_volumes[daemon_mounts["/mnt/cachefs"]][
+        "hostPath"]["path"]
+    assert container["securityContext"]["runAsUser"] == 0

@@ -252,6 +252,12 @@ def test_different_prefixes_are_listed_independently(env: LmdbEnv, store: Memory
     run_with_metadata(env, store, body)
 
 
+def _sample(name: str) -> float:
+    from cachefs import metrics
+
+    return metrics.REGISTRY.get_sample_value(name) or 0.0
+
+
 def test_failed_refresh_keeps_serving_the_stale_listing(env: LmdbEnv, store: MemoryStore) -> None:
     clock = Clock()
 
@@ -264,9 +270,11 @@ def test_failed_refresh_keeps_serving_the_stale_listing(env: LmdbEnv, store: Mem
 
         store.fault = fail
         clock.now += 1000
+        failures = _sample("cachefs_metadata_refresh_failures_total")
         await md.ensure("data/")  # does not raise
         await md.settled("data/")
         assert store.calls["list"] == lists + 1
+        assert _sample("cachefs_metadata_refresh_failures_total") == failures + 1
         assert names(md, "data/") == EXPECTED_DATA
         assert not md.is_fresh("data/")
         await md.ensure("data/")  # no new try right after a failure
@@ -491,11 +499,14 @@ def test_stale_listing_is_served_while_the_refresh_waits_on_s3(env: LmdbEnv, sto
         gate.prefixes.add("data/")
         store.fault = gate
         clock.now += 301  # expired
+        stale = _sample("cachefs_metadata_stale_served_total")
         with trio.fail_after(5):  # never waits on S3 (the gate holds the refresh)
             entry = await md.lookup("data/", b"f1")
             await md.ensure("data/")
             assert [e.name for e in md.iter_entries("data/")] == EXPECTED_DATA
         assert entry == old
+        # each answer from the expired listing is counted, the refresh running or not
+        assert _sample("cachefs_metadata_stale_served_total") >= stale + 2
         assert not md.is_fresh("data/")
         gate.open.set()
         await md.settled("data/")

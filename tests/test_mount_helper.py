@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 CONTRACT_VALUE_KEYS = {
     "cache_dir", "cache_size", "endpoint_url", "region", "metrics_addr", "metadata_ttl",
     "cache_policy", "uid", "gid", "file_mode", "dir_mode", "log_level", "memory_budget",
-    "block_size", "list_ahead", "manifest",
+    "block_size", "list_ahead", "manifest", "retry_deadline", "shared_cache",
+    "shared_cache_endpoint_url", "shared_cache_region", "shared_cache_profile",
+    "shared_cache_timeout",
 }
 CONTRACT_FLAG_KEYS = {"allow_other"}
 
@@ -37,6 +39,17 @@ def test_documented_fstab_line_translates() -> None:
     assert argv == [
         "mount", "s3://bucket/prefix", "/mnt/data",
         "--cache-dir", "/var/cache/cachefs", "--cache-size", "20G", "--allow-other",
+    ]
+
+
+def test_shared_cache_fstab_line_translates() -> None:
+    argv = fstab_options_to_argv(
+        "s3://bucket/prefix", "/mnt/data",
+        "_netdev,cache_dir=/c,shared_cache=s3://cache--use1-az4--x-s3/ds,"
+        "shared_cache_region=us-east-1")
+    assert argv == [
+        "mount", "s3://bucket/prefix", "/mnt/data", "--cache-dir", "/c",
+        "--shared-cache", "s3://cache--use1-az4--x-s3/ds", "--shared-cache-region", "us-east-1",
     ]
 
 

@@ -79,3 +79,36 @@ def test_probe_of_missing_bucket_is_one_line(s3_endpoint):
                        "--seconds", "0.2")
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr
+
+
+def test_cluster_cross_region_bytes_with_and_without_a_shared_tier():
+    from cachefs.cli.plan import cluster
+
+    base = dict(dataset_bytes=100 * 10**9, bandwidth=100e6, latency=0.07, demand=1e9,
+                files=10**6, in_flight=96, workers=8, epochs=3, nodes=4)
+    r = cluster(Inputs(cache_bytes=10**12, **base))
+    without = [e["cross_region_bytes_without"] / 1e11 for e in r["epochs"]]
+    assert without == pytest.approx([1.0, 0.75, 0.5625])  # 2.31 S at N = 4 over 3 epochs
+    assert r["cross_region_bytes_with"] == pytest.approx(1e11)
+    assert r["warmup_bytes_without"] == 4e11 and r["warmup_bytes_with"] == 1e11
+    assert r["epochs"][1]["seconds_with"] == pytest.approx(1e11 / 4e9)  # compute-bound
+    # Node caches of 30% cap what each keeps; a shared tier of half the dataset misses half.
+    capped = cluster(Inputs(cache_bytes=3 * 10**10, shared_bytes=5 * 10**10, **base))
+    assert capped["epochs"][2]["cross_region_bytes_without"] == pytest.approx(0.7e11)
+    assert capped["epochs"][2]["cross_region_bytes_with"] == pytest.approx(0.5e11)
+
+
+def test_plan_cli_nodes_prints_the_cluster_table():
+    proc = run_cachefs("plan", "--dataset-size", "100G", "--cache-size", "2T", "--bandwidth",
+                       "150MB/s", "--latency", "70ms", "--demand", "1GB/s", "--epochs", "3",
+                       "--nodes", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "cluster of N = 4 nodes" in proc.stdout and "(2.31 S)" in proc.stdout
+    assert "'cachefs warm --shard I/N'" in proc.stdout
+    proc = run_cachefs("plan", "--dataset-size", "1G", "--cache-size", "1G", "--bandwidth",
+                       "1GB/s", "--latency", "1ms", "--demand", "1GB/s", "--nodes", "2",
+                       "--json")
+    assert json.loads(proc.stdout)["cluster"]["warmup_bytes_without"] == 2 * 2**30
+    proc = run_cachefs("plan", "--dataset-size", "1G", "--cache-size", "1G", "--bandwidth",
+                       "1GB/s", "--latency", "1ms", "--demand", "1GB/s", "--nodes", "0")
+    assert proc.returncode == 2 and "--nodes" in proc.stderr

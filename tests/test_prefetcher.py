@@ -8,7 +8,7 @@ origin and is filled from it; a block found in a lower tier is written back abov
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.prefetcher import HINT, SEQUENTIAL, WARM, Prefetcher, PrefetchLedger
 from cachefs.read.tiers import BlockRef
 from cachefs.s3.memory import MemoryStore
+from cachefs.s3.origin import Origin
 
 BS = 64
 
@@ -52,6 +53,10 @@ class DictTier:
         self.puts += 1
         self.blocks[ref.bid] = data
 
+    async def withdraw(self, refs: Sequence[BlockRef]) -> None:
+        for ref in refs:
+            self.blocks.pop(ref.bid, None)
+
 
 def run(tmp_path: Path, store: MemoryStore, fn: Callable[[Fetcher, Prefetcher], Awaitable[Any]],
         *, lower: list[Any] | None = None, budget: int = 1 << 20, ledger_size: int = 1000,
@@ -63,8 +68,8 @@ def run(tmp_path: Path, store: MemoryStore, fn: Callable[[Fetcher, Prefetcher], 
     async def main() -> Any:
         ledger = PrefetchLedger(ledger_size)
         cache = BlockCache(env, root, capacity=1 << 20)
-        fetcher = Fetcher(store, cache, block_size=BS, budget=MemoryBudget(budget),
-                          s3_limiter=trio.CapacityLimiter(8), hot_capacity=0, notes=ledger,
+        fetcher = Fetcher(Origin(store, max_connections=8, deadline=0), cache, block_size=BS,
+                          budget=MemoryBudget(budget), hot_capacity=0, notes=ledger,
                           lower_tiers=lower or [])
         prefetcher = Prefetcher(fetcher, fetcher.budget, ledger)
         async with trio.open_nursery() as nursery:

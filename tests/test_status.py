@@ -34,6 +34,8 @@ def test_status_reports_a_live_mount(bucket, mount_factory, tmp_path):
     assert st["read_bytes"] >= 300_000
     assert st["uptime_seconds"] >= 0
     assert 0.0 <= st["hit_ratio"] < 1.0
+    assert st["shared"] is None  # no shared tier on this mount
+    assert st["tier_read_bytes"]["s3"] > 0 and st["tier_loads"]["s3"] == 1
 
     table = run_cachefs("status")
     assert table.returncode == 0
@@ -43,3 +45,28 @@ def test_status_reports_a_live_mount(bucket, mount_factory, tmp_path):
     gone = run_cachefs("status", "--json", str(m.path))
     assert gone.returncode == 1
     assert "not a live cachefs mount" in gone.stderr
+
+
+def test_status_describes_the_tiers_and_the_shared_tier():
+    from cachefs.cli.status import describe
+
+    info = {
+        "mountpoint": "/mnt/x", "source": "s3://b/", "pid": 1, "cache_dir": "/c",
+        "stats": {"cachefs_shared_get_bytes_total": 4096.0,
+                  "cachefs_shared_published_bytes_total": 8192.0,
+                  "cachefs_shared_publish_queue_blocks": 2.0,
+                  "cachefs_shared_publish_queue_bytes": 512.0},
+        "tiers": {"read_bytes": {"memory": 1.0, "disk": 2.0, "shared": 4096.0, "s3": 9.0},
+                  "loads": {"shared": 1.0, "s3": 3.0},
+                  "shared_publishes": {"stored": 2.0, "dropped_full": 1.0,
+                                       "dropped_unavailable": 4.0},
+                  "shared_leases": {"won": 3.0, "lost_served": 1.0}},
+        "shared": {"url": "s3://cache/p/", "breaker": "open", "publishing": False,
+                   "leases": True, "conditional_writes": True},
+    }
+    d = describe(info, now=0.0)
+    assert d["tier_read_bytes"] == {"memory": 1, "disk": 2, "shared": 4096, "s3": 9}
+    sh = d["shared"]
+    assert sh["url"] == "s3://cache/p/" and sh["breaker"] == "open"
+    assert (sh["hit_bytes"], sh["published_blocks"], sh["dropped_blocks"]) == (4096, 2, 5)
+    assert sh["queue_blocks"] == 2 and sh["lease_outcomes"] == {"won": 3, "lost_served": 1}

@@ -325,6 +325,11 @@ class BlockCache:
         self.touch(bids)
         return total
 
+    def drop(self, bids: list[bytes]) -> None:
+        """Remove blocks whose bytes are known to be wrong (worker thread): a miss next time.
+        Pinned objects' bytes are released at unpin, as for any dropped block."""
+        self._remove(bids)
+
     def _drop_corrupt(self, bid: bytes, entry: Entry) -> None:
         metrics.CACHE_CORRUPT_BLOCKS.inc()
         try:

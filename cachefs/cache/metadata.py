@@ -36,10 +36,13 @@ directory of 200,000 names is listed in about the time of 25 sequential
 pages instead of 200. The watermark then follows the first unfinished range.
 
 Concurrency: every listing runs in the nursery of :meth:`Metadata.run` (its
-owner): its ranges in worker threads under the S3 capacity limiter, so a
-caller that gives up (an interrupted FUSE request) does not cancel a listing
-others wait for. One listing per directory at a time (single flight); an
-invalidate() during a listing makes it run once more. Listing ahead:
+owner): its ranges in worker threads under ``limiter``, so a caller that gives
+up (an interrupted FUSE request) does not cancel a listing others wait for.
+In the daemon ``store`` is the :class:`~cachefs.s3.origin.Origin`'s blocking
+face: each page is a request through the origin (retried until the retry
+deadline, its waits holding no S3 connection) while the range's thread waits.
+One listing per directory at a time (single flight); an invalidate() during a
+listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker) and ``list_ahead`` workers list them before
 the walker gets there. Reads of LMDB run on the trio thread (lock-free
@@ -256,12 +259,15 @@ class Metadata:
             self._start(prefix)
 
     def _revalidate(self, prefix: str, listed_at: float) -> None:
-        if self._store is None or prefix in self._inflight:
+        """Called for every answer from ``prefix``'s complete listing: counts a stale
+        answer and starts its refresh unless one runs or the last failed moments ago."""
+        if self._store is None:
             return
         now = self._clock()
         if prefix in self._stale or now - listed_at >= self._ttl:
-            if now < self._retry_after.get(prefix, 0.0):
-                return  # the last refresh failed moments ago; the old listing serves
+            metrics.METADATA_STALE_SERVED.inc()
+            if prefix in self._inflight or now < self._retry_after.get(prefix, 0.0):
+                return  # refreshing, or the last refresh failed moments ago: the old serves
             self._start(prefix)
 
     async def settled(self, prefix: str) -> None:
@@ -537,6 +543,7 @@ class Metadata:
             listing.error = exc
             self._retry_after[prefix] = self._clock() + REFRESH_BACKOFF
             if self.listed_at(prefix) is not None:
+                metrics.METADATA_REFRESH_FAILURES.inc()
                 log.warning("refreshing the listing of %r failed (%s); serving the old one",
                             prefix, exc)
             else:

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="objects warmed at once (default 16)")
     warm.add_argument("--check", action="store_true",
                       help="only report what share is cached; fetch nothing")
+    warm.add_argument("--shard", metavar="I/N",
+                      help="cluster warm: fetch only node I's share of the blocks (0 <= I < N, "
+                      "a stable hash of each block) into the shared cache tier and the local "
+                      "cache; run it on N nodes with I = 0..N-1 and the dataset crosses "
+                      "regions once (needs --shared-cache on the mount)")
 
     probe = sub.add_parser("probe", help="measure latency and throughput to a bucket")
     probe.add_argument("source", help="s3://BUCKET[/PREFIX] with some objects to read")
@@ -104,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--workers", type=int, default=8, help="DataLoader workers (default 8)")
     plan.add_argument("--in-flight", type=int, default=96,
                       help="requests cachefs keeps in flight when prefetching (default 96)")
+    plan.add_argument("--nodes", type=int, default=1, metavar="N",
+                      help="nodes of the training job sharing the link: adds cross-region bytes "
+                      "and warm-up with and without a shared cache tier (default 1)")
+    plan.add_argument("--shared-cache-size", metavar="SIZE",
+                      help="capacity of the shared cache tier (default: the whole dataset)")
     plan.add_argument("--json", action="store_true")
 
     manifest = sub.add_parser("manifest", help="write a manifest of a bucket prefix "
@@ -321,7 +331,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from cachefs.cli.warm import warm_main
 
     return warm_main(args.mountpoint, args.paths, manifest=args.manifest,
-                     parallel=args.parallel, check=args.check)
+                     parallel=args.parallel, check=args.check, shard=args.shard)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

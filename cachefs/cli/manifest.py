@@ -83,9 +83,9 @@ def export_main(args: Any) -> int:
         raise ConfigError("--parallel must be at least 1")
     if args.format not in ("csv", "jsonl"):
         raise ConfigError("--format must be csv or jsonl")
-    store = RetryingStore(S3Store(url.bucket, endpoint_url=args.endpoint_url, region=args.region,
-                                  anonymous=args.no_sign_request,
-                                  max_connections=max(4, args.parallel)))
+    s3 = S3Store(url.bucket, endpoint_url=args.endpoint_url, region=args.region,
+                 anonymous=args.no_sign_request, max_connections=max(4, args.parallel))
+    store = RetryingStore(s3 if args.region is not None else s3.in_bucket_region())
     t0 = time.monotonic()
     try:
         objects, dirs = export(store, url.prefix, sys.stdout, parallel=args.parallel,

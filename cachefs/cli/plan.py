@@ -17,6 +17,20 @@ request latency L, requests in flight Q, epochs E.
   the dataset fits in the cache.
 * Co-located parity in steady state needs min(B/(1-h), latency bound) >= R,
   i.e. c >= 1 - B/R for the keep policy.
+
+Cluster (``--nodes N``): N nodes share the one link B, each reading R; with a
+DistributedSampler every epoch is a fresh permutation split into N disjoint
+parts, so a node reads S/N per epoch, a different S/N each time.
+
+* Without a shared tier, each node keeps what it read (keep policy, capped at
+  c): before epoch k a node holds f_k = min(c, 1 - (1-1/N)^(k-1)) of the
+  dataset, and the cluster pulls (1 - f_k) S across regions in epoch k (at
+  N = 4 over 3 epochs: 1 + 0.75 + 0.5625 = 2.31 S).
+* With a shared tier holding c_s = min(1, shared / S) of the dataset: S in
+  epoch 1, then (1 - c_s) S per epoch.
+* Epoch time: max(S / (N R), cross-region bytes of the epoch / B).
+* Pre-warming every node: N S over the link (N S / B); ``cachefs warm --shard``
+  on N nodes with a shared tier: S (S / B).
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ class Inputs:
     in_flight: int
     workers: int
     epochs: int
+    nodes: int = 1
+    shared_bytes: int | None = None  # shared tier capacity (None: holds the dataset)
 
 
 def hit_ratio(policy: str, c: float) -> float:
@@ -90,6 +106,69 @@ def plan(inp: Inputs) -> dict[str, Any]:
             "parity": rate >= R * 0.999,
         }
     return result
+
+
+def cluster(inp: Inputs) -> dict[str, Any]:
+    """Cross-region bytes and times of a DistributedSampler job on ``inp.nodes`` nodes,
+    without and with a shared tier (formulas in the module docstring)."""
+    S, N, B, R = inp.dataset_bytes, max(1, inp.nodes), inp.bandwidth, inp.demand
+    c = min(1.0, inp.cache_bytes / S) if S else 1.0
+    cs = min(1.0, (S if inp.shared_bytes is None else inp.shared_bytes) / S) if S else 1.0
+    epochs = []
+    for k in range(1, inp.epochs + 1):
+        held = min(c, 1 - (1 - 1 / N) ** (k - 1))
+        without = (1 - held) * S
+        with_tier = S if k == 1 else (1 - cs) * S
+        compute = S / (N * R) if R else 0.0
+        epochs.append({
+            "epoch": k,
+            "cross_region_bytes_without": without,
+            "cross_region_bytes_with": with_tier,
+            "seconds_without": max(compute, without / B if B else math.inf),
+            "seconds_with": max(compute, with_tier / B if B else math.inf),
+        })
+    total_without = sum(e["cross_region_bytes_without"] for e in epochs)
+    total_with = sum(e["cross_region_bytes_with"] for e in epochs)
+    return {
+        "nodes": N,
+        "shared_fraction": cs,
+        "epochs": epochs,
+        "cross_region_bytes_without": total_without,
+        "cross_region_bytes_with": total_with,
+        "job_seconds_without": sum(e["seconds_without"] for e in epochs),
+        "job_seconds_with": sum(e["seconds_with"] for e in epochs),
+        "warmup_bytes_without": N * S,
+        "warmup_bytes_with": S,
+        "warmup_seconds_without": N * S / B if B else math.inf,
+        "warmup_seconds_with": S / B if B else math.inf,
+    }
+
+
+def render_cluster(inp: Inputs, r: dict[str, Any]) -> str:
+    S = inp.dataset_bytes
+    lines = [
+        "",
+        f"cluster of N = {r['nodes']} nodes on one link, DistributedSampler (each epoch every "
+        f"node reads a fresh 1/N); shared tier holds {r['shared_fraction']:.0%} of the dataset",
+        f"{'epoch':>5}{'cross-region without':>22}{'with shared tier':>18}"
+        f"{'epoch time without':>20}{'with':>10}",
+    ]
+    for e in r["epochs"]:
+        lines.append(
+            f"{e['epoch']:>5}{_h(e['cross_region_bytes_without']):>14} "
+            f"({e['cross_region_bytes_without'] / S:.2f} S){_h(e['cross_region_bytes_with']):>10} "
+            f"({e['cross_region_bytes_with'] / S:.2f} S){_t(e['seconds_without']):>20}"
+            f"{_t(e['seconds_with']):>10}")
+    lines += [
+        f"total{_h(r['cross_region_bytes_without']):>14} "
+        f"({r['cross_region_bytes_without'] / S:.2f} S){_h(r['cross_region_bytes_with']):>10} "
+        f"({r['cross_region_bytes_with'] / S:.2f} S){_t(r['job_seconds_without']):>20}"
+        f"{_t(r['job_seconds_with']):>10}",
+        f"pre-warming: every node = N S = {_h(r['warmup_bytes_without'])} across regions "
+        f"({_t(r['warmup_seconds_without'])}); 'cachefs warm --shard I/N' on the N nodes = S "
+        f"= {_h(r['warmup_bytes_with'])} ({_t(r['warmup_seconds_with'])})",
+    ]
+    return "\n".join(lines)
 
 
 def _h(n: float) -> str:
@@ -191,14 +270,22 @@ def plan_main(args: Any) -> int:
         bandwidth=bandwidth, latency=latency, demand=_rate(args.demand),
         files=args.files or max(1, dataset // (parse_size(args.mean_file_size)
                                                if args.mean_file_size else 110_000)),
-        in_flight=args.in_flight, workers=args.workers, epochs=args.epochs)
+        in_flight=args.in_flight, workers=args.workers, epochs=args.epochs,
+        nodes=args.nodes,
+        shared_bytes=parse_size(args.shared_cache_size) if args.shared_cache_size else None)
     if inp.demand <= 0 or inp.bandwidth <= 0:
         raise ConfigError("--demand and --bandwidth must be positive")
+    if inp.nodes < 1 or inp.epochs < 1:
+        raise ConfigError("--nodes and --epochs must be at least 1")
     result = plan(inp)
+    if inp.nodes > 1 or inp.shared_bytes is not None:
+        result["cluster"] = cluster(inp)
     if args.json:
         json.dump({"inputs": dataclasses.asdict(inp), **result}, sys.stdout, indent=2,
                   default=str)
         print()
     else:
         print(render(inp, result))
+        if "cluster" in result:
+            print(render_cluster(inp, result["cluster"]))
     return 0

@@ -105,6 +105,8 @@ def probe_main(args: Any) -> int:
         raise ConfigError("--samples, --parallel and --seconds must be positive")
     store = S3Store(url.bucket, endpoint_url=args.endpoint_url, region=args.region,
                     max_connections=max(args.parallel, 4), anonymous=args.no_sign_request)
+    if args.region is None:
+        store = store.in_bucket_region()
     try:
         result = probe(store, url.prefix, samples=args.samples, parallel=args.parallel,
                        seconds=args.seconds)

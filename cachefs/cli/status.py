@@ -25,10 +25,35 @@ def _duration(seconds: float) -> str:
     return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def _shared(shared: dict[str, Any] | None, stats: dict[str, float],
+            tiers: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+    """The shared tier's part of the status (None without a shared tier)."""
+    if not shared:
+        return None
+    publishes = tiers.get("shared_publishes", {})
+    lookups = tiers.get("shared_lookups", {})
+    leases = tiers.get("shared_leases", {})
+    return {
+        **shared,
+        "hit_bytes": int(stats.get("cachefs_shared_get_bytes_total", 0)),
+        "lookups": {k: int(v) for k, v in lookups.items()},
+        "published_bytes": int(stats.get("cachefs_shared_published_bytes_total", 0)),
+        "published_blocks": int(publishes.get("stored", 0)),
+        "dropped_blocks": int(publishes.get("dropped_full", 0)
+                              + publishes.get("dropped_unavailable", 0)),
+        "failed_publishes": int(publishes.get("failed", 0)),
+        "queue_blocks": int(stats.get("cachefs_shared_publish_queue_blocks", 0)),
+        "queue_bytes": int(stats.get("cachefs_shared_publish_queue_bytes", 0)),
+        "breaker_opens": int(stats.get("cachefs_shared_breaker_opens_total", 0)),
+        "lease_outcomes": {k: int(v) for k, v in leases.items()},
+    }
+
+
 def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
     """The status of one mount as a flat, documented dict (the --json schema)."""
     now = time.time() if now is None else now
     stats: dict[str, float] = info.get("stats", {})
+    tiers: dict[str, dict[str, float]] = info.get("tiers") or {}
     hit = stats.get("cachefs_cache_hit_bytes_total", 0.0)
     miss = stats.get("cachefs_cache_miss_bytes_total", 0.0)
     return {
@@ -53,6 +78,9 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         "passthrough_files": int(stats.get("cachefs_passthrough_backing_files", 0)),
         "passthrough_opens": int(stats.get("cachefs_passthrough_opens_total", 0)),
         "warm_target_bytes": int(stats.get("cachefs_warm_target_bytes", 0)),
+        "tier_read_bytes": {k: int(v) for k, v in tiers.get("read_bytes", {}).items()},
+        "tier_loads": {k: int(v) for k, v in tiers.get("loads", {}).items()},
+        "shared": _shared(info.get("shared"), stats, tiers),
         "dead_mounts_cleaned": int(stats.get("cachefs_dead_mounts_cleaned_total", 0)),
         "background_errors": int(stats.get("cachefs_background_errors_total", 0)),
         "background_errors_by_task": {k: int(v) for k, v in
@@ -112,6 +140,21 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         print(f"  now     {r['inflight_fetches']} fetches in flight, "
               f"{format_size(r['inflight_bytes'])} buffered{warm}")
         print(f"  faults  {_faults(r)}")
+        by_tier = r["tier_read_bytes"]
+        if any(by_tier.values()):
+            parts = [f"{name} {format_size(by_tier.get(name, 0))}"
+                     for name in ("memory", "disk", "shared", "s3")
+                     if name in by_tier and (name != "shared" or r["shared"])]
+            print(f"  tiers   read from {', '.join(parts)} (s3 = the origin)")
+        sh = r["shared"]
+        if sh:
+            state = "breaker " + sh["breaker"] + ("" if sh["publishing"] else ", publishing off")
+            leases = sh["lease_outcomes"]
+            print(f"  shared  {sh['url']} ({state}): {format_size(sh['hit_bytes'])} read, "
+                  f"{sh['published_blocks']} blocks published "
+                  f"({format_size(sh['published_bytes'])}), queue {sh['queue_blocks']} blocks "
+                  f"({format_size(sh['queue_bytes'])}), {sh['dropped_blocks']} dropped; leases "
+                  f"won {leases.get('won', 0)}, waited {leases.get('lost_served', 0)}")
         if r["passthrough_enabled"]:
             print(f"  kernel  reads {r['passthrough_files']} cached files directly (passthrough; "
                   f"{r['passthrough_opens']} opens so far)")

@@ -39,8 +39,22 @@ def _line(p: dict[str, Any], elapsed: float, check: bool) -> str:
             f"ETA {_eta(eta)}")
 
 
+def parse_shard(value: str) -> tuple[int, int]:
+    """``I/N`` -> (I, N) with 0 <= I < N."""
+    i_text, sep, n_text = value.partition("/")
+    try:
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        i, n = -1, 0
+    if not sep or not 0 <= i < n:
+        raise ConfigError(f"--shard {value!r}: expected I/N with 0 <= I < N (e.g. 0/4 on the "
+                          "first of 4 nodes)")
+    return i, n
+
+
 def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parallel: int,
-              check: bool) -> int:
+              check: bool, shard: str | None = None) -> int:
+    shard_in = parse_shard(shard) if shard is not None else None
     mp, sock = find_mount(mountpoint)
     if Path(os.path.abspath(mountpoint)) != mp:
         raise ConfigError(f"{mountpoint} is not a cachefs mount point (it is inside {mp})")
@@ -59,9 +73,11 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
     t0 = time.monotonic()
     last_log = 0.0
     final: dict[str, Any] | None = None
+    message: dict[str, Any] = {"op": "warm", "paths": rel, "parallel": parallel, "check": check}
+    if shard_in is not None:
+        message["shard"] = list(shard_in)
     try:
-        for reply in request(sock, {"op": "warm", "paths": rel, "parallel": parallel,
-                                    "check": check}, timeout=None):
+        for reply in request(sock, message, timeout=None):
             elapsed = time.monotonic() - t0
             if reply["event"] == "progress":
                 if tty:
@@ -82,6 +98,11 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
     elapsed = time.monotonic() - t0
     if check:
         print(_line(final, elapsed, True))
+    elif shard_in is not None:
+        print(f"warmed shard {shard_in[0]}/{shard_in[1]}: {format_size(final['bytes_done'])} "
+              f"of {final['objects_total']} objects resident, "
+              f"{format_size(final['bytes_published'])} in the shared tier, "
+              f"{format_size(final['bytes_fetched'])} fetched in {elapsed:.1f}s")
     else:
         print(f"warmed {final['objects_done']} of {final['objects_total']} objects, "
               f"{format_size(final['bytes_done'])} resident, {format_size(final['bytes_fetched'])} "

@@ -18,7 +18,8 @@ answer. Requests:
 * ``{"op": "hint", "paths": [relative paths in read order]}``
   -> ``{"event": "ok", "accepted": N}``
 * ``{"op": "warm", "paths": [...], "parallel": N, "check": false}``
-  -> ``{"event": "progress", ...}`` every half second, then ``{"event": "done", ...}``
+  -> ``{"event": "progress", ...}`` every half second, then ``{"event": "done", ...}``;
+  an optional ``"shard": [I, N]`` warms only node I's share into the shared tier
 * anything else -> ``{"event": "error", "message": "..."}`` and the connection closes.
 
 Long path lists (a hint of a million files) are sent in chunks: requests with
@@ -67,6 +68,7 @@ import trio
 from cachefs import metrics
 from cachefs.background import contained, report
 from cachefs.control.warm import Warmer, WarmProgress
+from cachefs.errors import CachefsError
 from cachefs.read.hints import ReadOrder
 
 log = logging.getLogger(__name__)
@@ -287,6 +289,13 @@ class ControlServer:
 
             client_gone = False
 
+            shard = request.get("shard")
+            if shard is not None and (
+                    not isinstance(shard, list) or len(shard) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
+                    or not 0 <= shard[0] < shard[1]):
+                raise RequestError("'shard' must be [I, N] with 0 <= I < N")
+
             with trio.CancelScope() as job:
                 async def progress(state: WarmProgress) -> None:
                     nonlocal client_gone
@@ -296,8 +305,14 @@ class ControlServer:
                         client_gone = True
                         job.cancel()
 
-                result = await self.warmer.warm(paths or [""], parallel=parallel, check=check,
-                                                on_progress=progress)
+                # Passed only when asked: the protocol change stays one optional field.
+                cluster: dict[str, Any] = {} if shard is None else {
+                    "shard": (shard[0], shard[1])}
+                try:
+                    result = await self.warmer.warm(paths or [""], parallel=parallel,
+                                                    check=check, on_progress=progress, **cluster)
+                except CachefsError as exc:  # a shard asked of a mount without a tier
+                    raise RequestError(str(exc)) from None
             if client_gone:
                 raise _ClientGone()
             await _send(stream, {"event": "done", **result.as_dict()})

@@ -7,6 +7,16 @@ training reads keep theirs. Already cached blocks are skipped: a warm that
 was interrupted resumes where it stopped. ``check`` only counts what is
 cached and fetches nothing.
 
+Cluster warm (``shard=(i, n)``, ``cachefs warm --shard I/N``, needs a shared
+tier): only the blocks the shared tier assigns to node ``i`` of ``n``
+(:meth:`cachefs.read.shared.SharedTier.shard_of`, a hash of the block's
+identity, the same on every node) are loaded, from the shared tier if another
+node put them there already, else from the origin; each is then made sure to
+be in the shared tier (published, waiting for it). After all ``n`` nodes ran
+their share, every block crossed regions once and every node can read
+everything from the shared tier. A block of the share that could not be put
+there fails its object (run the warm again).
+
 Tasks: one producer walks the requested paths (listing directories through
 the metadata cache) into a bounded channel; ``parallel`` workers warm one
 object at a time. All belong to the nursery of :func:`warm`.
@@ -26,6 +36,7 @@ from cachefs.cache.metadata import Metadata
 from cachefs.errors import CachefsError
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.prefetcher import Prefetcher
+from cachefs.read.shared import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +52,10 @@ class WarmProgress:
     objects_done: int = 0
     bytes_total: int = 0
     bytes_done: int = 0  # resident now (cached before, or fetched by this job)
-    bytes_fetched: int = 0  # fetched from S3 by this job
+    bytes_fetched: int = 0  # fetched from below the disk (shared tier or S3) by this job
+    bytes_published: int = 0  # with a shard: bytes of the share confirmed in the shared tier
     listing_done: bool = False
+    shard: tuple[int, int] | None = None
     failed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     failed_count: int = 0
 
@@ -60,18 +73,20 @@ class WarmProgress:
 
 async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
                 send: trio.MemorySendChannel[tuple[str, ObjectVersion | None]],
-                progress: WarmProgress) -> None:
+                progress: WarmProgress,
+                weigh: Callable[[ObjectVersion], int] = lambda obj: obj.size) -> None:
     """Send (path, object) for every file under the requested paths; (path, None) for a
-    path that does not exist."""
+    path that does not exist. ``weigh`` gives the bytes of an object this job covers."""
     async with send:
         for rel in rel_paths:
             rel = rel.strip("/")
             key = root + rel
             entry = await metadata.find_file(key) if rel else None
             if entry is not None:
+                obj = ObjectVersion(key, entry.etag, entry.size)
                 progress.objects_total += 1
-                progress.bytes_total += entry.size
-                await send.send((rel, ObjectVersion(key, entry.etag, entry.size)))
+                progress.bytes_total += weigh(obj)
+                await send.send((rel, obj))
                 continue
             prefix = key + "/" if rel else root
             await metadata.ensure(prefix)
@@ -99,7 +114,7 @@ async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
                             continue
                         obj = ObjectVersion(d + name, entry.etag, entry.size)
                         progress.objects_total += 1
-                        progress.bytes_total += obj.size
+                        progress.bytes_total += weigh(obj)
                         await send.send(((d + name)[len(root):], obj))
                 stack.extend(reversed(subdirs))
     progress.listing_done = True
@@ -108,29 +123,59 @@ async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
 class Warmer:
     """Warm jobs of one mount: objects listed by ``metadata``, loaded by ``fetcher``."""
 
-    def __init__(self, metadata: Metadata, prefetcher: Prefetcher, *, root_prefix: str) -> None:
+    def __init__(self, metadata: Metadata, prefetcher: Prefetcher, *, root_prefix: str,
+                 shared: SharedTier | None = None) -> None:
         self.metadata = metadata
         self.prefetcher = prefetcher
         self.root_prefix = root_prefix
+        self.shared = shared
 
     async def warm(self, rel_paths: Sequence[str], *, parallel: int = 16, check: bool = False,
                    on_progress: Callable[[WarmProgress], Awaitable[None]] | None = None,
-                   interval: float = 0.5) -> WarmProgress:
+                   interval: float = 0.5, shard: tuple[int, int] | None = None
+                   ) -> WarmProgress:
         """Warm (or with ``check``, inspect) every file under ``rel_paths`` (relative to
-        the mount root; "" is everything). Returns the final progress."""
+        the mount root; "" is everything); with ``shard=(i, n)`` only node i's share of
+        the blocks, into the shared tier too. Returns the final progress. Raises
+        CachefsError when a shard is asked of a mount without a shared tier."""
+        if shard is not None:
+            i, n = shard
+            if not 0 <= i < n:
+                raise CachefsError(f"shard {i}/{n}: expected 0 <= I < N")
+            if self.shared is None:
+                raise CachefsError("this mount has no shared cache tier (--shared-cache): "
+                                   "warming a shard would leave the other shards uncached")
         return await _warm(self.metadata, self.prefetcher, self.root_prefix, rel_paths,
                            parallel=parallel, check=check, on_progress=on_progress,
-                           interval=interval)
+                           interval=interval, shared=self.shared, shard=shard)
 
 
 async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                 rel_paths: Sequence[str], *,
                 parallel: int, check: bool,
                 on_progress: Callable[[WarmProgress], Awaitable[None]] | None,
-                interval: float) -> WarmProgress:
-    progress = WarmProgress()
+                interval: float, shared: SharedTier | None = None,
+                shard: tuple[int, int] | None = None) -> WarmProgress:
+    progress = WarmProgress(shard=shard)
     fetcher: Fetcher = prefetcher.fetcher
     send, receive = trio.open_memory_channel[tuple[str, ObjectVersion | None]](0)
+
+    def mine(obj: ObjectVersion) -> list[int]:
+        """The block indexes of ``obj`` this job covers."""
+        blocks = range(fetcher.block_count(obj))
+        if shard is None or shared is None:
+            return list(blocks)
+        return [i for i in blocks if shared.shard_of(fetcher.ref(obj, i), shard[1]) == shard[0]]
+
+    def weigh(obj: ObjectVersion) -> int:
+        if shard is None:
+            return obj.size
+        return sum(fetcher.block_len(obj, i) for i in mine(obj))
+
+    async def publish(obj: ObjectVersion, index: int) -> bool:
+        assert shared is not None
+        ref = fetcher.ref(obj, index)
+        return await shared.ensure_published(ref, lambda: fetcher.cache.get(ref.bid))
 
     async def worker(receive: trio.MemoryReceiveChannel[tuple[str, ObjectVersion | None]]
                      ) -> None:
@@ -140,7 +185,8 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                     progress.fail(rel, "no such file or directory")
                     continue
                 try:
-                    for index in range(fetcher.block_count(obj)):
+                    unpublished = 0
+                    for index in mine(obj):
                         n = fetcher.block_len(obj, index)
                         if check:
                             if fetcher.is_cached(obj, index):
@@ -148,8 +194,16 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                             continue
                         if await prefetcher.warm_block(obj, index):
                             progress.bytes_fetched += n
+                        if shard is not None:
+                            if await publish(obj, index):
+                                progress.bytes_published += n
+                            else:
+                                unpublished += 1
                         progress.bytes_done += n
                         metrics.WARM_BYTES_DONE.inc(n)
+                    if unpublished:
+                        raise CachefsError(f"{unpublished} block(s) of this node's share could "
+                                           "not be put into the shared cache tier")
                     progress.objects_done += 1
                     metrics.WARM_OBJECTS_DONE.inc()
                 except CachefsError as exc:
@@ -174,7 +228,7 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
     try:
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as work:
-                work.start_soon(_walk, metadata, root, rel_paths, send, progress)
+                work.start_soon(_walk, metadata, root, rel_paths, send, progress, weigh)
                 for _ in range(max(1, parallel)):
                     work.start_soon(worker, receive.clone())
                 await receive.aclose()

@@ -6,12 +6,17 @@ Each block it needs comes from, in order (see :mod:`cachefs.read.tiers`):
 1. the memory tier: recently used, already verified blocks (bounded);
 2. each tier of ``tiers``: the local disk cache (verified on every read, see
    :mod:`cachefs.cache.blocks`), then any tier below it (a shared tier);
-3. the origin: S3, one ranged GET with If-Match.
+3. the origin: S3, one GET with If-Match.
 
 2+3 run as one *load* per block (a ``_Flight``), shared by every reader and
 prefetcher that wants the block while it runs (single flight: concurrent
 readers of one missing block cause one GET and one disk read). A block found
-below a tier is put into every tier above it before the flight ends.
+below a tier is put into every tier above it before the flight ends. An
+object that fits in one block is fetched with a whole-object GET, checked
+against what S3 states about it (ETag MD5 or full-object checksum, see
+:mod:`cachefs.s3.integrity`); the blocks of larger objects are ranged GETs,
+checked together against S3's full-object CRC once all have landed
+(:mod:`cachefs.read.assembled`).
 
 Tasks and ownership:
 
@@ -20,10 +25,11 @@ Tasks and ownership:
   A load that goes past the disk tier holds a
   :class:`~cachefs.read.budget.MemoryBudget` reservation until its block has
   been written back to the disk cache.
-* S3 calls run in worker threads under ``s3_limiter`` (bounded connections).
-  Speculative loads (started by :mod:`cachefs.read.prefetcher`, the one owner of
-  every speculative fetch) additionally take ``prefetch_limiter`` (a share of
-  the connections) so demand GETs always find a free connection.
+* S3 requests go through the :class:`~cachefs.s3.origin.Origin` (retries
+  until the deadline, adaptive connection limit, hedging). Speculative loads
+  (started by :mod:`cachefs.read.prefetcher`, the one owner of every
+  speculative fetch) are background requests: they take only a share of the
+  connections, so demand GETs always find a free one.
 * Speculative loads of blocks already on local disk are bounded
   (:data:`MAX_DISK_AHEAD` waiting or running): beyond that a prefetch of a
   cached block is skipped, so readers' own disk reads never queue behind
@@ -52,9 +58,10 @@ from cachefs.background import contained
 from cachefs.cache.blockid import block_id, block_id_at, object_id
 from cachefs.cache.blocks import BlockCache
 from cachefs.errors import TransientStoreError
+from cachefs.read.assembled import AssembledChecks
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.tiers import BlockRef, DiskTier, MemoryTier, Tier
-from cachefs.s3.store import ObjectStore
+from cachefs.s3.origin import Got, Origin
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +115,16 @@ class _Flight:
 class Fetcher:
     """Blocks of object versions, read through the caches with single-flight GETs."""
 
-    def __init__(self, store: ObjectStore, cache: BlockCache, *, block_size: int,
-                 budget: MemoryBudget, s3_limiter: trio.CapacityLimiter,
-                 hot_capacity: int, notes: ReadNotes | None = None,
+    def __init__(self, origin: Origin, cache: BlockCache, *, block_size: int,
+                 budget: MemoryBudget, hot_capacity: int, notes: ReadNotes | None = None,
                  lower_tiers: Sequence[Tier] = ()) -> None:
-        self.store = store
+        self.origin = origin
         self.cache = cache
         self.block_size = block_size
         self.budget = budget
-        self._s3_limiter = s3_limiter
-        # Prefetch may use at most 3/4 of the connections: demand never queues behind it.
-        self._prefetch_limiter = trio.CapacityLimiter(max(1, s3_limiter.total_tokens * 3 // 4))
         self.memory = MemoryTier(hot_capacity)
+        self.assembled = AssembledChecks(origin, cache, block_size=block_size,
+                                         block_ids=self.block_ids, withdraw=self._withdraw)
         # Walked in order after memory; the disk tier first (residency checks use it).
         self.tiers: list[Tier] = [DiskTier(cache), *lower_tiers]
         self._notes = notes
@@ -136,6 +141,7 @@ class Fetcher:
         """Own the nursery flights run in; returns when cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.assembled.attach(nursery)
             task_status.started()
             await trio.sleep_forever()
 
@@ -146,10 +152,10 @@ class Fetcher:
 
     # -- block addressing -----------------------------------------------------------------
     def block_id(self, obj: ObjectVersion, index: int) -> bytes:
-        return block_id(self.store.bucket, obj.key, obj.etag, self.block_size, index)
+        return block_id(self.origin.bucket, obj.key, obj.etag, self.block_size, index)
 
     def object_id(self, obj: ObjectVersion) -> bytes:
-        return object_id(self.store.bucket, obj.key, obj.etag, self.block_size)
+        return object_id(self.origin.bucket, obj.key, obj.etag, self.block_size)
 
     def block_ids(self, obj: ObjectVersion) -> list[bytes]:
         """The ids of every block of ``obj``, in order (its object id hashed once)."""
@@ -336,6 +342,7 @@ class Fetcher:
         it into the tiers above the one that had it."""
         ref = self.ref(obj, index, bid)
         data: bytes | None = None
+        got: Got | None = None
         found_at = len(self.tiers)  # the index of the tier that had it; len(): the origin
         try:
             try:
@@ -354,7 +361,8 @@ class Fetcher:
                         reserved = ref.length
                         self.budget.force_reserve(reserved)
                     flight.source = ORIGIN
-                    data = await self._fetch(obj, index, flight.prefetch)
+                    got = await self._fetch(obj, index, flight.prefetch)
+                    data = got.data
                 metrics.TIER_HITS.labels(flight.source).inc()
                 flight.data = data
                 self.memory.store(bid, data)
@@ -385,6 +393,11 @@ class Fetcher:
                 finally:
                     del self._flights[bid]
                     flight.settled.set()
+                if self.block_count(obj) > 1:
+                    # From the origin with its CRC; from a lower tier (another node's fetch)
+                    # without one: if this object is being checked, its bytes are read back
+                    # from disk, so the combined CRC covers every block whatever its source.
+                    self.assembled.landed(obj, index, got.crc if got is not None else None)
         finally:
             if flight.disk_ahead:
                 self._disk_ahead -= 1
@@ -394,19 +407,33 @@ class Fetcher:
             if not self._pending:
                 self._idle.set()
 
-    async def _fetch(self, obj: ObjectVersion, index: int, prefetch: bool) -> bytes:
+    async def _fetch(self, obj: ObjectVersion, index: int, prefetch: bool) -> Got:
+        """Block ``index`` from S3: a whole-object GET when one block covers the object,
+        else a ranged GET (with its CRC when S3's full-object CRC is known)."""
         start = index * self.block_size
         end = start + self.block_len(obj, index)
+        whole = start == 0 and end >= obj.size
         metrics.INFLIGHT_FETCHES.inc()
         try:
-            if prefetch:
-                async with self._prefetch_limiter:
-                    return await self._get_range(obj, start, end)
-            return await self._get_range(obj, start, end)
+            return await self._get_range(obj, start, end, whole=whole, background=prefetch)
         finally:
             metrics.INFLIGHT_FETCHES.dec()
 
-    async def _get_range(self, obj: ObjectVersion, start: int, end: int) -> bytes:
-        metrics.THREAD_HOPS.labels("s3_get").inc()
-        return await trio.to_thread.run_sync(
-            self.store.get_range, obj.key, obj.etag, start, end, limiter=self._s3_limiter)
+    async def _get_range(self, obj: ObjectVersion, start: int, end: int, *, whole: bool,
+                         background: bool) -> Got:
+        crc_kind = None if whole else self.assembled.crc_kind(obj)
+        metrics.THREAD_HOPS.labels("s3_get").inc()  # (the origin's GET runs in a worker thread)
+        return await self.origin.get(obj.key, obj.etag, start, end, whole=whole,
+                                     background=background, crc_kind=crc_kind)
+
+    async def _withdraw(self, obj: ObjectVersion, bids: list[bytes]) -> None:
+        """Take the blocks ``bids`` of ``obj`` back from every tier (their bytes failed a
+        check after they were put): memory, the disk cache, and any lower tier (a shared
+        tier drops their pending publishes and deletes what it published)."""
+        refs = [self.ref(obj, i, bid) for i, bid in enumerate(bids)]
+        for bid in bids:
+            self.memory.discard(bid)
+        for tier in self.tiers:
+            # One tier's failure (even a bug) must not keep the others' copies.
+            with contained("cache_write", f"withdrawing blocks from the {tier.name} tier"):
+                await tier.withdraw(refs)

@@ -11,6 +11,11 @@ for S3's data cache:
   raises, and may refuse (full, busy, down).
 * :meth:`Tier.contains` is a cheap residency check that never waits (False when
   the tier cannot tell without a request).
+* :meth:`Tier.withdraw` takes back blocks put earlier whose bytes turned out
+  wrong (a multi-block object failing S3's full-object CRC, see
+  :mod:`cachefs.read.assembled`): the tier must neither keep nor serve them
+  afterwards, nor publish them if a write is still pending. Never raises; it
+  may start background work owned by the tier (a shared tier's deletes).
 * :attr:`Tier.name` labels the tier in metrics ("memory", "disk", "shared").
 
 The fetcher (:mod:`cachefs.read.fetcher`) walks memory, then each tier of
@@ -29,7 +34,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
+
+import trio
 
 if TYPE_CHECKING:
     from cachefs.cache.blocks import BlockCache
@@ -56,6 +64,9 @@ class Tier(Protocol):
         ...
 
     async def put(self, ref: BlockRef, data: bytes) -> None:
+        ...
+
+    async def withdraw(self, refs: Sequence[BlockRef]) -> None:
         ...
 
 
@@ -97,6 +108,12 @@ class MemoryTier:
     def __contains__(self, bid: bytes) -> bool:
         return bid in self._blocks
 
+    def discard(self, bid: bytes) -> None:
+        with self._lock:
+            old = self._blocks.pop(bid, None)
+            if old is not None:
+                self.used -= len(old)
+
     def contains(self, ref: BlockRef) -> bool:
         return ref.bid in self._blocks
 
@@ -105,6 +122,10 @@ class MemoryTier:
 
     async def put(self, ref: BlockRef, data: bytes) -> None:
         self.store(ref.bid, data)
+
+    async def withdraw(self, refs: Sequence[BlockRef]) -> None:
+        for ref in refs:
+            self.discard(ref.bid)
 
 
 class DiskTier:
@@ -123,3 +144,7 @@ class DiskTier:
 
     async def put(self, ref: BlockRef, data: bytes) -> None:
         await self.cache.put(ref.bid, data)
+
+    async def withdraw(self, refs: Sequence[BlockRef]) -> None:
+        # A miss next time; pinned objects' bytes are released at unpin.
+        await trio.to_thread.run_sync(self.cache.drop, [ref.bid for ref in refs])

@@ -1,21 +1,30 @@
 """An :class:`~cachefs.s3.store.ObjectStore` on boto3 (HEAD, the mount probe).
 
-GETs and listings take the lean path (:mod:`cachefs.s3.ranges`, see there and
-:mod:`cachefs.s3.listxml` for why);
-boto3/botocore stays inside this package.
+GETs, listings (:mod:`cachefs.s3.listxml` parses them), checksum HEADs and
+the bucket-region lookup take the lean path (:mod:`cachefs.s3.ranges`, see
+there for why); boto3/botocore stays inside this package.
+
+Region: requests are signed for ``region`` (default: the node's AWS
+config). The daemon asks :meth:`S3Store.bucket_region` at mount and, unless
+``--region`` was given, builds the store again for the bucket's own region
+(:meth:`S3Store.for_region`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from cachefs import metrics
-from cachefs.errors import TransientStoreError
+from cachefs.errors import StoreError, TransientStoreError
 from cachefs.s3.errors import translate_botocore
+from cachefs.s3.integrity import Checksum
 from cachefs.s3.ranges import RangeClient
-from cachefs.s3.store import ListPage, ObjectInfo
+from cachefs.s3.store import Body, Exchange, ListPage, ObjectInfo
+
+log = logging.getLogger(__name__)
 
 
 def _strip_etag(etag: str) -> str:
@@ -41,6 +50,9 @@ class S3Store:
         from botocore import UNSIGNED
 
         self.bucket = bucket
+        self._args: dict[str, Any] = dict(
+            endpoint_url=endpoint_url, max_connections=max_connections, anonymous=anonymous,
+            connect_timeout=connect_timeout, read_timeout=read_timeout)
         cfg_args: dict[str, Any] = dict(
             max_pool_connections=max_connections,
             connect_timeout=connect_timeout,
@@ -63,14 +75,48 @@ class S3Store:
             region_name=region or session.region_name or "us-east-1",
             config=botocore.config.Config(**cfg_args),
         )
+        self.region: str = self._client.meta.region_name
         # GETs take the lean data path (see cachefs.s3.ranges for why and the numbers).
-
+        try:  # AWS_CA_BUNDLE or the profile's ca_bundle, as botocore itself uses
+            ca_bundle = session._session.get_config_variable("ca_bundle")
+        except Exception:
+            ca_bundle = None
         self._ranges = RangeClient(
-            bucket, endpoint_url=self._client.meta.endpoint_url,
-            region=self._client.meta.region_name,
+            bucket, endpoint_url=self._client.meta.endpoint_url, region=self.region,
             credentials=None if anonymous else session.get_credentials(), anonymous=anonymous,
             max_connections=max_connections, connect_timeout=connect_timeout,
-            read_timeout=read_timeout)
+            read_timeout=read_timeout, ca_bundle=ca_bundle)
+
+    def for_region(self, region: str) -> S3Store:
+        """The same store, signing for ``region`` (endpoints follow it on AWS)."""
+        return S3Store(self.bucket, region=region, **self._args)
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint URL in use, with the proxy in between if any (for logs)."""
+        via = self._ranges.connector.via_proxy
+        url: str = self._client.meta.endpoint_url
+        return f"{url} via proxy {via}" if via else url
+
+    def bucket_region(self) -> str | None:
+        """The bucket's region as S3 states it (None if it does not say). Raises the
+        errors of list_page."""
+        return self._ranges.bucket_region()
+
+    def in_bucket_region(self) -> S3Store:
+        """This store, or the same one signing for the bucket's own region when S3 names
+        another (what the mount and the CLI tools do unless ``--region`` was given). A
+        failed lookup keeps this store: the request that follows reports what is wrong."""
+        try:
+            region = self.bucket_region()
+        except StoreError as exc:
+            log.debug("bucket region lookup failed: %s", exc)
+            return self
+        if not region or region == self.region:
+            return self
+        log.info("bucket %s is in %s: signing requests for it (the AWS config says %s)",
+                 self.bucket, region, self.region)
+        return self.for_region(region)
 
     # -- requests ------------------------------------------------------------
     def _call(self, op: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
@@ -88,10 +134,11 @@ class S3Store:
             metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
 
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None) -> ListPage:
+                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
         # The lean client: signed like the GETs, parsed by ElementTree's C accelerator
         # (cachefs.s3.listxml has the numbers against botocore's parser).
-        return self._ranges.list_page(prefix, token, start_after=start_after)
+        return self._ranges.list_page(prefix, token, start_after=start_after,
+                                      exchange=exchange)
 
     def probe(self, prefix: str) -> None:
         """One cheap request (a one-key listing) proving the bucket exists and the
@@ -113,3 +160,13 @@ class S3Store:
         if end <= start:
             return b""
         return self._ranges.get_range(key, etag, start, end)
+
+    def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
+            exchange: Exchange | None = None) -> Body:
+        if end <= start:
+            return Body(b"")
+        return self._ranges.get(key, etag, start, end, whole=whole, exchange=exchange)
+
+    def full_checksum(self, key: str, etag: str,
+                      exchange: Exchange | None = None) -> Checksum | None:
+        return self._ranges.full_checksum(key, etag, exchange)

@@ -25,7 +25,7 @@ NO_CREDENTIALS = ("no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_AC
 def error_for_response(status: int, code: str, bucket: str, key: str | None,
                        message: str = "") -> StoreError:
     """The cachefs error for an S3 error response (HTTP status and S3 error code).
-    The one mapping for both clients (boto3 here, the lean GET client in s3http)."""
+    The one mapping for both clients (boto3 here, the lean GET client in ranges)."""
     where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
     if code == "NoSuchBucket":
         return NoSuchBucket(f"bucket {bucket!r} does not exist")
@@ -59,10 +59,12 @@ def translate_botocore(exc: Exception, bucket: str, key: str | None) -> StoreErr
         return CredentialsError(NO_CREDENTIALS)
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return EndpointUnreachable(f"cannot connect to the S3 endpoint: {exc}")
-    if isinstance(exc, (bex.ReadTimeoutError, bex.ConnectionClosedError,
-                        bex.IncompleteReadError, bex.ResponseStreamingError,
-                        bex.HTTPClientError)):
-        return TransientStoreError(f"{where}: connection problem: {exc}")
+    if isinstance(exc, bex.ReadTimeoutError):
+        return TransientStoreError(f"{where}: timed out: {exc}", reason="timeout")
+    if isinstance(exc, (bex.IncompleteReadError, bex.ResponseStreamingError)):
+        return TransientStoreError(f"{where}: answer cut short: {exc}", reason="short_body")
+    if isinstance(exc, (bex.ConnectionClosedError, bex.HTTPClientError)):
+        return TransientStoreError(f"{where}: connection problem: {exc}", reason="connection")
     if isinstance(exc, bex.ClientError):
         err = exc.response.get("Error", {})
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -70,6 +72,8 @@ def translate_botocore(exc: Exception, bucket: str, key: str | None) -> StoreErr
                                   str(err.get("Message", exc)))
     if isinstance(exc, bex.BotoCoreError):
         return StoreError(f"{where}: {exc}")
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return TransientStoreError(f"{where}: {exc}")
+    if isinstance(exc, TimeoutError):
+        return TransientStoreError(f"{where}: {exc}", reason="timeout")
+    if isinstance(exc, ConnectionError):
+        return TransientStoreError(f"{where}: {exc}", reason="connection")
     return StoreError(f"{where}: unexpected {type(exc).__name__}: {exc}")

@@ -8,29 +8,39 @@ import time
 from collections.abc import Callable
 
 from cachefs.errors import NoSuchKey, ObjectChanged
-from cachefs.s3.store import ListPage, ObjectInfo
+from cachefs.s3.integrity import Checksum, digest
+from cachefs.s3.store import Body, Exchange, ListPage, ObjectInfo
 
 
 class MemoryStore:
     """An in-memory :class:`ObjectStore` for unit tests. Thread-safe.
 
     ``fault`` may be set to a callable ``(op, key) -> None`` that raises to inject
-    failures. ``calls`` counts requests per operation.
+    failures; ``on_get`` to a callable ``(key, exchange) -> None`` that runs inside a GET
+    with its :class:`Exchange` (to stall until aborted, say); ``mangle`` to a callable
+    ``(key, data) -> bytes`` that alters what a GET answers (bytes altered in transit).
+    ``calls`` counts requests per operation.
     """
 
     def __init__(self, bucket: str = "bucket", page_size: int = 1000) -> None:
         self.bucket = bucket
         self.page_size = page_size
-        self._objects: dict[str, tuple[bytes, ObjectInfo]] = {}
+        self._objects: dict[str, tuple[bytes, ObjectInfo, Checksum | None]] = {}
         self._lock = threading.Lock()
         self.calls: dict[str, int] = {"list": 0, "head": 0, "get": 0}
         self.fault: Callable[[str, str], None] | None = None
+        self.on_get: Callable[[str, Exchange], None] | None = None
+        self.mangle: Callable[[str, bytes], bytes] | None = None
 
-    def put(self, key: str, data: bytes, mtime: float | None = None) -> ObjectInfo:
+    def put(self, key: str, data: bytes, mtime: float | None = None,
+            checksum: str | None = None) -> ObjectInfo:
+        """Store ``data``; ``checksum`` names a full-object checksum S3 would keep
+        (``crc64nvme``, ``crc32``...)."""
         info = ObjectInfo(key, len(data), hashlib.md5(data).hexdigest(),
                           time.time() if mtime is None else mtime)
+        stated = Checksum(checksum, digest(checksum, data)) if checksum else None
         with self._lock:
-            self._objects[key] = (data, info)
+            self._objects[key] = (data, info, stated)
         return info
 
     def delete(self, key: str) -> None:
@@ -43,8 +53,17 @@ class MemoryStore:
         if self.fault is not None:
             self.fault(op, key)
 
+    def _version(self, key: str, etag: str) -> tuple[bytes, ObjectInfo, Checksum | None]:
+        with self._lock:
+            if key not in self._objects:
+                raise NoSuchKey(f"s3://{self.bucket}/{key} does not exist")
+            found = self._objects[key]
+        if etag and found[1].etag != etag:
+            raise ObjectChanged(f"s3://{self.bucket}/{key} changed since it was opened")
+        return found
+
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None) -> ListPage:
+                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
         self._count("list", prefix)
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix)
@@ -72,17 +91,28 @@ class MemoryStore:
 
     def head(self, key: str) -> ObjectInfo:
         self._count("head", key)
-        with self._lock:
-            if key not in self._objects:
-                raise NoSuchKey(f"s3://{self.bucket}/{key} does not exist")
-            return self._objects[key][1]
+        return self._version(key, "")[1]
 
     def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        return self.get(key, etag, start, end).data
+
+    def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
+            exchange: Exchange | None = None) -> Body:
         self._count("get", key)
-        with self._lock:
-            if key not in self._objects:
-                raise NoSuchKey(f"s3://{self.bucket}/{key} does not exist")
-            data, info = self._objects[key]
-        if etag and info.etag != etag:
-            raise ObjectChanged(f"s3://{self.bucket}/{key} changed since it was opened")
-        return data[start:end]
+        if exchange is not None:
+            exchange.sending()
+            if self.on_get is not None:
+                self.on_get(key, exchange)
+            exchange.received()
+        data, _, stated = self._version(key, etag)
+        body = data[start:end]
+        if self.mangle is not None:
+            body = self.mangle(key, body)
+        if whole:
+            return Body(body, stated, etag_md5=True)
+        return Body(body)
+
+    def full_checksum(self, key: str, etag: str,
+                      exchange: Exchange | None = None) -> Checksum | None:
+        self._count("head", key)
+        return self._version(key, etag)[2]

@@ -1,30 +1,40 @@
-"""The S3 data plane: ranged GETs over plain ``http.client`` connections.
+"""The S3 data plane: signed GETs and HEADs over plain ``http.client`` connections.
 
 Why not boto3 for GETs: measured on this project's machines, a boto3
 ``get_object`` of a 110 KB object costs 1.5-4.5 ms of CPU (request model,
-event hooks, response parsing) against ~0.8 ms for the same request signed
+event hooks, response parsing) against ~0.55 ms for the same request signed
 with botocore's SigV4 signer and sent on a kept-alive ``http.client``
-connection (awscrt's S3 client: ~1.0 ms). For datasets of small files the
-daemon's CPU per file is the limit on 2 cores, so GETs take the lean path,
-and so do listings (:func:`RangeClient.list_page`, parsed by
-:mod:`cachefs.s3.listxml`); HEAD and the mount probe stay on boto3
-(:mod:`cachefs.s3.boto`). See
-benchmarks/RESULTS.md for the numbers.
+connection (urllib3's pool: ~0.6-0.75 ms; awscrt's S3 client: ~1.0 ms). For
+datasets of small files the daemon's CPU per file is the limit on 2 cores,
+so GETs take the lean path, and so do listings (:meth:`RangeClient.list_page`,
+parsed by :mod:`cachefs.s3.listxml`); HEAD and the mount probe stay on boto3
+(:mod:`cachefs.s3.boto`). ``benchmarks/getcpu.py`` measures it.
+
+One call is one attempt: retries, deadlines and hedging belong to
+:mod:`cachefs.s3.origin`. Each request reports its progress to an
+:class:`~cachefs.s3.store.Exchange` (every recv() that returns bytes), so a
+stalled answer can be told from a slow one, and the exchange can abort it
+from another thread (the socket is shut down). The socket timeout is the
+exchange's idle timeout: the longest silence between bytes, never a bound on
+a whole (large, progressing) body.
 
 Thread-safety: a :class:`RangeClient` is shared by worker threads; each
 request takes an idle connection from a LIFO pool (or opens one) and returns
-it only after a complete, successful response. Credentials are read per
-request (``get_frozen_credentials``) so refreshed instance-role credentials
-are picked up.
+it only after a complete, successful response. A kept-alive connection the
+server has closed meanwhile fails before any byte of the answer: the request
+is sent once more on a new connection at once (not counted as a failure).
+Credentials are read per request (``get_frozen_credentials``) so refreshed
+instance-role credentials are picked up.
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import queue
 import re
 import socket
-import ssl
 import time
 import urllib.parse
 from typing import Any
@@ -40,62 +50,140 @@ from cachefs.errors import (
     StoreError,
     TransientStoreError,
 )
+from cachefs.s3.connections import Connector
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
+from cachefs.s3.integrity import Checksum, etag_is_md5, stated_checksum
 from cachefs.s3.listxml import parse_list_page
-from cachefs.s3.store import ListPage
+from cachefs.s3.store import Body, Exchange, ListPage
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+_REGION_RE = re.compile(rb"<Region>([^<]+)</Region>")
+
+
+class _ProgressReader(io.RawIOBase):
+    """A socket's raw reader (``socket.SocketIO``) reporting each arrival to an Exchange."""
+
+    def __init__(self, raw: Any, exchange: Exchange) -> None:
+        super().__init__()
+        self._raw = raw
+        self._exchange = exchange
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int | None:
+        n: int | None = self._raw.readinto(b)
+        if n:
+            self._exchange.received()
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()  # lets the socket close once the connection lets go too
+        super().close()
+
+
+class _SockView:
+    """What http.client.HTTPResponse needs of a socket: ``makefile('rb')``."""
+
+    __slots__ = ("exchange", "sock")
+
+    def __init__(self, sock: socket.socket, exchange: Exchange) -> None:
+        self.sock = sock
+        self.exchange = exchange
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        # The socket's own unbuffered reader holds a reference that keeps the socket open
+        # while the answer is read, even when http.client closes the connection early
+        # (an answer with "Connection: close").
+        raw = self.sock.makefile("rb", buffering=0)
+        return io.BufferedReader(_ProgressReader(raw, self.exchange))
+
+
+class _Response(http.client.HTTPResponse):
+    def __init__(self, sock: socket.socket, debuglevel: int = 0, method: str | None = None,
+                 url: str | None = None, *, exchange: Exchange) -> None:
+        super().__init__(_SockView(sock, exchange), debuglevel, method, url)  # type: ignore[arg-type]
+
+
+class _Answer:
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+#: The answer headers cachefs reads (fetching all of them costs ~15% of a small GET's CPU).
+_WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region")
+
+
+def _headers(msg: Any) -> dict[str, str]:
+    """The headers cachefs reads from an answer, names lower-cased."""
+    out: dict[str, str] = {}
+    for name in msg.keys():
+        low = name.lower()
+        if low.startswith(_WANTED):
+            out[low] = msg.get(name)
+    return out
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, http.client.IncompleteRead):
+        return "short_body"
+    return "connection"
 
 
 class RangeClient:
-    """Signed ranged GETs of one bucket."""
+    """Signed GETs and HEADs of one bucket."""
 
     def __init__(self, bucket: str, *, endpoint_url: str, region: str, credentials: Any,
                  anonymous: bool, max_connections: int, connect_timeout: float,
-                 read_timeout: float) -> None:
+                 read_timeout: float, ca_bundle: str | None = None) -> None:
         self.bucket = bucket
         url = urllib.parse.urlsplit(endpoint_url)
-        self._https = url.scheme == "https"
+        https = url.scheme == "https"
         host = url.hostname or ""
         # AWS endpoints: virtual-hosted style (path style is deprecated there);
         # other S3-compatible servers: path style, as boto3 does with an endpoint URL.
         virtual = host.endswith(".amazonaws.com") and "." not in bucket
         self._host = f"{bucket}.{host}" if virtual else host
-        self._port = url.port or (443 if self._https else 80)
+        port = url.port or (443 if https else 80)
         netloc = self._host if url.port is None else f"{self._host}:{url.port}"
         self._base = f"{url.scheme}://{netloc}"
+        # The Host header as the signer computes it (no default port).
+        self._host_header = self._host if url.port in (None, 443 if https else 80) else netloc
         self._path_prefix = "" if virtual else "/" + urllib.parse.quote(bucket)
-        self._region = region
+        self.region = region
         self._credentials = credentials
         self._anonymous = anonymous
-        self._connect_timeout = connect_timeout
-        self._read_timeout = read_timeout
+        self.read_timeout = read_timeout
+        self.connector = Connector(self._host, port, https=https, connect_timeout=connect_timeout,
+                                   ca_bundle=ca_bundle)
         self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
             maxsize=max_connections)
-        self._ssl = ssl.create_default_context() if self._https else None
 
     # -- connections ------------------------------------------------------------
-    def _connect(self) -> http.client.HTTPConnection:
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle pooled connection (reused=True) or a new connected one."""
         try:
-            return self._pool.get_nowait()
+            return self._pool.get_nowait(), True
         except queue.Empty:
             pass
-        conn: http.client.HTTPConnection
-        if self._https:
-            conn = http.client.HTTPSConnection(self._host, self._port,
-                                               timeout=self._connect_timeout, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(self._host, self._port,
-                                              timeout=self._connect_timeout)
+        conn = self.connector.new()
         try:
             conn.connect()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            raise EndpointUnreachable(f"cannot connect to {self._base}: {exc}") from exc
+            where = self._base + (f" via proxy {self.connector.via_proxy}"
+                                  if self.connector.via_proxy else "")
+            raise EndpointUnreachable(f"cannot connect to {where}: {exc}") from exc
         assert conn.sock is not None
-        conn.sock.settimeout(self._read_timeout)  # a stalled response fails, then is retried
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        return conn, False
 
     def _release(self, conn: http.client.HTTPConnection) -> None:
         try:
@@ -104,77 +192,122 @@ class RangeClient:
             conn.close()
 
     # -- requests -----------------------------------------------------------------
-    def _headers(self, path: str, extra: dict[str, str]) -> dict[str, str]:
-        request = AWSRequest("GET", self._base + path, headers=extra)
+    def _signed(self, method: str, path: str, extra: dict[str, str]) -> dict[str, str]:
+        request = AWSRequest(method, self._base + path, headers=extra)
         if self._credentials is None and not self._anonymous:
             raise CredentialsError(NO_CREDENTIALS)
         if self._credentials is not None:
             frozen = self._credentials.get_frozen_credentials()
-            S3SigV4Auth(frozen, "s3", self._region).add_auth(request)
-        return {k: v for k, v in request.headers.items()}
+            S3SigV4Auth(frozen, "s3", self.region).add_auth(request)
+        headers = {k: v for k, v in request.headers.items()}
+        headers["Host"] = self._host_header
+        headers.update(self.connector.request_headers())
+        return headers
 
-    def _request(self, op: str, path: str, headers: dict[str, str],
-                 where: str) -> tuple[int, bytes, str]:
-        """Send one signed GET; returns (status, body, ETag header). Counts the request and
-        its latency under ``op``; a connection failure is a TransientStoreError."""
-        metrics.S3_REQUESTS.labels(op).inc()
-        t0 = time.monotonic()
-        conn: http.client.HTTPConnection | None = None
-        try:
-            conn = self._connect()
-            conn.request("GET", path, headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()
-            status = resp.status
-            got_etag = (resp.getheader("ETag") or "").strip('"')
-            reusable = not resp.will_close
-        except StoreError as exc:
-            metrics.S3_ERRORS.labels(op, type(exc).__name__).inc()
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            if conn is not None:
+    def _exchange(self, op: str, method: str, path: str, extra: dict[str, str],
+                  exchange: Exchange, where: str) -> _Answer:
+        """Send one request and read the whole answer. Raises TransientStoreError for
+        connection trouble (after one immediate resend when a kept-alive connection
+        turns out to be closed) and CredentialsError; never an OSError."""
+        headers = self._signed(method, path, extra)
+        target = self.connector.target(path)
+        for resend in (False, True):
+            metrics.S3_REQUESTS.labels(op).inc()
+            t0 = time.monotonic()
+            conn: http.client.HTTPConnection | None = None
+            reused = False
+            try:
+                conn, reused = self._connection()
+                exchange.attach(conn.sock)
+                assert conn.sock is not None
+                conn.sock.settimeout(exchange.idle_timeout)
+                conn.response_class = functools.partial(  # type: ignore[assignment]
+                    _Response, exchange=exchange)
+                exchange.sending()
+                conn.request(method, target, headers=headers)
+                resp = conn.getresponse()
+                body = resp.read()
+                answer = _Answer(resp.status, _headers(resp.msg), body)
+                reusable = not resp.will_close
+            except StoreError as exc:
+                if conn is not None:
+                    conn.close()
+                metrics.S3_ERRORS.labels(op, type(exc).__name__).inc()
+                raise
+            except (OSError, http.client.HTTPException) as exc:
+                assert conn is not None
                 conn.close()
-            transient = TransientStoreError(f"{where}: connection problem: {exc!r}")
-            metrics.S3_ERRORS.labels(op, "TransientStoreError").inc()
-            raise transient from exc
-        finally:
-            metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
-        if reusable:
-            self._release(conn)
-        else:
-            conn.close()
-        return status, body, got_etag
+                if exchange.aborted:
+                    raise TransientStoreError(f"{where}: request abandoned",
+                                              reason="stopping") from exc
+                if reused and not resend and exchange.first_byte_at is None:
+                    continue  # a kept-alive connection the server had closed: once more
+                metrics.S3_ERRORS.labels(op, "TransientStoreError").inc()
+                raise TransientStoreError(f"{where}: connection problem: {exc!r}",
+                                          reason=_reason(exc)) from exc
+            finally:
+                exchange.detach()
+                metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
+            if reusable:
+                self._release(conn)
+            else:
+                conn.close()
+            return answer
+        raise AssertionError("unreachable")
 
-    def _fail(self, op: str, status: int, body: bytes, key: str | None) -> StoreError:
-        err = self._error(status, body, key)
+    def _object_path(self, key: str) -> str:
+        return self._path_prefix + "/" + urllib.parse.quote(key, safe="/~")
+
+    def _error(self, op: str, answer: _Answer, key: str | None) -> StoreError:
+        m = _CODE_RE.search(answer.body)
+        code = m.group(1).decode(errors="replace") if m else ""
+        err = error_for_response(answer.status, code, self.bucket, key, f"HTTP {answer.status}")
         metrics.S3_ERRORS.labels(op, type(err).__name__).inc()
         if isinstance(err, TransientStoreError) and err.throttled:
             metrics.S3_THROTTLES.labels(op).inc()
         return err
 
-    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of version ``etag`` of ``key``. Raises cachefs errors only."""
-        path = self._path_prefix + "/" + urllib.parse.quote(key, safe="/~")
-        headers = self._headers(path, {"Range": f"bytes={start}-{end - 1}",
-                                       "If-Match": f'"{etag}"' if etag else "*"})
-        status, body, got_etag = self._request("get", path, headers, f"s3://{self.bucket}/{key}")
-        if status not in (200, 206):
-            raise self._fail("get", status, body, key)
-        if etag and got_etag and got_etag != etag:
-            metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
-            raise ObjectChanged(f"s3://{self.bucket}/{key} changed (ETag {got_etag}, "
-                                f"expected {etag})")
-        if status == 200 and (start > 0 or len(body) > end - start):
+    def _check_version(self, op: str, answer: _Answer, key: str, etag: str) -> None:
+        got = answer.headers.get("etag", "").strip('"')
+        if etag and got and got != etag:
+            # Some S3-compatible servers ignore If-Match: the ETag is checked here too.
+            metrics.S3_ERRORS.labels(op, "ObjectChanged").inc()
+            raise ObjectChanged(f"s3://{self.bucket}/{key} changed (ETag {got}, expected {etag})")
+
+    def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
+            exchange: Exchange | None = None) -> Body:
+        """Bytes [start, end) of version ``etag`` of ``key`` (see ObjectStore.get)."""
+        where = f"s3://{self.bucket}/{key}"
+        extra = {"If-Match": f'"{etag}"' if etag else "*"}
+        if whole:
+            extra["x-amz-checksum-mode"] = "ENABLED"
+        else:
+            extra["Range"] = f"bytes={start}-{end - 1}"
+        answer = self._exchange("get", "GET", self._object_path(key), extra,
+                                exchange or Exchange(self.read_timeout), where)
+        if answer.status not in (200, 206):
+            raise self._error("get", answer, key)
+        self._check_version("get", answer, key, etag)
+        body = answer.body
+        if answer.status == 200 and not whole and (start > 0 or len(body) > end - start):
             body = body[start:end]  # a server that ignored Range sent the whole object
         if len(body) != end - start:
             metrics.S3_ERRORS.labels("get", "ShortRead").inc()
-            raise TransientStoreError(f"s3://{self.bucket}/{key}: got {len(body)} bytes for "
-                                      f"range {start}-{end - 1}")
+            raise TransientStoreError(f"{where}: got {len(body)} bytes for range "
+                                      f"{start}-{end - 1}", reason="short_body")
         metrics.S3_BYTES.inc(len(body))
-        return body
+        if not whole:
+            return Body(body)
+        return Body(body, stated_checksum(answer.headers),
+                    etag_is_md5(etag, answer.headers) and answer.status == 200)
+
+    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of version ``etag`` of ``key``. Raises cachefs errors only."""
+        return self.get(key, etag, start, end).data
 
     def list_page(self, prefix: str, token: str | None, *, delimiter: str = "/",
-                  max_keys: int = 1000, start_after: str | None = None) -> ListPage:
+                  max_keys: int = 1000, start_after: str | None = None,
+                  exchange: Exchange | None = None) -> ListPage:
         """One page of ListObjectsV2, parsed by :mod:`cachefs.s3.listxml` (see there for
         why not boto3). Raises cachefs errors only."""
         params = {"list-type": "2", "prefix": prefix, "encoding-type": "url",
@@ -189,13 +322,48 @@ class RangeClient:
         query = "&".join(f"{k}={urllib.parse.quote(v, safe='-_.~')}"
                          for k, v in sorted(params.items()))
         path = (self._path_prefix or "") + "/?" + query
-        headers = self._headers(path, {})
-        status, body, _ = self._request("list", path, headers, f"s3://{self.bucket}/{prefix}")
-        if status != 200:
-            raise self._fail("list", status, body, None)
-        return parse_list_page(body)
+        answer = self._exchange("list", "GET", path, {}, exchange or Exchange(self.read_timeout),
+                                f"s3://{self.bucket}/{prefix}")
+        if answer.status != 200:
+            raise self._error("list", answer, None)
+        try:
+            return parse_list_page(answer.body)
+        except StoreError as exc:
+            # A 200 whose XML does not parse was cut or garbled on the way (a server that
+            # always answers garbage fails at the retry deadline instead).
+            metrics.S3_ERRORS.labels("list", "TransientStoreError").inc()
+            raise TransientStoreError(f"s3://{self.bucket}/{prefix}: {exc}",
+                                      reason="short_body") from exc
 
-    def _error(self, status: int, body: bytes, key: str | None) -> StoreError:
-        m = _CODE_RE.search(body)
-        code = m.group(1).decode(errors="replace") if m else ""
-        return error_for_response(status, code, self.bucket, key, f"HTTP {status}")
+    def full_checksum(self, key: str, etag: str,
+                      exchange: Exchange | None = None) -> Checksum | None:
+        """HEAD with checksum mode: the object's full-object checksum, or None."""
+        extra = {"If-Match": f'"{etag}"' if etag else "*", "x-amz-checksum-mode": "ENABLED"}
+        answer = self._exchange("head", "HEAD", self._object_path(key), extra,
+                                exchange or Exchange(self.read_timeout),
+                                f"s3://{self.bucket}/{key}")
+        if answer.status != 200:
+            raise self._error("head", answer, key)
+        self._check_version("head", answer, key, etag)
+        return stated_checksum(answer.headers)
+
+    def bucket_region(self) -> str | None:
+        """The bucket's region as S3 states it, or None (S3-compatible servers often do
+        not say). HeadBucket answers carry ``x-amz-bucket-region`` whatever their status
+        (200, 301 PermanentRedirect, 400 for a request signed for another region, 403);
+        when it is missing, a one-key listing's error answer may name the region
+        (``<Region>`` of AuthorizationHeaderMalformed, or the same header on a 301)."""
+        where = f"s3://{self.bucket}"
+        bucket_root = self._path_prefix or "/"
+        answer = self._exchange("head", "HEAD", bucket_root, {}, Exchange(self.read_timeout),
+                                where)
+        region = answer.headers.get("x-amz-bucket-region")
+        if region or answer.status not in (301, 307, 400):
+            return region or None
+        answer = self._exchange("list", "GET", bucket_root + "?list-type=2&max-keys=1", {},
+                                Exchange(self.read_timeout), where)
+        region = answer.headers.get("x-amz-bucket-region")
+        if not region:
+            m = _REGION_RE.search(answer.body)
+            region = m.group(1).decode(errors="replace") if m else None
+        return region or None

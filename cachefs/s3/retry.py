@@ -1,4 +1,8 @@
-"""Retries of transient store failures (5xx, throttling, resets, timeouts)."""
+"""Retries of transient store failures for blocking tools (``cachefs manifest export``).
+
+The daemon does not use this: its requests go through :mod:`cachefs.s3.origin`
+(retries until a deadline, waits outside the connection limit, hedging).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from typing import Any
 
 from cachefs import metrics
 from cachefs.errors import TransientStoreError
-from cachefs.s3.store import ListPage, ObjectInfo, ObjectStore
+from cachefs.s3.integrity import Checksum
+from cachefs.s3.store import Body, Exchange, ListPage, ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class RetryingStore:
         raise AssertionError("unreachable")
 
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None) -> ListPage:
+                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
         return self._retry(  # type: ignore[no-any-return]
             "list", lambda: self.inner.list_page(prefix, token, start_after))
 
@@ -63,3 +68,13 @@ class RetryingStore:
     def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
         return self._retry(  # type: ignore[no-any-return]
             "get", lambda: self.inner.get_range(key, etag, start, end))
+
+    def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
+            exchange: Exchange | None = None) -> Body:
+        return self._retry(  # type: ignore[no-any-return]
+            "get", lambda: self.inner.get(key, etag, start, end, whole=whole))
+
+    def full_checksum(self, key: str, etag: str,
+                      exchange: Exchange | None = None) -> Checksum | None:
+        return self._retry(  # type: ignore[no-any-return]
+            "head", lambda: self.inner.full_checksum(key, etag))

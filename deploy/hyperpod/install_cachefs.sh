@@ -27,7 +27,9 @@
 # set CACHEFS_NAME to choose another. Other knobs: CACHEFS_METRICS_ADDR
 # (default 127.0.0.1:9477), CACHEFS_MEMORY_BUDGET (default 1G),
 # CACHEFS_CACHE_POLICY (default keep), CACHEFS_PYTHON (interpreter for the venv),
-# CACHEFS_PASSTHROUGH (auto, the default, or off).
+# CACHEFS_PASSTHROUGH (auto, the default, or off), CACHEFS_SHARED_CACHE
+# (s3://BUCKET/PREFIX of a cache tier all nodes share; see deploy/shared-cache.md)
+# with CACHEFS_SHARED_CACHE_ENDPOINT_URL and CACHEFS_SHARED_CACHE_REGION.
 # CACHEFS_ROOT installs into a staging tree instead of / (used by the tests).
 
 set -Eeuo pipefail
@@ -243,6 +245,17 @@ if [[ -n $REGION ]]; then
 fi
 if [[ -n $ENDPOINT_URL ]]; then
     config+=$'\n'"endpoint_url = $(toml_string "$ENDPOINT_URL")"
+fi
+SHARED_CACHE=${CACHEFS_SHARED_CACHE:-}
+if [[ -n $SHARED_CACHE ]]; then
+    [[ $SHARED_CACHE == s3://?* ]] || die "CACHEFS_SHARED_CACHE must be an s3:// URL, got '$SHARED_CACHE'"
+    config+=$'\n'"shared_cache = $(toml_string "$SHARED_CACHE")"
+    if [[ -n ${CACHEFS_SHARED_CACHE_ENDPOINT_URL:-} ]]; then
+        config+=$'\n'"shared_cache_endpoint_url = $(toml_string "$CACHEFS_SHARED_CACHE_ENDPOINT_URL")"
+    fi
+    if [[ -n ${CACHEFS_SHARED_CACHE_REGION:-} ]]; then
+        config+=$'\n'"shared_cache_region = $(toml_string "$CACHEFS_SHARED_CACHE_REGION")"
+    fi
 fi
 
 mkdir -p "$CONFIG_DIR" "$UNIT_DIR"

@@ -1,0 +1,540 @@
+"""Async S3 requests: retries until a deadline, adaptive concurrency, hedged GETs.
+
+:class:`Origin` is how the rest of cachefs talks to S3 at run time (the
+fetcher's block GETs, the metadata listings, the checksum HEADs). It runs the
+blocking calls of an :class:`~cachefs.s3.store.ObjectStore` in worker threads
+and decides when, how often and how many of them are sent.
+
+**Retries.** A transient failure (5xx, 503 SlowDown / 429, a reset or refused
+connection, a timeout, a short body, bytes that fail their checksum) is
+retried until the request's deadline (``--retry-deadline``, counted from its
+first attempt), not a fixed number of times. The waits are exponential
+backoff with full jitter, U(0, min(cap, base * 2**n)), each a ``trio.sleep``
+taken while holding no connection slot; the cap is 10 s after S3 asked for
+less (throttling, 5xx) and 2 s after a refused, reset or silent connection. The last attempt is made at the
+deadline; if it fails too, its error is raised (EIO at the FUSE layer).
+When S3 answers again after an outage (not after throttling), every request
+waiting to retry is woken at once, so reads resume as soon as S3 is back
+rather than after their backoff.
+Permanent errors (ObjectChanged -> ESTALE, NoSuchKey, AccessDenied...) are
+raised at once.
+
+**Adaptive concurrency** (:class:`AdaptiveLimit`). Requests in flight are
+bounded by a limit that starts at ``--max-connections``. A throttled answer
+(503 SlowDown, 429) cuts it to :data:`DECREASE` of itself, at most once per
+round (only a request sent after the last cut may cut again); each success
+adds 1/limit (one per round of the whole window), and once no throttle has
+been seen for :data:`CALM` seconds each success adds 1 (slow start) until the
+maximum is back. It is the AIMD of the AWS SDKs' adaptive retry mode, applied
+to the number of connections instead of a request rate: throttling slows
+cachefs down instead of failing reads.
+
+**Hedging** (:class:`LatencyTracker`, "The Tail at Scale"). A GET whose answer
+has been silent (no first byte, or no further byte of its body) for longer
+than max(:data:`HEDGE_FLOOR`, :data:`HEDGE_MULTIPLE` x p99 of recent
+first-byte latencies) gets a second request on another connection; the first
+complete answer wins and the other is aborted (its socket shut down). Hedges
+use only spare connections, and at most :data:`HEDGE_SHARE` of requests (a
+token bucket with a burst of :data:`HEDGE_BURST`). A slow but progressing
+body is neither hedged nor killed: the socket timeout is an idle timeout
+between bytes, max(:data:`IDLE_FLOOR`, :data:`IDLE_MULTIPLE` x p99), at most
+:data:`IDLE_CAP`, never a bound on a whole answer.
+
+**Integrity.** A whole-object GET is checked in its worker thread against
+what S3 stated (:func:`cachefs.s3.integrity.check_whole`); a mismatch is a
+transient failure (counted, retried, never returned). If two answers carry
+the very same bytes and both disagree, S3's statement, not the transfer, is
+wrong: the bytes are served, logged and counted, and after
+:data:`MD5_DISAGREEMENTS_TO_STOP` such objects ETags are no longer taken for
+MD5 digests on this mount (some S3-compatible servers make other ETags).
+Ranged GETs may compute a block CRC in the worker thread for the caller's
+full-object check (see :mod:`cachefs.read.assembled`).
+
+**Stopping.** :meth:`Origin.close` (unmount) aborts every request in flight
+and ends every retry wait: callers get TransientStoreError("cachefs is
+stopping") at once. Worker threads are abandoned when their caller is
+cancelled (``abandon_on_cancel``) after their socket is shut down, so neither
+unmount nor a cancelled reader waits for a blocked thread; an abandoned thread
+keeps its connection slot until it returns.
+
+Concurrency: everything here runs on the trio thread, except the functions
+handed to worker threads, which touch only their arguments and the Exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from cachefs import metrics
+from cachefs.errors import IntegrityError, StoreError, TransientStoreError
+from cachefs.s3 import integrity
+from cachefs.s3.integrity import Checksum
+from cachefs.s3.store import Body, Exchange, ListPage, ObjectInfo, ObjectStore
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Default ``--retry-deadline`` (5 minutes): more than twice the 2 minutes of outage or
+#: throttling reads must ride out (503 storms, endpoint and NAT failovers last seconds
+#: to minutes; longer outages are regional incidents lasting hours, which no deadline
+#: rides out). It also bounds how long a process stuck in a read ignores even kill -9
+#: (the kernel waits uninterruptibly for a FUSE request the daemon has taken), and stays
+#: at half of PyTorch's 10-minute NCCL collective timeout, so the failing rank's own log
+#: says why before its peers' watchdog fires.
+DEFAULT_DEADLINE = 300.0
+DECREASE = 0.7  # the SDKs' CUBIC beta
+CALM = 5.0  # seconds without throttling before the limit grows fast again
+HEDGE_FLOOR = 1.0
+HEDGE_MULTIPLE = 4.0
+IDLE_FLOOR = 5.0
+IDLE_MULTIPLE = 10.0
+IDLE_CAP = 30.0
+HEDGE_SHARE = 0.1
+HEDGE_BURST = 10.0
+MD5_DISAGREEMENTS_TO_STOP = 3
+_LOG_EVERY = 10.0  # seconds between "still failing" lines per operation
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: wait U(0, min(cap, base * 2**n)).
+
+    ``cap`` bounds the waits after S3 itself asked for less (503 SlowDown, 429, 5xx);
+    ``network_cap`` those after a refused, reset or silent connection, which cost S3
+    nothing: it is what bounds how long reads lag behind an endpoint that comes back."""
+
+    base: float = 0.2
+    cap: float = 10.0
+    network_cap: float = 2.0
+
+    def delay(self, attempt: int, rng: random.Random, *, from_s3: bool = True) -> float:
+        cap = self.cap if from_s3 else min(self.cap, self.network_cap)
+        return rng.uniform(0, min(cap, self.base * 2.0 ** min(attempt, 32)))
+
+
+class LatencyTracker:
+    """Recent first-byte latencies; the hedge delay and idle timeout derive from their p99."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self._p99: float | None = None
+        self._new = 0
+
+    def observe(self, seconds: float) -> None:
+        self._samples.append(seconds)
+        self._new += 1
+        if self._p99 is None or self._new >= 16:  # a sort of <= 256 floats every 16 answers
+            ordered = sorted(self._samples)
+            self._p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+            self._new = 0
+            metrics.S3_HEDGE_DELAY.set(self.hedge_delay)
+
+    @property
+    def p99(self) -> float | None:
+        return self._p99
+
+    @property
+    def hedge_delay(self) -> float:
+        return max(HEDGE_FLOOR, HEDGE_MULTIPLE * (self._p99 or 0.0))
+
+    @property
+    def idle_timeout(self) -> float:
+        return min(IDLE_CAP, max(IDLE_FLOOR, IDLE_MULTIPLE * (self._p99 or 0.0)))
+
+
+class AdaptiveLimit:
+    """The number of S3 requests in flight: AIMD driven by throttling (see module doc).
+
+    ``all`` bounds every request; ``background`` (3/4 of it) is taken in addition by
+    prefetch and warm requests, so demand reads always find a connection.
+    """
+
+    def __init__(self, maximum: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.maximum = maximum
+        self._window = float(maximum)
+        self._clock = clock
+        self._last_cut = -math.inf
+        self._last_throttle = -math.inf
+        self.all = trio.CapacityLimiter(maximum)
+        self.background = trio.CapacityLimiter(max(1, maximum * 3 // 4))
+        metrics.S3_CONCURRENCY_LIMIT.set(maximum)
+
+    @property
+    def limit(self) -> int:
+        return int(self.all.total_tokens)
+
+    def throttled(self, sent_at: float | None) -> None:
+        now = self._clock()
+        self._last_throttle = now
+        if sent_at is not None and sent_at < self._last_cut:
+            return  # sent before the last cut: that cut already answered this round
+        self._last_cut = now
+        self._window = max(1.0, self._window * DECREASE)
+        self._apply()
+
+    def succeeded(self) -> None:
+        if self._window >= self.maximum:
+            return
+        if self._clock() - self._last_throttle >= CALM:
+            self._window += 1.0
+        else:
+            self._window += 1.0 / self._window
+        self._window = min(float(self.maximum), self._window)
+        self._apply()
+
+    def _apply(self) -> None:
+        n = max(1, int(self._window))
+        if n != self.all.total_tokens:
+            self.all.total_tokens = n
+            self.background.total_tokens = max(1, n * 3 // 4)
+            metrics.S3_CONCURRENCY_LIMIT.set(n)
+
+
+@dataclasses.dataclass(slots=True)
+class Got:
+    """A GET's bytes, the check they passed (an integrity CHECKS name, ``etag_md5`` or
+    ``none``) and, if asked for, their CRC."""
+
+    data: bytes
+    check: str = "none"
+    crc: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Episode:
+    """A run of failures of one operation (for the log)."""
+
+    started: float
+    failures: int = 0
+    last_failure: float = 0.0
+    last_log: float = -math.inf
+
+
+class Origin:
+    """S3 for the async rest of cachefs: see the module docstring."""
+
+    def __init__(self, store: ObjectStore, *, max_connections: int = 64,
+                 deadline: float = DEFAULT_DEADLINE, backoff: Backoff | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.store = store
+        self.bucket = store.bucket
+        self.deadline = deadline
+        self.limit = AdaptiveLimit(max_connections)
+        self.latency = LatencyTracker()
+        self.backoff = backoff or Backoff()
+        self._rng = rng or random.Random()
+        self._hedge_tokens = HEDGE_BURST
+        self._exchanges: set[Exchange] = set()
+        self._closed = False
+        # Set to wake every retry wait: at close, and when S3 answers again after an
+        # outage (not after throttling, where a burst is the last thing S3 wants).
+        self._wake = trio.Event()
+        self._outage = False
+        self._episodes: dict[str, _Episode] = {}
+        self._last_warning: dict[str, float] = {}
+        self._md5_disagreements = 0
+        self.check_etags = True
+        metrics.S3_HEDGE_DELAY.set(self.latency.hedge_delay)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop: abort every request in flight, end every retry wait (trio thread)."""
+        self._closed = True
+        self._wake.set()
+        for exchange in list(self._exchanges):
+            exchange.abort()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _stopping(self, where: str) -> TransientStoreError:
+        return TransientStoreError(f"{where}: cachefs is stopping", reason="stopping")
+
+    # -- requests -------------------------------------------------------------------
+    async def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
+                  background: bool = False, crc_kind: str | None = None) -> Got:
+        """Bytes ``[start, end)`` of version ``etag`` of ``key``.
+
+        ``whole``: the range is the whole object; the answer is checked against what S3
+        states about it. ``background``: prefetch or warm (takes the background share of
+        the connections). ``crc_kind``: also compute the bytes' CRC of that kind (in the
+        worker thread). Raises ObjectChanged, NoSuchKey, AccessDenied... at once, and
+        TransientStoreError once the retry deadline has passed.
+        """
+        where = f"s3://{self.bucket}/{key}"
+        failed: list[object] = []  # what the answers that failed their check computed
+        check_etags = self.check_etags
+
+        def fetch(exchange: Exchange) -> Got:  # worker thread
+            body = self.store.get(key, etag, start, end, whole=whole, exchange=exchange)
+            if whole:
+                check = integrity.check_whole(body.data, where=where, stated=body.checksum,
+                                              etag=etag, etag_md5=body.etag_md5 and check_etags)
+                return Got(body.data, check)
+            return Got(body.data, "none",
+                       integrity.crc(crc_kind, body.data) if crc_kind else None)
+
+        async def attempt() -> Got:
+            try:
+                return await self._hedged(fetch, background=background)
+            except IntegrityError as exc:
+                metrics.S3_INTEGRITY_ERRORS.labels(exc.check).inc()
+                if exc.computed in failed:
+                    return self._disagreement(exc, where)
+                failed.append(exc.computed)
+                log.warning("%s", exc)
+                raise
+
+        got = await self._retrying("get", where, attempt)
+        metrics.S3_VERIFIED_BYTES.labels(got.check).inc(len(got.data))
+        return got
+
+    async def list_page(self, prefix: str, token: str | None,
+                        start_after: str | None = None) -> ListPage:
+        """One page of the delimiter listing of ``prefix`` (see ObjectStore.list_page)."""
+        async def attempt() -> ListPage:
+            return await self._call(
+                lambda ex: self.store.list_page(prefix, token, start_after, exchange=ex),
+                self._exchange(), background=False)
+        return await self._retrying("list", f"s3://{self.bucket}/{prefix}", attempt)
+
+    def blocking(self) -> BlockingOrigin:
+        """This origin as a blocking :class:`ObjectStore`, for code that runs in trio worker
+        threads (the listing ranges of :mod:`cachefs.cache.metadata`)."""
+        return BlockingOrigin(self)
+
+    async def full_checksum(self, key: str, etag: str) -> Checksum | None:
+        """The full-object checksum S3 keeps for this version, or None (HEAD)."""
+        async def attempt() -> Checksum | None:
+            return await self._call(lambda ex: self.store.full_checksum(key, etag, ex),
+                                    self._exchange(), background=True)
+        return await self._retrying("head", f"s3://{self.bucket}/{key}", attempt)
+
+    # -- retries ----------------------------------------------------------------------
+    async def _retrying(self, op: str, where: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        first = trio.current_time()
+        n = 0
+        while True:
+            if self._closed:
+                raise self._stopping(where)
+            try:
+                result = await attempt()
+            except TransientStoreError as exc:
+                if self._closed:
+                    raise self._stopping(where) from exc
+                left = first + self.deadline - trio.current_time()
+                if left <= 0:
+                    metrics.S3_DEADLINE_EXCEEDED.labels(op).inc()
+                    log.error("%s: giving up after %.0f s of retries (--retry-deadline %gs): %s",
+                              where, trio.current_time() - first, self.deadline, exc)
+                    raise TransientStoreError(
+                        f"{where}: S3 kept failing for {trio.current_time() - first:.0f} s "
+                        f"(retry deadline): {exc}", throttled=exc.throttled,
+                        reason=exc.reason) from exc
+                metrics.S3_RETRIES.labels(op, exc.reason).inc()
+                self._note_failure(op, exc)
+                if not exc.throttled:
+                    self._outage = True
+                from_s3 = exc.throttled or exc.reason == "server_error"
+                delay = min(self.backoff.delay(n, self._rng, from_s3=from_s3), left)
+                n += 1
+                with trio.move_on_after(delay):
+                    await self._wake.wait()
+                continue
+            self._note_success(op)
+            if self._outage:  # S3 answers again: requests waiting to retry go now
+                self._outage = False
+                self._wake.set()
+                self._wake = trio.Event()
+            return result
+
+    def _disagreement(self, exc: IntegrityError, where: str) -> Got:
+        """Two answers with the same bytes both failed their check: not the transfer but
+        S3's statement disagrees with its bytes. An ETag is not promised to be an MD5
+        (SSE-KMS behind a proxy that drops its header, some S3-compatible servers): the
+        bytes are served. A stated checksum is S3's explicit word on the content: the
+        read fails (EIO) at once rather than serving bytes S3 says are not the object."""
+        metrics.S3_CHECKSUM_DISAGREEMENTS.labels(exc.check).inc()
+        if exc.check != "etag_md5":
+            log.error("%s: S3 serves bytes that disagree with its own stored %s (the same "
+                      "bytes twice): not serving them", where, exc.check)
+            raise StoreError(f"{where}: S3's stored {exc.check} disagrees with the bytes it "
+                             "serves") from exc
+        log.warning("%s: two answers with identical bytes disagree with the ETag: it is not "
+                    "an MD5 of the content; serving the bytes", where)
+        if self.check_etags:
+            self._md5_disagreements += 1
+            if self._md5_disagreements >= MD5_DISAGREEMENTS_TO_STOP:
+                self.check_etags = False
+                log.warning("the ETags of s3://%s are not MD5 digests of the content "
+                            "(%d objects): whole-object reads are no longer checked "
+                            "against ETags", self.bucket, self._md5_disagreements)
+        return Got(exc.data, "disagreed")
+
+    # -- one attempt -------------------------------------------------------------------
+    def _exchange(self) -> Exchange:
+        return Exchange(self.latency.idle_timeout)
+
+    async def _call(self, fn: Callable[[Exchange], T], exchange: Exchange, *,
+                    background: bool) -> T:
+        """Run ``fn(exchange)`` in a worker thread under the connection limit."""
+        if self._closed:
+            raise self._stopping(f"s3://{self.bucket}")
+        self._exchanges.add(exchange)
+        self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
+
+        def run() -> T:  # worker thread
+            exchange.sending()
+            return fn(exchange)
+
+        try:
+            if background:
+                async with self.limit.background:
+                    result = await trio.to_thread.run_sync(
+                        run, limiter=self.limit.all, abandon_on_cancel=True)
+            else:
+                result = await trio.to_thread.run_sync(
+                    run, limiter=self.limit.all, abandon_on_cancel=True)
+        except TransientStoreError as exc:
+            if exc.throttled:
+                self.limit.throttled(exchange.sent_at)
+            raise
+        except BaseException:
+            exchange.abort()  # cancelled: the abandoned thread stops at once
+            raise
+        finally:
+            self._exchanges.discard(exchange)
+        latency = exchange.first_byte_latency
+        if latency is not None:
+            self.latency.observe(latency)
+        self.limit.succeeded()
+        return result
+
+    def _may_hedge(self) -> bool:
+        if self._closed or self._hedge_tokens < 1 or self.limit.all.available_tokens < 1:
+            return False
+        self._hedge_tokens -= 1
+        return True
+
+    async def _hedged(self, fn: Callable[[Exchange], T], *, background: bool) -> T:
+        """One attempt of a GET: a second request if the first goes silent, first
+        complete answer wins, the other is aborted."""
+        done = trio.Event()
+        answers: list[tuple[Exchange, T]] = []
+        errors: list[StoreError] = []
+        live: list[Exchange] = []
+
+        async def run(exchange: Exchange) -> None:
+            try:
+                answers.append((exchange, await self._call(fn, exchange, background=background)))
+            except StoreError as exc:
+                errors.append(exc)
+            finally:
+                live.remove(exchange)
+                if answers or not live:
+                    done.set()
+
+        primary = self._exchange()
+        hedge: Exchange | None = None
+        async with trio.open_nursery() as nursery:
+            live.append(primary)
+            nursery.start_soon(run, primary)
+            while not done.is_set():
+                delay = self.latency.hedge_delay
+                if hedge is None and primary.sent_at is not None:
+                    delay = primary.progress_at + delay - time.monotonic()
+                    if delay <= 0 and not done.is_set():
+                        if self._may_hedge():
+                            hedge = self._exchange()
+                            metrics.S3_HEDGES_SENT.inc()
+                            log.debug("hedging a GET silent for %.1f s",
+                                      time.monotonic() - primary.progress_at)
+                            live.append(hedge)
+                            nursery.start_soon(run, hedge)
+                            continue
+                        delay = self.latency.hedge_delay / 4
+                with trio.move_on_after(max(delay, 0.01)):
+                    await done.wait()
+            nursery.cancel_scope.cancel()
+        if answers:
+            winner, result = answers[0]
+            if winner is hedge:
+                metrics.S3_HEDGES_WON.inc()
+            return result
+        permanent = [e for e in errors if not isinstance(e, TransientStoreError)]
+        raise (permanent or errors)[0]
+
+    # -- the log ------------------------------------------------------------------------
+    def _note_failure(self, op: str, exc: TransientStoreError) -> None:
+        now = trio.current_time()
+        episode = self._episodes.get(op)
+        if episode is None:
+            episode = self._episodes[op] = _Episode(now)
+        episode.failures += 1
+        episode.last_failure = now
+        if now - self._last_warning.get(op, -math.inf) < _LOG_EVERY:
+            return
+        self._last_warning[op] = now
+        if episode.failures == 1:
+            log.warning("S3 %s failed (%s); retrying for up to %gs", op, exc, self.deadline)
+        else:
+            log.warning("S3 %s still failing: %d failures in %.0f s (last: %s)", op,
+                        episode.failures, now - episode.started, exc)
+
+    def _note_success(self, op: str) -> None:
+        episode = self._episodes.get(op)
+        if episode is None:
+            return
+        now = trio.current_time()
+        if now - episode.last_failure < 1.0:
+            return  # still in the thick of it
+        del self._episodes[op]
+        log.info("S3 %s answering again after %.1f s (%d failures retried)", op,
+                 episode.last_failure - episode.started, episode.failures)
+
+
+class BlockingOrigin:
+    """An :class:`Origin` for trio worker threads: each call runs the origin's async
+    request on the trio thread (``trio.from_thread.run``) and waits for it, so it gets the
+    same retries, deadline and connection limit; the calling thread holds no connection
+    while it waits. Only for threads started by ``trio.to_thread.run_sync``."""
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+        self.bucket = origin.bucket
+
+    def list_page(self, prefix: str, token: str | None, start_after: str | None = None,
+                  exchange: Exchange | None = None) -> ListPage:
+        return trio.from_thread.run(self.origin.list_page, prefix, token, start_after)
+
+    def head(self, key: str) -> ObjectInfo:
+        return self.origin.store.head(key)
+
+    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        async def get() -> bytes:
+            return (await self.origin.get(key, etag, start, end)).data
+        return trio.from_thread.run(get)
+
+    def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
+            exchange: Exchange | None = None) -> Body:
+        async def get() -> Body:
+            return Body((await self.origin.get(key, etag, start, end, whole=whole)).data)
+        return trio.from_thread.run(get)
+
+    def full_checksum(self, key: str, etag: str,
+                      exchange: Exchange | None = None) -> Checksum | None:
+        return trio.from_thread.run(self.origin.full_checksum, key, etag)
+
+
+__all__ = ["AdaptiveLimit", "Backoff", "BlockingOrigin", "Got", "LatencyTracker", "Origin"]

@@ -1,0 +1,425 @@
+"""Unit tests of cachefs.s3.origin over MemoryStore: deadlines, waits outside the connection
+limit, adaptive concurrency, hedging, stopping, integrity retries (real worker threads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import trio
+
+from cachefs import metrics
+from cachefs.errors import NoSuchKey, ObjectChanged, StoreError, TransientStoreError
+from cachefs.s3 import origin as origin_mod
+from cachefs.s3.memory import MemoryStore
+from cachefs.s3.origin import AdaptiveLimit, Backoff, Origin
+from cachefs.s3.store import Exchange
+
+FAST = Backoff(base=0.01, cap=0.05)
+
+
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def store_with(**objects: bytes) -> MemoryStore:
+    s = MemoryStore()
+    for k, v in objects.items():
+        s.put(k, v)
+    return s
+
+
+def etag(store: MemoryStore, key: str) -> str:
+    return store._objects[key][1].etag
+
+
+# -- retries and deadlines ----------------------------------------------------------------
+def test_good_request_does_not_wait_for_a_retrying_one() -> None:
+    """A request retrying through an outage of one key must not keep others from the only
+    connection: the waits are trio sleeps outside the limiter."""
+    store = store_with(bad=b"b" * 10, good=b"g" * 10)
+    store.fault = lambda op, key: (_ for _ in ()).throw(TransientStoreError("x")) \
+        if key == "bad" else None
+    origin = Origin(store, max_connections=1, deadline=30, backoff=Backoff(base=5.0, cap=5.0))
+    took: list[float] = []
+
+    async def main() -> None:
+        async def bad() -> None:
+            with pytest.raises(TransientStoreError, match="stopping"):
+                await origin.get("bad", etag(store, "bad"), 0, 10)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bad)
+            await trio.sleep(0.2)
+            t0 = time.monotonic()
+            assert (await origin.get("good", etag(store, "good"), 0, 10)).data == b"g" * 10
+            took.append(time.monotonic() - t0)
+            origin.close()
+
+    trio.run(main)
+    assert took[0] < 2.0  # not behind the 5 s backoff of "bad"
+
+
+def test_retries_run_until_the_deadline_then_fail() -> None:
+    store = store_with(k=b"k")
+    store.fault = lambda op, key: (_ for _ in ()).throw(TransientStoreError("500", reason="server_error"))
+    origin = Origin(store, max_connections=4, deadline=0.5, backoff=FAST)
+    before = sample("cachefs_s3_deadline_exceeded_total", {"op": "get"})
+    retries = sample("cachefs_s3_retries_total", {"op": "get", "reason": "server_error"})
+
+    async def main() -> float:
+        t0 = trio.current_time()
+        with pytest.raises(TransientStoreError, match="retry deadline"):
+            await origin.get("k", etag(store, "k"), 0, 1)
+        return trio.current_time() - t0
+
+    elapsed = trio.run(main)
+    assert elapsed >= 0.5
+    assert store.calls["get"] > 5
+    assert sample("cachefs_s3_deadline_exceeded_total", {"op": "get"}) == before + 1
+    assert sample("cachefs_s3_retries_total", {"op": "get", "reason": "server_error"}) > retries
+
+
+@pytest.mark.parametrize("error", [ObjectChanged("changed"), NoSuchKey("gone")])
+def test_permanent_errors_are_not_retried(error: Exception) -> None:
+    store = store_with(k=b"k")
+
+    def fault(op: str, key: str) -> None:
+        raise error
+
+    store.fault = fault
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    with pytest.raises(type(error)):
+        trio.run(origin.get, "k", etag(store, "k"), 0, 1)
+    assert store.calls["get"] == 1
+
+
+def test_close_ends_retry_waits_at_once() -> None:
+    store = store_with(k=b"k")
+    store.fault = lambda op, key: (_ for _ in ()).throw(TransientStoreError("down"))
+    origin = Origin(store, max_connections=4, deadline=600, backoff=Backoff(base=30, cap=30))
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            async def reader() -> None:
+                with pytest.raises(TransientStoreError, match="stopping"):
+                    await origin.get("k", etag(store, "k"), 0, 1)
+            nursery.start_soon(reader)
+            await trio.sleep(0.2)
+            t0 = time.monotonic()
+            origin.close()
+        return time.monotonic() - t0
+
+    assert trio.run(main) < 2.0
+
+
+def test_close_aborts_a_request_stalled_in_its_thread() -> None:
+    store = store_with(k=b"k")
+    released = threading.Event()
+
+    def stall(key: str, exchange: Exchange) -> None:
+        while not exchange.aborted and not released.is_set():
+            time.sleep(0.01)
+        if exchange.aborted:
+            raise TransientStoreError("aborted", reason="stopping")
+
+    store.on_get = stall
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            async def reader() -> None:
+                with pytest.raises(TransientStoreError, match="stopping"):
+                    await origin.get("k", etag(store, "k"), 0, 1)
+            nursery.start_soon(reader)
+            await trio.sleep(0.3)
+            t0 = time.monotonic()
+            origin.close()
+        return time.monotonic() - t0
+
+    try:
+        assert trio.run(main) < 2.0
+    finally:
+        released.set()
+
+
+def test_cancelled_reader_does_not_wait_for_its_thread() -> None:
+    store = store_with(k=b"k")
+    aborted = threading.Event()
+
+    def stall(key: str, exchange: Exchange) -> None:
+        for _ in range(3000):
+            if exchange.aborted:
+                aborted.set()
+                raise TransientStoreError("aborted", reason="stopping")
+            time.sleep(0.01)
+
+    store.on_get = stall
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        with trio.move_on_after(0.3):
+            await origin.get("k", etag(store, "k"), 0, 1)
+        return time.monotonic() - t0
+
+    assert trio.run(main) < 2.0
+    assert aborted.wait(5)  # the abandoned thread was told to stop
+
+
+# -- adaptive concurrency -------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throttling_cuts_the_limit_once_per_round_and_it_recovers() -> None:
+    clock = Clock()
+    limit = AdaptiveLimit(64, clock=clock)
+    sent = clock.now
+    clock.now += 0.1
+    limit.throttled(sent)
+    assert limit.limit == int(64 * origin_mod.DECREASE)
+    limit.throttled(sent)  # sent before the cut: the same round, no second cut
+    assert limit.limit == int(64 * origin_mod.DECREASE)
+    for _ in range(12):  # every round of throttling cuts again, down to 1
+        clock.now += 0.1
+        limit.throttled(clock.now)
+    assert limit.limit == 1
+    assert limit.background.total_tokens == 1
+    assert sample("cachefs_s3_concurrency_limit") == 1
+    # Successes while throttling is recent grow it slowly (one per window)...
+    for _ in range(10):
+        limit.succeeded()
+    assert limit.limit < 8
+    # ...and once S3 has been calm for a while, quickly (slow start) back to the maximum.
+    clock.now += origin_mod.CALM + 1
+    for _ in range(200):
+        limit.succeeded()
+    assert limit.limit == 64
+    assert limit.background.total_tokens == 48
+    assert sample("cachefs_s3_concurrency_limit") == 64
+
+
+def test_throttled_answers_lower_the_origins_limit() -> None:
+    store = store_with(k=b"k")
+    calls = {"n": 0}
+
+    def fault(op: str, key: str) -> None:
+        calls["n"] += 1
+        if calls["n"] <= 6:
+            raise TransientStoreError("503 SlowDown", throttled=True)
+
+    store.fault = fault
+    origin = Origin(store, max_connections=16, deadline=30, backoff=FAST)
+    assert trio.run(origin.get, "k", etag(store, "k"), 0, 1).data == b"k"
+    assert origin.limit.limit < 16
+
+
+# -- hedging -----------------------------------------------------------------------------
+def test_a_stalled_get_is_hedged_and_the_loser_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(origin_mod, "HEDGE_FLOOR", 0.2)
+    store = store_with(k=b"x" * 1000)
+    first = {"done": False}
+    lock = threading.Lock()
+    aborted = threading.Event()
+
+    def stall_first(key: str, exchange: Exchange) -> None:
+        with lock:
+            mine, first["done"] = not first["done"], True
+        if mine:  # the first request: headers then silence, until aborted
+            exchange.received()
+            while not exchange.aborted:
+                time.sleep(0.01)
+            aborted.set()
+            raise TransientStoreError("aborted", reason="stopping")
+
+    store.on_get = stall_first
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+    sent = sample("cachefs_s3_hedges_sent_total")
+    won = sample("cachefs_s3_hedges_won_total")
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        got = await origin.get("k", etag(store, "k"), 0, 1000, whole=True)
+        assert got.data == b"x" * 1000
+        assert got.check == "etag_md5"
+        return time.monotonic() - t0
+
+    assert trio.run(main) < 5.0
+    assert aborted.wait(5)
+    assert store.calls["get"] == 2
+    assert sample("cachefs_s3_hedges_sent_total") == sent + 1
+    assert sample("cachefs_s3_hedges_won_total") == won + 1
+
+
+def test_a_slow_but_progressing_body_is_not_hedged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(origin_mod, "HEDGE_FLOOR", 0.2)
+    store = store_with(k=b"y" * 100)
+
+    def trickle(key: str, exchange: Exchange) -> None:
+        for _ in range(15):  # 1.5 s in all, a byte every 0.1 s
+            exchange.received()
+            time.sleep(0.1)
+
+    store.on_get = trickle
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+    sent = sample("cachefs_s3_hedges_sent_total")
+    assert trio.run(origin.get, "k", etag(store, "k"), 0, 100).data == b"y" * 100
+    assert store.calls["get"] == 1
+    assert sample("cachefs_s3_hedges_sent_total") == sent
+
+
+def test_hedge_delay_follows_observed_latency() -> None:
+    tracker = origin_mod.LatencyTracker()
+    assert tracker.hedge_delay == origin_mod.HEDGE_FLOOR
+    for _ in range(100):
+        tracker.observe(0.5)
+    assert tracker.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * 0.5)
+    assert tracker.idle_timeout == pytest.approx(origin_mod.IDLE_MULTIPLE * 0.5)
+    for _ in range(300):
+        tracker.observe(0.001)
+    assert tracker.hedge_delay == origin_mod.HEDGE_FLOOR
+    assert tracker.idle_timeout == origin_mod.IDLE_FLOOR
+
+
+# -- integrity ---------------------------------------------------------------------------
+def flip_once(times: int = 1) -> Any:
+    """Alter the first ``times`` answers, each at another place (as in transit)."""
+    left = {"n": times}
+    lock = threading.Lock()
+
+    def mangle(key: str, data: bytes) -> bytes:
+        with lock:
+            if left["n"] <= 0:
+                return data
+            left["n"] -= 1
+            at = left["n"] % len(data)
+        return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+    return mangle
+
+
+@pytest.mark.parametrize("checksum", [None, "crc64nvme", "crc32", "crc32c", "sha256"])
+def test_altered_whole_object_is_retried_never_returned(checksum: str | None) -> None:
+    store = MemoryStore()
+    data = bytes(range(256)) * 40
+    store.put("k", data, checksum=checksum)
+    store.mangle = flip_once(2)
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    check = checksum or "etag_md5"
+    errors = sample("cachefs_s3_integrity_errors_total", {"check": check})
+    got = trio.run(lambda: origin.get("k", etag(store, "k"), 0, len(data), whole=True))
+    assert got.data == data
+    assert got.check == check
+    assert store.calls["get"] == 3
+    assert sample("cachefs_s3_integrity_errors_total", {"check": check}) == errors + 2
+
+
+def test_ranged_gets_are_not_checked_but_may_carry_their_crc() -> None:
+    from cachefs.s3 import integrity
+
+    store = store_with(k=b"z" * 500)
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    got = trio.run(lambda: origin.get("k", etag(store, "k"), 100, 300, crc_kind="crc64nvme"))
+    assert got.data == b"z" * 200
+    assert got.check == "none"
+    assert got.crc == integrity.crc("crc64nvme", b"z" * 200)
+
+
+def test_identical_answers_that_disagree_are_served_and_etag_checks_stop() -> None:
+    store = MemoryStore()
+    for i in range(origin_mod.MD5_DISAGREEMENTS_TO_STOP):
+        store.put(f"k{i}", b"content %d" % i)
+    # A server whose ETags are not MD5 digests: every answer "disagrees", identically.
+    for i in range(origin_mod.MD5_DISAGREEMENTS_TO_STOP):
+        key = f"k{i}"
+        data, info, stated = store._objects[key]
+        store._objects[key] = (data, type(info)(key, info.size, "0" * 32, info.mtime), stated)
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    disagreements = sample("cachefs_s3_checksum_disagreements_total", {"check": "etag_md5"})
+
+    async def main() -> None:
+        for i in range(origin_mod.MD5_DISAGREEMENTS_TO_STOP):
+            got = await origin.get(f"k{i}", "0" * 32, 0, len(b"content %d" % i), whole=True)
+            assert got.data == b"content %d" % i
+    trio.run(main)
+    assert store.calls["get"] == 2 * origin_mod.MD5_DISAGREEMENTS_TO_STOP
+    assert sample("cachefs_s3_checksum_disagreements_total",
+                  {"check": "etag_md5"}) == disagreements + origin_mod.MD5_DISAGREEMENTS_TO_STOP
+    assert not origin.check_etags
+
+
+def test_listing_pages_are_retried_until_the_deadline() -> None:
+    store = store_with(**{"d/a": b"a"})
+    failures = {"left": 3}
+
+    def fault(op: str, key: str) -> None:
+        if op == "list" and failures["left"]:
+            failures["left"] -= 1
+            raise TransientStoreError("503 SlowDown", throttled=True)
+
+    store.fault = fault
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    page = trio.run(origin.list_page, "d/", None)
+    assert [o.key for o in page.objects] == ["d/a"]
+    assert store.calls["list"] == 4
+
+
+def test_a_stated_checksum_that_disagrees_with_identical_bytes_fails_at_once() -> None:
+    store = MemoryStore()
+    store.put("k", b"stored bytes", checksum="crc64nvme")
+    store.mangle = lambda key, data: b"other bytes!"  # the same wrong bytes every time
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+    with pytest.raises(StoreError, match="disagrees") as info:
+        trio.run(lambda: origin.get("k", etag(store, "k"), 0, 12, whole=True))
+    assert not isinstance(info.value, TransientStoreError)
+    assert store.calls["get"] == 2
+
+
+def test_requests_waiting_to_retry_go_as_soon_as_s3_answers_again() -> None:
+    store = store_with(**{f"k{i}": b"v%d" % i for i in range(5)}, probe=b"p")
+    down = {"on": True}
+
+    def fault(op: str, key: str) -> None:
+        if down["on"]:
+            raise TransientStoreError("refused", reason="unreachable")
+
+    store.fault = fault
+    origin = Origin(store, max_connections=8, deadline=60,
+                    backoff=Backoff(base=5.0, cap=5.0, network_cap=5.0))
+    done: list[float] = []
+
+    async def main() -> float:
+        async def reader(i: int) -> None:
+            got = await origin.get(f"k{i}", etag(store, f"k{i}"), 0, 2)
+            assert got.data == b"v%d" % i
+            done.append(time.monotonic())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(reader, i)
+            await trio.sleep(0.3)  # all failed once; each waits up to 5 s to retry
+            down["on"] = False
+            back = time.monotonic()
+            await origin.get("probe", etag(store, "probe"), 0, 1)  # S3 answers again
+        return back
+
+    back = trio.run(main)
+    assert len(done) == 5
+    assert max(done) - back < 2.0  # not their backoff
+
+
+def test_waits_after_broken_connections_are_short_and_after_throttling_long() -> None:
+    import random as random_mod
+
+    backoff = Backoff()
+    rng = random_mod.Random(1)
+    network = [backoff.delay(20, rng, from_s3=False) for _ in range(200)]
+    asked = [backoff.delay(20, rng, from_s3=True) for _ in range(200)]
+    assert max(network) <= backoff.network_cap < 3
+    assert max(asked) > 5 and max(asked) <= backoff.cap

@@ -1,0 +1,395 @@
+"""The shared cache tier on real mounts: origin = moto, shared tier = a real SeaweedFS.
+
+Two S3 servers on loopback, each mount its own daemon process with its own
+empty cache, as separate nodes of one cluster would be. Covered: publishing,
+read-through from the tier (a second node sends no GET to the origin), version
+isolation, corrupt and foreign tier objects, the tier going down mid-read
+(no failed read, one breaker line each way), ``warm --shard`` on several
+mounts, fetch leases for concurrent misses, and SeaweedFS honouring
+``If-None-Match: *`` under a race.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Mount, run_cachefs
+from tests.faultproxy import FaultProxy
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.origin import SeaweedOrigin, s3_client  # noqa: E402
+
+pytestmark = pytest.mark.fuse
+
+BS = 64 * 1024  # small blocks: several per file, quick tests
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedOrigin]:
+    """One SeaweedFS (``weed mini`` on loopback ports of its own) for the session."""
+    origin = SeaweedOrigin(tmp_path_factory.mktemp("seaweed"))
+    try:
+        origin.start()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    yield origin
+    origin.stop()
+
+
+@pytest.fixture
+def tier(seaweed: SeaweedOrigin) -> tuple[Any, str]:
+    """A fresh bucket on the shared store: (client, name)."""
+    client = seaweed.client()
+    name = f"tier-{uuid.uuid4().hex[:10]}"
+    client.create_bucket(Bucket=name)
+    return client, name
+
+
+def _dataset(client: Any, bucket: str, files: int = 6, seed: int = 1) -> dict[str, bytes]:
+    rnd = random.Random(seed)
+    data = {f"ds/f{i}.bin": rnd.randbytes(BS * (1 + i % 3) + 1000 * i) for i in range(files)}
+    for k, v in data.items():
+        client.put_object(Bucket=bucket, Key=k, Body=v)
+    return data
+
+
+def _blocks(data: dict[str, bytes]) -> int:
+    return sum((len(v) + BS - 1) // BS for v in data.values())
+
+
+def _shared_args(endpoint: str, bucket: str, *extra: str) -> list[str]:
+    # A generous latency budget: this machine is shared, and a breaker tripped by a
+    # scheduling hiccup would send reads to the origin (correct, but not what is tested).
+    return ["--block-size", "64K", "--shared-cache", f"s3://{bucket}/cache",
+            "--shared-cache-endpoint-url", endpoint, "--shared-cache-timeout", "10s", *extra]
+
+
+def _wait(cond: Any, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _published(m: Mount) -> float:
+    return m.metric('cachefs_shared_publishes_total{result="stored"}')
+
+
+def _tier_objects(client: Any, bucket: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                   Prefix="cache/v1/"):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = o
+    return out
+
+
+def _read_all(m: Mount, data: dict[str, bytes]) -> None:
+    for key, expected in data.items():
+        assert (m.path / key).read_bytes() == expected, key
+
+
+def test_blocks_are_published_and_a_second_node_reads_them_from_the_tier(
+        bucket, tier, seaweed, mount_factory):
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name)
+    blocks = _blocks(data)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(a, data)
+    assert a.gets() == blocks
+    _wait(lambda: _published(a) == blocks, what="publishes")
+    objects = _tier_objects(tclient, tname)
+    assert len(objects) == blocks
+    head = tclient.head_object(Bucket=tname, Key=next(iter(objects)))
+    assert head["Metadata"]["cachefs-block"].startswith("v1:")
+
+    b = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(b, data)
+    assert b.gets() == 0  # not one GET to the origin
+    total = sum(len(v) for v in data.values())
+    assert b.metric('cachefs_tier_loads_total{tier="shared"}') == blocks
+    assert b.metric('cachefs_tier_loads_total{tier="s3"}') == 0
+    assert b.metric('cachefs_shared_lookups_total{result="hit"}') == blocks
+    assert b.metric("cachefs_shared_get_bytes_total") == total
+
+    # Read again: now from B's own disk cache, nothing more from the tier.
+    _read_all(b, data)
+    assert b.metric('cachefs_shared_lookups_total{result="hit"}') == blocks
+    def status() -> dict[str, Any]:
+        st = run_cachefs("status", "--json", str(b.path))
+        assert st.returncode == 0, st.stderr
+        return json.loads(st.stdout)["shared"]  # type: ignore[no-any-return]
+
+    _wait(lambda: status()["hit_bytes"] == total, what="status snapshot")  # every second
+    shared = status()
+    assert shared["url"] == f"s3://{tname}/cache/" and shared["breaker"] == "closed"
+    assert shared["hit_bytes"] == total and shared["conditional_writes"] is True
+    text = run_cachefs("status", str(b.path)).stdout
+    assert f"shared  s3://{tname}/cache/ (breaker closed)" in text, text
+
+
+def test_a_new_object_version_never_gets_old_blocks(bucket, tier, seaweed, mount_factory):
+    client, name = bucket
+    _, tname = tier
+    old = random.Random(2).randbytes(3 * BS)
+    client.put_object(Bucket=name, Key="v.bin", Body=old)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    assert (a.path / "v.bin").read_bytes() == old
+    _wait(lambda: _published(a) == 3, what="publishes")
+    new = random.Random(3).randbytes(3 * BS)
+    client.put_object(Bucket=name, Key="v.bin", Body=new)  # same size, new ETag
+
+    b = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    assert (b.path / "v.bin").read_bytes() == new
+    assert b.gets() == 3  # the old version's blocks were not taken
+    assert b.metric('cachefs_tier_loads_total{tier="shared"}') == 0
+    _wait(lambda: _published(b) == 3, what="publishes of the new version")
+    assert len(_tier_objects(tier[0], tname)) == 6  # both versions, apart
+
+
+def test_corrupt_and_foreign_tier_objects_are_misses_and_get_replaced(
+        bucket, tier, seaweed, mount_factory):
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name, files=3)
+    blocks = _blocks(data)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(a, data)
+    _wait(lambda: _published(a) == blocks, what="publishes")
+    keys = sorted(_tier_objects(tclient, tname))
+    corrupt, foreign = keys[0], keys[1]
+    obj = tclient.get_object(Bucket=tname, Key=corrupt)
+    body = bytearray(obj["Body"].read())
+    body[100] ^= 0xFF  # one flipped bit, stamp kept
+    tclient.put_object(Bucket=tname, Key=corrupt, Body=bytes(body), Metadata=obj["Metadata"])
+    tclient.put_object(Bucket=tname, Key=foreign, Body=b"not a cachefs block")
+
+    b = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(b, data)  # exact bytes despite the bad objects
+    assert b.metric('cachefs_shared_lookups_total{result="corrupt"}') == 1
+    assert b.metric('cachefs_shared_lookups_total{result="foreign"}') == 1
+    assert b.gets() == 2  # just the two bad blocks, from the origin
+    _wait(lambda: _published(b) == 2, what="replacement publishes")
+
+    c = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(c, data)
+    assert c.gets() == 0  # the tier holds good copies again
+    assert c.metric('cachefs_shared_lookups_total{result="hit"}') == blocks
+
+
+def _fuse_errors(m: Mount) -> float:
+    return sum(v for k, v in m.metrics().items() if k.startswith("cachefs_fuse_errors_total"))
+
+
+@pytest.mark.slow
+def test_tier_going_down_mid_read_fails_no_read(bucket, tier, seaweed, mount_factory):
+    client, name = bucket
+    _, tname = tier
+    data = _dataset(client, name, files=12, seed=4)
+    keys = sorted(data)
+    # One directory each: reading them in order must not start a directory lookahead
+    # (which would load them all at once, sending no request later on).
+    later = {f"later/{i:03d}/f.bin": random.Random(100 + i).randbytes(BS // 4) for i in range(120)}
+    for k, v in later.items():
+        client.put_object(Bucket=name, Key=k, Body=v)
+    with FaultProxy(seaweed.endpoint) as proxy:
+        a = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname))
+        _read_all(a, data)  # publishes everything
+        _read_all(a, later)
+        _wait(lambda: _published(a) == _blocks(data) + len(later), what="publishes")
+        b = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname,
+                                                        "--shared-cache-timeout", "3s"))
+        for key in keys[:4]:
+            assert (b.path / key).read_bytes() == data[key]
+        assert b.gets() == 0, b.log()
+        proxy.plan = lambda method, path, n: "down"  # connections reset from now on
+        for key in keys[4:8]:
+            assert (b.path / key).read_bytes() == data[key]  # from the origin, no error
+        assert b.metric("cachefs_shared_breaker_open") == 1
+        assert b.gets() > 0
+        proxy.plan = lambda method, path, n: "stall"  # accepts, then answers nothing
+        for key in keys[8:]:
+            assert (b.path / key).read_bytes() == data[key]
+        pending = sorted(later)
+
+        def timeouts() -> float:
+            return (b.metric('cachefs_shared_lookups_total{result="timeout"}')
+                    + b.metric('cachefs_shared_publishes_total{result="failed"}'))
+
+        # After each cooldown the breaker lets one trial request through (reads of files
+        # not cached yet are what send requests): into the stall first, then, once the
+        # store answers again, one that succeeds and closes it.
+        while timeouts() == 0 and len(pending) > 60:
+            key = pending.pop(0)
+            assert (b.path / key).read_bytes() == later[key]
+            time.sleep(0.5)
+        assert timeouts() >= 1
+        proxy.plan = lambda method, path, n: "pass"
+        deadline = time.monotonic() + 40  # the longest cooldown is 10 s
+        while b.metric("cachefs_shared_breaker_open") == 1 and time.monotonic() < deadline:
+            key = pending.pop(0)
+            assert (b.path / key).read_bytes() == later[key]
+            time.sleep(0.5)
+        assert b.metric("cachefs_shared_breaker_open") == 0
+        assert _fuse_errors(b) == 0
+        # One line each time the breaker opens and each time it closes (failed trials in
+        # between log nothing); a loaded machine may add a cycle in the healthy phases.
+        log = b.log()
+        opens = b.metric("cachefs_shared_breaker_opens_total")
+        assert opens >= 1 and log.count("circuit breaker open") == opens, log
+        assert log.count("circuit breaker closed") == opens, log
+
+
+def test_warm_shard_on_three_nodes_then_a_fourth_reads_without_the_origin(
+        bucket, tier, seaweed, mount_factory):
+    client, name = bucket
+    _, tname = tier
+    data = _dataset(client, name, files=12, seed=5)
+    blocks = _blocks(data)
+    nodes = [mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+             for _ in range(3)]
+    results: list[Any] = [None] * 3
+
+    def warm(i: int) -> None:
+        results[i] = run_cachefs("warm", str(nodes[i].path), "--shard", f"{i}/3")
+
+    threads = [threading.Thread(target=warm, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        assert r.returncode == 0, r.stderr
+        assert "warmed shard" in r.stdout
+    assert sum(m.gets() for m in nodes) == blocks  # each block crossed once
+    assert all(m.gets() > 0 for m in nodes)  # and the work was shared
+    published = sum(_published(m) for m in nodes)
+    assert published == blocks
+
+    fourth = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(fourth, data)
+    assert fourth.gets() == 0
+    # The same shard again fetches nothing more from the origin (resumable).
+    gets = nodes[0].gets()
+    again = run_cachefs("warm", str(nodes[0].path), "--shard", "0/3")
+    assert again.returncode == 0, again.stderr
+    assert nodes[0].gets() == gets
+
+
+def test_warm_shard_needs_a_shared_tier_and_a_valid_shard(bucket, mount_factory):
+    client, name = bucket
+    _dataset(client, name, files=1)
+    m = mount_factory(f"s3://{name}")
+    r = run_cachefs("warm", str(m.path), "--shard", "0/2")
+    assert r.returncode != 0 and "no shared cache tier" in r.stderr, r.stderr
+    for bad in ("2/2", "x/3", "1", "-1/3"):
+        r = run_cachefs("warm", str(m.path), "--shard", bad)
+        assert r.returncode == 2 and "--shard" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_concurrent_misses_of_one_file_cost_one_origin_fetch(bucket, tier, seaweed,
+                                                             mount_factory):
+    client, name = bucket
+    _, tname = tier
+    big = random.Random(6).randbytes(16 * BS)
+    client.put_object(Bucket=name, Key="big.bin", Body=big)
+    # A 30 s budget: a miss waits up to 3 s for its lease's answer, so a lease write that a
+    # loaded machine delays past a second is still answered before the miss goes ahead.
+    nodes = [mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname),
+                           "--shared-cache-timeout", "30s")
+             for _ in range(3)]
+    for m in nodes:  # listings cached: the reads below start at the same moment
+        assert (m.path / "big.bin").stat().st_size == len(big)
+    barrier = threading.Barrier(3)
+    got: list[bytes] = [b""] * 3
+
+    def read(i: int) -> None:
+        barrier.wait()
+        got[i] = (nodes[i].path / "big.bin").read_bytes()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(g == big for g in got)
+    def total(result: str) -> float:
+        return sum(m.metric(f'cachefs_shared_leases_total{{result="{result}"}}') for m in nodes)
+
+    origin = sum(m.gets() for m in nodes)
+    # Each origin GET is explained: the lease winner's, a node's that went ahead before
+    # its lease was answered (raced), or a waiter's that gave up.
+    assert total("error") == 0 and total("skipped") == 0
+    assert origin == total("won") + total("raced") + total("lost_timeout")
+    # One winner per block (a lease window turning over mid-test may add one); with a
+    # 30 s budget a miss waits up to 3 s for its lease's answer: no races.
+    assert 16 <= total("won") <= 17 and total("raced") == 0
+    hits = sum(m.metric('cachefs_shared_lookups_total{result="hit"}') for m in nodes)
+    assert hits + origin >= 3 * 16  # every node got every block from somewhere
+
+
+def test_seaweedfs_honours_if_none_match_under_a_race(seaweed, tier):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import botocore.exceptions
+
+    _, tname = tier
+    client = s3_client(seaweed.endpoint, max_pool=16)
+    rounds, writers = 5, 8
+    winners = []
+    for r in range(rounds):
+        barrier = threading.Barrier(writers)
+
+        def put(i: int, r: int = r, barrier: threading.Barrier = barrier) -> int:
+            barrier.wait()
+            try:
+                client.put_object(Bucket=tname, Key=f"race/{r}", Body=str(i).encode(),
+                                  IfNoneMatch="*")
+                return 1
+            except botocore.exceptions.ClientError as exc:
+                assert exc.response["ResponseMetadata"]["HTTPStatusCode"] in (409, 412)
+                return 0
+
+        with ThreadPoolExecutor(writers) as pool:
+            winners.append(sum(pool.map(put, range(writers))))
+    assert winners == [1] * rounds
+
+
+def test_a_tier_that_is_down_from_the_start_never_stops_the_mount(bucket, mount_factory):
+    from tests.conftest import free_port
+
+    client, name = bucket
+    data = _dataset(client, name, files=3, seed=7)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--shared-cache", "s3://cache/x",
+                      "--shared-cache-endpoint-url", dead)
+    _read_all(m, data)
+    assert m.gets() == _blocks(data)
+    assert _fuse_errors(m) == 0
+    log = m.log()
+    assert "start-up check failed" in log and log.count("circuit breaker open") == 1
+
+
+def test_a_bad_shared_cache_profile_is_one_line(bucket, mount_factory):
+    _, name = bucket
+    m = mount_factory(f"s3://{name}", "--shared-cache", "s3://cache/x",
+                      "--shared-cache-profile", "no-such-profile", start=False)
+    proc = run_cachefs("mount", m.source, str(m.path), "--cache-dir", str(m.cache_dir),
+                       "--endpoint-url", m.endpoint, *m.extra)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("cachefs: error: --shared-cache-profile: AWS profile "
+                                   "'no-such-profile' not found"), proc.stderr
