@@ -320,8 +320,11 @@ class RequestServer:
             _write(fd, unique, -errno.ENOTTY, None)
             return False
         if opcode == abi.INTERRUPT:
-            # Interrupts are not supported: ENOSYS tells the kernel to stop sending them.
-            _write(fd, abi.INTERRUPT_IN.unpack_from(body)[0], -errno.ENOSYS, None)
+            # Interrupts are not supported: ENOSYS to the INTERRUPT itself (its unique has
+            # FUSE_INT_REQ_BIT set) tells the kernel to stop sending them, and the
+            # interrupted request goes on to its own answer. (Answering the interrupted
+            # request's unique instead would fail that request with ENOSYS.)
+            _write(fd, unique, -errno.ENOSYS, None)
             return False
         if opcode == abi.DESTROY:
             _write(fd, unique, 0, None)
