@@ -42,14 +42,15 @@ def theory(policy: str, c: float) -> float:
 
 
 def run_policy(origin: SeaweedOrigin, work: Path, policy: str, keys: list[str], cache_bytes: int,
-               block: str, epochs: int, workers: int, seed: int) -> list[dict[str, Any]]:
+               block: str, epochs: int, workers: int, seed: int,
+               budget: str | None = None) -> list[dict[str, Any]]:
     mnt, cache = work / f"mnt-{policy}", work / f"cache-{policy}"
     mnt.mkdir(exist_ok=True)
     addr = f"127.0.0.1:{free_ports(1)[0]}"
     env = dict(os.environ, **s3_env())
     cmd = [sys.executable, "-m", "cachefs", "mount", f"s3://{BUCKET}/ds", str(mnt), "--cache-dir",
            str(cache), "--cache-size", str(cache_bytes), "--cache-policy", policy, "--block-size", block,
-           "--memory-budget", "4M" if block == "64K" else "16M", "--endpoint-url", origin.endpoint,
+           "--memory-budget", budget or ("4M" if block == "64K" else "16M"), "--endpoint-url", origin.endpoint,
            "--metrics-addr", addr, "--metadata-ttl", "inf"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -72,7 +73,11 @@ def run_policy(origin: SeaweedOrigin, work: Path, policy: str, keys: list[str], 
             rows.append({"policy": policy, "epoch": epoch, "bytes": total, "seconds": seconds,
                          "hit_ratio": hit / (hit + miss) if hit + miss else 0.0,
                          "s3_bytes": after["cachefs_s3_bytes_total"] - before.get("cachefs_s3_bytes_total", 0),
-                         "cache_used": after.get("cachefs_cache_used_bytes", 0)})
+                         "cache_used": after.get("cachefs_cache_used_bytes", 0),
+                         "prefetch_issued": (after.get("cachefs_prefetch_issued_bytes_total", 0)
+                                             - before.get("cachefs_prefetch_issued_bytes_total", 0)),
+                         "prefetch_used": (after.get("cachefs_prefetch_used_bytes_total", 0)
+                                           - before.get("cachefs_prefetch_used_bytes_total", 0))})
     finally:
         subprocess.run([sys.executable, "-m", "cachefs", "unmount", str(mnt)], env=env)
         if is_mounted(str(mnt)):
@@ -87,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-fraction", type=float, default=0.5)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--folders", type=int, default=50)
+    ap.add_argument("--memory-budget", help="the daemon's --memory-budget (default 4M for files "
+                    "of 64 KiB or less, else 16M)")
     ap.add_argument("--policies", default="keep,lru")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="200 files of 16 KiB, 3 epochs")
@@ -106,20 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     with SeaweedOrigin(work / "s3") as origin:
         origin.ensure_bucket(BUCKET)
         s3 = origin.client(max_pool=16)
-        keys = [f"c{i % 50:02d}/f{i:06d}.bin" for i in range(args.files)]
+        keys = [f"c{i % args.folders:02d}/f{i:06d}.bin" for i in range(args.files)]
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda k: s3.put_object(Bucket=BUCKET, Key="ds/" + k,
                                                   Body=random.Random(k).randbytes(size)), keys))
         for policy in args.policies.split(","):
             rows += run_policy(origin, work, policy, keys, cache_bytes, block, args.epochs, args.workers,
-                               args.seed)
+                               args.seed, args.memory_budget)
     print(f"dataset {args.files} files x {args.file_kb} KiB = {dataset / 1e6:.1f} MB; cache c = {c:.2f} "
           f"of it; {args.epochs} epochs, fresh random order each; co-located SeaweedFS")
-    print(f"{'policy':<8}{'epoch':>6}{'hit ratio':>11}{'theory':>9}{'from S3':>12}{'MB/s':>8}")
+    print(f"{'policy':<8}{'epoch':>6}{'hit ratio':>11}{'theory':>9}{'from S3':>12}{'not from S3':>13}"
+          f"{'prefetched':>12}{'used':>10}{'MB/s':>8}")
     for r in rows:
         expect = 0.0 if r["epoch"] == 1 else theory(r["policy"], c)
         print(f"{r['policy']:<8}{r['epoch']:>6}{r['hit_ratio']:>11.3f}{expect:>9.3f}"
-              f"{r['s3_bytes'] / 1e6:>9.1f} MB{r['bytes'] / r['seconds'] / 1e6:>8.1f}")
+              f"{r['s3_bytes'] / 1e6:>9.1f} MB{1 - r['s3_bytes'] / r['bytes']:>13.3f}"
+              f"{r['prefetch_issued'] / 1e6:>9.1f} MB{r['prefetch_used'] / 1e6:>7.1f} MB"
+              f"{r['bytes'] / r['seconds'] / 1e6:>8.1f}")
     for policy in args.policies.split(","):
         later = [r["hit_ratio"] for r in rows if r["policy"] == policy and r["epoch"] > 1]
         if later:

@@ -230,8 +230,8 @@ OPTIONS: tuple[Option, ...] = (
            "the conventional cachefs port is 9477).", metavar="HOST:PORT"),
     Option("passthrough", _choice("auto", "off"), "auto",
            "Let the kernel read fully cached files straight from the cache (FUSE passthrough: "
-           "needs the passthrough build of pyfuse3, Linux >= 6.9 and CAP_SYS_ADMIN); 'auto' "
-           "uses it when available.", metavar="auto|off"),
+           "needs Linux >= 6.9 and CAP_SYS_ADMIN); 'auto' uses it when available.",
+           metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
            "again ('inf' for immutable datasets); an expired listing is still answered while "
@@ -248,6 +248,9 @@ OPTIONS: tuple[Option, ...] = (
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
     Option("max_connections", parse_int, 64, "Concurrent S3 requests at most.", metavar="N"),
+    Option("fuse_workers", parse_int, 4,
+           "Threads answering FUSE requests (lookups, opens, reads of cached blocks) at once.",
+           metavar="N"),
     Option("retry_deadline", parse_duration, "5m",
            "How long a read or listing keeps retrying S3 through outages, throttling and "
            "timeouts before it fails with EIO ('inf' never gives up).", metavar="DURATION"),
@@ -309,6 +312,7 @@ class MountConfig:
     manifest: str | None
     memory_budget: int
     max_connections: int
+    fuse_workers: int
     retry_deadline: float
     read_ahead: int
     allow_other: bool
@@ -405,6 +409,8 @@ def _check_ranges(cfg: MountConfig) -> None:
         raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:
         raise ConfigError("--max-connections must be between 1 and 1024")
+    if not 1 <= cfg.fuse_workers <= 64:
+        raise ConfigError("--fuse-workers must be between 1 and 64")
     if cfg.retry_deadline < 1:
         raise ConfigError("--retry-deadline must be at least 1s")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:

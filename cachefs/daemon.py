@@ -15,7 +15,8 @@ Order of start-up (each step fails with one clear CachefsError line):
 6. FUSE mounted, kernel readahead raised, readiness announced (pipe to the
    ``cachefs mount`` parent, ``READY=1`` to systemd, runtime registry).
 
-Tasks (all owned by the nursery in :func:`_serve`): pyfuse3's request loop,
+Tasks (all owned by the nursery in :func:`_serve`): the FUSE request server
+(:mod:`cachefs.fuse.server`: worker threads, and its nursery for requests that wait),
 the fetcher's flights, the listings (background refreshes, listing ahead),
 the maintenance loop (last-use batches, LMDB sync), the orphan scan, the
 control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
@@ -38,7 +39,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pyfuse3
 import trio
 
 from cachefs import metrics
@@ -59,6 +59,9 @@ from cachefs.errors import (
     StoreError,
 )
 from cachefs.fs import FileSystem
+from cachefs.fuse import abi
+from cachefs.fuse.device import Device
+from cachefs.fuse.server import RequestServer
 from cachefs.fuse_ops import Operations
 from cachefs.passthrough import Passthrough
 from cachefs.read.budget import MemoryBudget
@@ -78,6 +81,11 @@ MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
 UNMOUNT_POLL = 1.0  # how often the mount table is checked for our mount
 STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
 DRAIN_TIMEOUT = 30.0
+#: After SIGTERM, files still open keep the (lazily unmounted) connection alive this
+#: long before it is aborted.
+STOP_GRACE = 5.0
+#: Mount options always given (the kernel checks permissions against our attributes).
+DEFAULT_OPTIONS = frozenset({"default_permissions"})
 
 
 def set_kernel_readahead(mountpoint: Path, read_ahead: int) -> None:
@@ -193,6 +201,9 @@ class Daemon:
         self.cfg = cfg
         self.started_at = time.time()
         self.env: LmdbEnv | None = None
+        self.device: Device | None = None
+        self.server: RequestServer | None = None
+        self._dev = ""  # major:minor of the mount, for aborting its connection
         self.shared: SharedTier | None = None
 
     def run(self, on_ready: Callable[[], None]) -> None:
@@ -207,7 +218,13 @@ class Daemon:
             try:
                 self._run_locked(env, on_ready)
             finally:
-                env.close()
+                # No request worker may touch the index once it is closed.
+                if self.server is None or self.server.stop(timeout=10.0):
+                    env.close()
+                else:
+                    log.warning("request workers still busy at exit; the index is synced, "
+                                "not closed")
+                    env.sync()
 
     def _run_locked(self, env: LmdbEnv, on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
@@ -253,10 +270,9 @@ class Daemon:
         if manifest_path is not None:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
-        passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
-                                  limiter=disk_limiter)
-        if cfg.passthrough == "auto" and not passthrough.enabled:
-            log.info("FUSE passthrough unavailable (this pyfuse3 build lacks it): "
+        passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto")
+        if cfg.passthrough == "auto" and not passthrough.wanted:
+            log.info("FUSE passthrough unavailable (it needs Linux 6.9 or newer): "
                      "cachefs serves reads itself")
         # Every speculative fetch goes through one prefetcher; the policies below (and
         # the sequential detector of each handle) decide what is worth fetching.
@@ -265,45 +281,61 @@ class Daemon:
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
                                lookahead_bytes=max_readahead * 4)
-        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries)
+        root = cfg.source.prefix
+
+        def next_dir(prefix: str) -> str | None:
+            return metadata.next_dir(prefix, root)
+
+        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
                         read_order=read_order, lookahead=lookahead, backing=passthrough)
         warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
                                 warmer=warmer, root_prefix=cfg.source.prefix)
+
+        def on_init(result: abi.Negotiated) -> None:
+            # Passthrough needs the kernel's grant at INIT (and CAP_SYS_ADMIN, tried at
+            # the first open of a cached file).
+            if passthrough.wanted and not result.passthrough:
+                log.info("FUSE passthrough unavailable (the kernel did not grant it): "
+                         "cachefs serves reads itself")
+            passthrough.attach_device(self.device if result.passthrough else None)
+
         ops = Operations(
             fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
             gid=os.getgid() if cfg.gid is None else cfg.gid,
             file_mode=cfg.file_mode, dir_mode=cfg.dir_mode,
             attr_timeout=min(cfg.metadata_ttl, 86400.0),
             statfs_bytes=lambda: (cache.capacity, cache.used),
-            enable_passthrough=passthrough.enabled)
+            on_init=on_init)
 
-        options = set(pyfuse3.default_options)
+        options = set(DEFAULT_OPTIONS)
         options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}
         if cfg.allow_other:
             options.add("allow_other")
         try:
-            pyfuse3.init(ops, str(cfg.mountpoint), options)
+            self.device = device = Device.mount(cfg.mountpoint, options)
         except RuntimeError as exc:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
+        self._dev = registry.mount_device(cfg.mountpoint) or ""
+        self.server = server = RequestServer(device.dup, ops, workers=cfg.fuse_workers,
+                                             want_passthrough=passthrough.wanted)
+        fs.post = server.post
         unmounted = False
         try:
-            trio.run(self._serve, origin, fetcher, metadata, read_order, control, passthrough,
-                     cache, env, shared, on_ready)
+            trio.run(self._serve, server, origin, fetcher, metadata, read_order, control,
+                     passthrough, cache, env, shared, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
             sd_notify("STOPPING=1")
-            try:
-                pyfuse3.close(
-                    unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
-            except Exception:  # the mount may already be gone
-                log.debug("pyfuse3.close failed", exc_info=True)
+            device.close(
+                unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
             cache.flush_touches(cache.take_touches())
 
-    async def _serve(self, origin: Origin, fetcher: Fetcher, metadata: Metadata,
+    async def _serve(self, server: RequestServer, origin: Origin, fetcher: Fetcher,
+                     metadata: Metadata,
                      read_order: ReadOrder,
                      control: ControlServer, passthrough: Passthrough, cache: BlockCache,
                      env: LmdbEnv, shared: SharedTier | None,
@@ -320,7 +352,7 @@ class Daemon:
             await nursery.start(read_order.run)
             await nursery.start(control.serve)
             async with trio.open_nursery() as fuse_nursery:
-                fuse_nursery.start_soon(pyfuse3.main)
+                await fuse_nursery.start(server.run)
                 # The kernel applies the file system's INIT reply to the mount's readahead,
                 # so raise it only after INIT: a stat() is answered only after INIT.
                 await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
@@ -346,10 +378,11 @@ class Daemon:
     async def _watch_unmount(self, origin: Origin) -> None:
         """Stop S3 requests as soon as the mount is gone from the mount table.
 
-        pyfuse3's loop returns only once every request in flight is answered, and an
-        unmount (plain, with the kernel's own readahead in flight, or lazy, with readers
-        still blocked) says nothing to the daemon: reads waiting on S3 through an outage
-        would hold the daemon until their retry deadline. They fail at once instead.
+        The request server ends only once every file is closed and every request in
+        flight answered, and an unmount (plain, with the kernel's own readahead in
+        flight, or lazy, with readers still blocked) says nothing to the daemon: reads
+        waiting on S3 through an outage would hold the daemon until their retry
+        deadline. They fail at once instead.
         """
         device = await trio.to_thread.run_sync(registry.mount_device, self.cfg.mountpoint)
         if device is None:
@@ -383,11 +416,26 @@ class Daemon:
                 if signum == signal.SIGHUP:
                     continue
                 log.info("received %s; unmounting", signal.Signals(signum).name)
-                # pyfuse3's loop ends once the requests in flight are answered: reads
-                # waiting on S3 (an outage) fail now instead of at their retry deadline.
+                # Reads waiting on S3 (an outage) fail now instead of at their retry
+                # deadline, so their files are closed and the connection can end.
                 origin.close()
-                pyfuse3.terminate()
+                await self._stop_serving()
                 return
+
+    async def _stop_serving(self) -> None:
+        """Unmount (lazily: files still open keep the connection for STOP_GRACE seconds),
+        then abort the connection, which ends the request server."""
+        device, server = self.device, self.server
+        if device is None or server is None:
+            return
+        await trio.to_thread.run_sync(lambda: device.close(unmount=True))
+        with trio.move_on_after(STOP_GRACE):
+            await server.stopped()
+            return
+        if not Device.abort(self._dev):
+            log.warning("files are still open on the unmounted %s; stopping anyway",
+                        self.cfg.mountpoint)
+        server.cancel()
 
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
         """Status snapshot every second; last-use batches and an LMDB sync every few

@@ -15,9 +15,15 @@ kernel looks the name up again and finds the current version (a new inode).
 The root is inode 1. Paths are S3 keys: a directory's ``prefix`` ends with
 ``/`` (the root's is the mount prefix), a file's ``key`` is its object key.
 
-Concurrency: every method runs on the trio thread. ``_handles`` and
-``_dirs`` are only touched there, and never across an ``await`` in a way that
-assumes they did not change.
+Concurrency: the ``*_now`` methods and :meth:`release`/:meth:`releasedir` run on
+the FUSE request workers (any thread, several at once); they read the index and
+local files, and never touch what belongs to the trio thread (listings being
+made, fetches, prefetch state): work for it is handed over with :attr:`post`
+(in order, soon), and a request that must wait for it raises :class:`NeedsWait`,
+after which the async method of the same name answers it on the trio thread.
+``_handles`` is only changed by single dictionary operations (atomic under the
+GIL) and handle numbers come from one counter; ``_dirs`` is guarded by
+``_dirs_lock``.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import dataclasses
 import errno
 import itertools
 import logging
-from collections.abc import Iterator
-from typing import Protocol
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from cachefs.cache.metadata import Entry, Metadata
 from cachefs.errors import NoSuchKey, ObjectChanged
@@ -49,13 +56,19 @@ class BackingFiles(Protocol):
     only needs these two calls, so it stays free of pyfuse3.
     """
 
-    async def open(self, ino: int, obj: ObjectVersion) -> int:
-        """A backing id for a new handle of ``ino`` (the kernel reads the file), or 0."""
+    def open(self, ino: int, obj: ObjectVersion) -> int:
+        """A backing id for a new handle of ``ino`` (the kernel reads the file), or 0.
+        Any thread; may wait on the disk (it verifies the file the first time)."""
         ...
 
     def release(self, ino: int, backing_id: int) -> None:
         """The handle opened with answer ``backing_id`` is closed."""
         ...
+
+
+class NeedsWait(Exception):
+    """A ``*_now`` method cannot answer without waiting on the trio thread (a listing
+    not there yet, a block to fetch): ask the async method instead."""
 
 
 class FsError(Exception):
@@ -85,8 +98,8 @@ class FileHandle:
     fh: int
     node: Node
     obj: ObjectVersion
-    stream: ReadStream
     backing_id: int = 0  # > 0: the kernel reads the cache file itself (passthrough)
+    stream: ReadStream | None = None  # made at the first read through the trio thread
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,6 +127,10 @@ class FileSystem:
         self.max_readahead = max_readahead
         self._root = Node(ROOT_INODE, True, root_prefix, "", b"")
         self._dirs: dict[int, Node] = {}
+        self._dirs_lock = threading.Lock()
+        #: Runs ``fn(*args)`` on the trio thread soon (the request server sets it; the
+        #: default, for callers already on the trio thread, runs it at once).
+        self.post: Callable[..., None] = _call
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
         # Files that will be read next: the sampler's order (hints) and directory walks.
@@ -129,21 +146,27 @@ class FileSystem:
                     entry.size, entry.mtime, entry.etag)
 
     def node(self, ino: int) -> Node:
-        """The inode ``ino``; FsError(ESTALE) when its version is no longer listed."""
+        """The inode ``ino``; FsError(ESTALE) when its version is no longer listed. Any
+        thread (a refresh a stale listing needs is posted to the trio thread)."""
         if ino == ROOT_INODE:
             return self._root
         node = self._dirs.get(ino)
         if node is not None:
             return node
-        found = self.metadata.resolve(ino)
+        found, due = self.metadata.resolve_now(ino)
+        if due is not None:
+            self.post(self.metadata.view, due)
         if found is None:
             raise FsError(errno.ESTALE, f"inode {ino} is no longer listed")
         node = self._node_for(*found)
         if node.is_dir:
-            if len(self._dirs) >= DIR_CACHE:
-                self._dirs.pop(next(iter(self._dirs)))
-            self._dirs[ino] = node
+            with self._dirs_lock:
+                if len(self._dirs) >= DIR_CACHE:
+                    self._dirs.pop(next(iter(self._dirs)))
+                self._dirs[ino] = node
         return node
+
+    node_now = node
 
     def forget(self, ino: int, nlookup: int) -> None:
         """The kernel dropped references: nothing is kept per inode, nothing to free."""
@@ -154,6 +177,23 @@ class FileSystem:
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
         return node
+
+    def lookup_now(self, parent_ino: int, name: bytes) -> Node:
+        """:meth:`lookup` without waiting (any thread); NeedsWait when the directory's
+        listing has not reached ``name`` yet."""
+        parent = self._dir(parent_ino)
+        if name == b".":
+            return parent
+        if name == b"..":
+            return self._parent_of(parent)
+        known, entry, due = self.metadata.lookup_now(parent.path, name)
+        if due:
+            self.post(self.metadata.view, parent.path)
+        if not known:
+            raise NeedsWait
+        if entry is None:
+            raise FsError(errno.ENOENT)
+        return self._node_for(parent.path, entry)
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""
@@ -172,7 +212,7 @@ class FileSystem:
             return self._root
         grand = node.parent_prefix[:node.parent_prefix.rstrip("/").rfind("/") + 1]
         name = node.parent_prefix[len(grand):-1].encode("utf-8", "surrogateescape")
-        entry = self.metadata.get(grand, name)
+        _, entry, _ = self.metadata.lookup_now(grand, name)
         return self._node_for(grand, entry) if entry is not None and entry.is_dir else self._root
 
     async def getattr(self, ino: int) -> Node:
@@ -229,27 +269,48 @@ class FileSystem:
         self._handles.pop(fh, None)
 
     # -- files ------------------------------------------------------------------------------
-    async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
-        """Open a file; returns (handle, keep_cache, backing_id). keep_cache is always
-        True: an inode is one object version, so the kernel's page cache of it can never
-        hold bytes of another version. A backing_id > 0 means the kernel reads the
-        object's cache file itself (see :mod:`cachefs.passthrough`). ``reader`` (the
-        opening thread's id, 0 if unknown) lets directory lookahead follow each
-        reader's walk."""
+    def open_now(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
+        """Open a file (any thread; never waits on the trio thread, may wait on the disk
+        when passthrough verifies the file); returns (handle, keep_cache, backing_id).
+        keep_cache is always True: an inode is one object version, so the kernel's page
+        cache of it can never hold bytes of another version. A backing_id > 0 means the
+        kernel reads the object's cache file itself (see :mod:`cachefs.passthrough`).
+        ``reader`` (the opening thread's id, 0 if unknown) lets directory lookahead
+        follow each reader's walk."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         obj = ObjectVersion(node.path, node.etag, node.size)
-        self.read_order.on_open(node.path)
-        self.lookahead.on_open(node.parent_prefix, node.name, reader)
-        backing_id = await self.backing.open(ino, obj) if self.backing else 0
+        # Prefetches start on the trio thread; the open does not wait for them, and only
+        # an open that moves a hinted order or a walk in order costs a hand-over.
+        if self.read_order.moves(node.path):
+            self.post(self.read_order.on_open, node.path)
+        due = self.lookahead.observe(node.parent_prefix, node.name, node.ino, reader)
+        if due:
+            self.post(self.lookahead.issue, due)
+        backing_id = self.backing.open(ino, obj) if self.backing else 0
         fh = next(self._next_fh)
-        self._handles[fh] = FileHandle(
-            fh, node, obj,
-            ReadStream(size=obj.size, block_size=self.fetcher.block_size,
-                       max_window=self.max_readahead),
-            backing_id)
+        self._handles[fh] = FileHandle(fh, node, obj, backing_id)
         return fh, True, backing_id
+
+    async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
+        return self.open_now(ino, reader)
+
+    def read_now(self, fh: int, offset: int, size: int) -> bytes:
+        """:meth:`read` of blocks in memory or on local disk (any thread: reads and
+        verifies the disk cache itself); NeedsWait when a block must be fetched or is
+        being loaded, or when reads ahead are due (files with blocks after this read)."""
+        handle = self._handles.get(fh)
+        if not isinstance(handle, FileHandle):
+            raise FsError(errno.EBADF)
+        obj = handle.obj
+        f = self.fetcher
+        if min(offset + size, obj.size) < obj.size and f.block_count(obj) > 1:
+            raise NeedsWait  # the sequential prefetcher must see this read (trio thread)
+        data = f.read_now(obj, offset, size)
+        if data is None:
+            raise NeedsWait
+        return data
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles.get(fh)
@@ -258,6 +319,9 @@ class FileSystem:
         obj = handle.obj
         # Prefetch flights are started first but cannot starve this read: they may use
         # only a share of the S3 connections (see Fetcher), and never wait for budget.
+        if handle.stream is None:
+            handle.stream = ReadStream(size=obj.size, block_size=self.fetcher.block_size,
+                                       max_window=self.max_readahead)
         self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
             return await self.fetcher.read(obj, offset, size)
@@ -278,3 +342,7 @@ class FileSystem:
     @property
     def open_handles(self) -> int:
         return sum(1 for h in self._handles.values() if isinstance(h, FileHandle))
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> None:
+    fn(*args)

@@ -1,11 +1,17 @@
-"""The pyfuse3 adapter: FUSE requests -> :class:`cachefs.fs.FileSystem`.
+"""FUSE operations: requests -> :class:`cachefs.fs.FileSystem` -> replies.
 
-Thin by design: it converts arguments and results and holds the one table
-that maps errors to errno (:func:`errno_for`). Every handler is wrapped by
-:func:`_handler`: it counts and times the request, turns known errors into
-their errno, and turns any unexpected exception into EIO plus a logged
-traceback and ``cachefs_fuse_internal_errors_total`` -- never a dead mount
-(pyfuse3 ends ``main()`` on any exception that is not a FUSEError).
+The handlers the request server (:mod:`cachefs.fuse.server`) calls, and the
+one table that maps errors to errno (:func:`errno_for`). Each operation has an
+*inline* handler, run on a request worker thread (lookups, attributes, opens,
+reads of cached blocks, releases: everything that can be answered from the
+index and the local disk), and/or an *async* handler run on the trio thread
+for what must wait (a directory being listed, a block being fetched, directory
+reads). An inline handler hands a request to the async one by letting
+:class:`cachefs.fs.NeedsWait` through (the server sees it as ``Deferred``).
+
+Error handling: known errors become their errno; any unexpected exception
+becomes EIO plus a logged traceback and ``cachefs_fuse_internal_errors_total``
+-- never a dead mount.
 
 The file system is read-only: every modifying operation answers EROFS (the
 mount also carries the ``ro`` option, so the kernel usually answers first).
@@ -14,15 +20,10 @@ mount also carries the ``ro`` option, so the kernel usually answers first).
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
-import stat
-import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, ParamSpec, TypeVar
-
-import pyfuse3
+from collections.abc import Callable
+from typing import Any
 
 from cachefs import metrics
 from cachefs.errors import (
@@ -35,12 +36,11 @@ from cachefs.errors import (
     StoreError,
     TransientStoreError,
 )
-from cachefs.fs import FileSystem, FsError, Node
+from cachefs.fs import FileSystem, FsError, NeedsWait, Node
+from cachefs.fuse import abi
+from cachefs.fuse.server import AsyncHandler, Deferred, Handlers, InlineHandler, Reply, Request
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-P = ParamSpec("P")
 
 # The one place errors become errno values.
 _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
@@ -54,12 +54,22 @@ _ERRNO_TABLE: tuple[tuple[type[BaseException], int], ...] = (
     (CacheError, errno.EIO),
 )
 
+#: The operations served, with the name their metrics carry (READDIR and READDIRPLUS are
+#: both "readdir"; everything else gets ENOSYS or, when it would modify, EROFS).
+OP_NAMES: dict[int, str] = {
+    abi.LOOKUP: "lookup", abi.GETATTR: "getattr", abi.STATFS: "statfs", abi.ACCESS: "access",
+    abi.OPEN: "open", abi.READ: "read", abi.RELEASE: "release", abi.OPENDIR: "opendir",
+    abi.READDIRPLUS: "readdir", abi.READDIR: "readdir", abi.RELEASEDIR: "releasedir",
+    abi.GETXATTR: "getxattr", abi.LISTXATTR: "listxattr",
+}
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+_ENOATTR = getattr(errno, "ENOATTR", errno.ENODATA)
+
 
 def errno_for(exc: BaseException) -> int | None:
     """The errno for a known error, or None for an unexpected exception."""
     if isinstance(exc, FsError):
-        return exc.errno
-    if isinstance(exc, pyfuse3.FUSEError):
         return exc.errno
     for kind, code in _ERRNO_TABLE:
         if isinstance(exc, kind):
@@ -67,181 +77,178 @@ def errno_for(exc: BaseException) -> int | None:
     return None
 
 
-def _handler(
-    op: str,
-) -> Callable[[Callable[P, Coroutine[Any, Any, T]]], Callable[P, Coroutine[Any, Any, T]]]:
-    def wrap(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-        requests = metrics.FUSE_REQUESTS.labels(op)
-        latency = metrics.FUSE_LATENCY.labels(op)
-
-        @functools.wraps(fn)
-        async def handler(*args: P.args, **kwargs: P.kwargs) -> T:
-            requests.inc()
-            t0 = time.perf_counter()
-            try:
-                return await fn(*args, **kwargs)
-            except Exception as exc:
-                code = errno_for(exc)
-                if code is None:
-                    metrics.FUSE_INTERNAL_ERRORS.inc()
-                    log.exception("unexpected error in %s; answering EIO", op)
-                    code = errno.EIO
-                elif code not in (errno.ENOENT, errno.EROFS) and not (
-                        isinstance(exc, FsError) and code == errno.ESTALE):
-                    # (an inode of an object version no longer listed is routine: the
-                    # kernel looks the name up again)
-                    log.warning("%s failed: %s (%s)", op, exc, errno.errorcode.get(code))
-                metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(code, str(code))).inc()
-                raise pyfuse3.FUSEError(code) from None
-            finally:
-                latency.observe(time.perf_counter() - t0)
-        return handler
-    return wrap
+def _name(body: bytes | memoryview) -> bytes:
+    """A NUL-terminated name argument."""
+    raw = bytes(body)
+    end = raw.find(b"\0")
+    return raw if end < 0 else raw[:end]
 
 
-class Operations(pyfuse3.Operations):  # type: ignore[misc]
-    """pyfuse3 request handlers over a :class:`FileSystem`."""
-
-    supports_dot_lookup = True
-    enable_writeback_cache = False
-    enable_acl = False
+class Operations(Handlers):
+    """Request handlers over a :class:`FileSystem` (see the module docstring)."""
 
     def __init__(self, fs: FileSystem, *, uid: int, gid: int, file_mode: int, dir_mode: int,
                  attr_timeout: float, statfs_bytes: Callable[[], tuple[int, int]],
-                 enable_passthrough: bool = False) -> None:
-        super().__init__()
+                 on_init: Callable[[abi.Negotiated], None] | None = None) -> None:
         self.fs = fs
-        # Read by the passthrough build of pyfuse3 at FUSE INIT (see third_party/).
-        self.enable_passthrough = enable_passthrough
         self.uid = uid
         self.gid = gid
         self.file_mode = file_mode
         self.dir_mode = dir_mode
         self.attr_timeout = attr_timeout
+        self._timeout = abi.split_timeout(attr_timeout)
         self._statfs_bytes = statfs_bytes
+        self._on_init = on_init
+        self._opened = metrics.FastCounter()
+        self._released = metrics.FastCounter()
+        metrics.OPEN_HANDLES.set_function(lambda: self._opened.value - self._released.value)
+        self._read_bytes = metrics.READ_BYTES
 
-    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = node.ino
-        a.generation = 0
-        a.entry_timeout = self.attr_timeout
-        a.attr_timeout = self.attr_timeout
-        if node.is_dir:
-            a.st_mode = stat.S_IFDIR | self.dir_mode
-            a.st_nlink = 2
-            a.st_size = 0
-        else:
-            a.st_mode = stat.S_IFREG | self.file_mode
-            a.st_nlink = 1
-            a.st_size = node.size
-        a.st_uid = self.uid
-        a.st_gid = self.gid
-        a.st_rdev = 0
-        a.st_blksize = 1 << 20
-        a.st_blocks = (a.st_size + 511) // 512
-        ns = int(node.mtime * 1e9)
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
-        return a
+    # -- the server's interface ----------------------------------------------------------
+    def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
+        handlers: dict[int, tuple[InlineHandler | None, AsyncHandler | None]] = {
+            abi.LOOKUP: (self.lookup, self.lookup_async),
+            abi.GETATTR: (self.getattr, None),
+            abi.STATFS: (self.statfs, None),
+            abi.ACCESS: (self.access, None),
+            abi.OPEN: (self.open, None),
+            abi.READ: (self.read, self.read_async),
+            abi.RELEASE: (self.release, None),
+            abi.OPENDIR: (None, self.opendir),
+            abi.READDIRPLUS: (None, self.readdirplus),
+            abi.READDIR: (None, self.readdir),
+            abi.RELEASEDIR: (self.releasedir, None),
+            abi.GETXATTR: (self.getxattr, None),
+            abi.LISTXATTR: (self.listxattr, None),
+        }
+        return {op: (OP_NAMES[op], *pair) for op, pair in handlers.items()}
 
-    # -- metadata -----------------------------------------------------------------
-    @_handler("lookup")
-    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
-        return self._attrs(await self.fs.lookup(parent_inode, name))
+    def error_code(self, op: str, exc: BaseException) -> int:
+        if isinstance(exc, NeedsWait):  # an inline-only handler cannot wait: a bug
+            exc = RuntimeError(f"{op} cannot wait for the trio thread")
+        code = errno_for(exc)
+        if code is None:
+            metrics.FUSE_INTERNAL_ERRORS.inc()
+            log.error("unexpected error in %s; answering EIO", op, exc_info=exc)
+            return errno.EIO
+        if code not in (errno.ENOENT, errno.EROFS, _ENOATTR) and not (
+                isinstance(exc, FsError) and code == errno.ESTALE):
+            # (an inode of an object version no longer listed is routine: the kernel
+            # looks the name up again)
+            log.warning("%s failed: %s (%s)", op, exc, errno.errorcode.get(code))
+        return code
 
-    @_handler("getattr")
-    async def getattr(self, inode: int, ctx: Any = None) -> Any:
-        return self._attrs(await self.fs.getattr(inode))
+    def negotiated(self, result: abi.Negotiated) -> None:
+        if self._on_init is not None:
+            self._on_init(result)
 
-    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for ino, nlookup in inode_list:
-            self.fs.forget(ino, nlookup)
+    # -- attributes ----------------------------------------------------------------------
+    def _attr(self, node: Node) -> bytes:
+        return abi.attr(node.ino, node.is_dir, node.size, node.mtime, uid=self.uid,
+                        gid=self.gid, file_mode=self.file_mode, dir_mode=self.dir_mode)
 
-    @_handler("statfs")
-    async def statfs(self, ctx: Any = None) -> Any:
+    def _entry(self, node: Node) -> bytes:
+        return abi.entry_out(node.ino, self._attr(node), self._timeout)
+
+    # -- metadata --------------------------------------------------------------------------
+    def lookup(self, req: Request) -> Reply:
+        try:
+            return self._entry(self.fs.lookup_now(req.nodeid, _name(req.body)))
+        except NeedsWait:
+            raise Deferred from None
+
+    async def lookup_async(self, req: Request) -> Reply:
+        return self._entry(await self.fs.lookup(req.nodeid, _name(req.body)))
+
+    def getattr(self, req: Request) -> Reply:
+        return abi.attr_out(self._attr(self.fs.node_now(req.nodeid)), self._timeout)
+
+    def statfs(self, req: Request) -> Reply:
         capacity, used = self._statfs_bytes()
-        s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = capacity // 4096
-        s.f_bfree = s.f_bavail = max(0, capacity - used) // 4096
-        s.f_files = 0  # inodes are not counted: nothing is kept per inode
-        s.f_ffree = s.f_favail = 0
-        s.f_namemax = 255
-        return s
+        return abi.statfs_out(capacity, used)
 
-    # -- directories -------------------------------------------------------------------
-    @_handler("opendir")
-    async def opendir(self, inode: int, ctx: Any = None) -> int:
-        return await self.fs.opendir(inode)
+    def access(self, req: Request) -> Reply:
+        mask = abi.ACCESS_IN.unpack_from(req.body)[0]
+        if mask & os.W_OK:
+            raise FsError(errno.EROFS)
+        self.fs.node_now(req.nodeid)
+        return None
 
-    @_handler("readdir")
-    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        entries = await self.fs.readdir(fh, start_id)
+    def getxattr(self, req: Request) -> Reply:
+        raise FsError(_ENOATTR)
+
+    def listxattr(self, req: Request) -> Reply:
+        size = abi.GETXATTR_IN.unpack_from(req.body)[0]
+        return abi.GETXATTR_OUT.pack(0, 0) if size == 0 else b""
+
+    # -- files -------------------------------------------------------------------------------
+    def open(self, req: Request) -> Reply:
+        flags = abi.OPEN_IN.unpack_from(req.body)[0]
+        if flags & _WRITE_FLAGS:
+            raise FsError(errno.EROFS)
+        fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid)
+        self._opened.inc()
+        if backing_id:
+            # The kernel reads the cache file itself; it refuses keep_cache with it.
+            return abi.open_out(fh, abi.FOPEN_PASSTHROUGH, backing_id)
+        return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
+
+    def read(self, req: Request) -> Reply:
+        fh, offset, size, _ = abi.READ_IN.unpack_from(req.body)
+        try:
+            data = self.fs.read_now(fh, offset, size)
+        except NeedsWait:
+            raise Deferred from None
+        self._read_bytes.inc(len(data))
+        return data
+
+    async def read_async(self, req: Request) -> Reply:
+        fh, offset, size, _ = abi.READ_IN.unpack_from(req.body)
+        data = await self.fs.read(fh, offset, size)
+        self._read_bytes.inc(len(data))
+        return data
+
+    def release(self, req: Request) -> Reply:
+        self.fs.release(abi.RELEASE_IN.unpack_from(req.body)[0])
+        self._released.inc()
+        return None
+
+    # -- directories ---------------------------------------------------------------------
+    async def opendir(self, req: Request) -> Reply:
+        return abi.open_out(await self.fs.opendir(req.nodeid), 0)
+
+    async def readdirplus(self, req: Request) -> Reply:
+        return await self._readdir(req, plus=True)
+
+    async def readdir(self, req: Request) -> Reply:
+        return await self._readdir(req, plus=False)
+
+    async def _readdir(self, req: Request, *, plus: bool) -> Reply:
+        fh, start, size, _ = abi.READ_IN.unpack_from(req.body)
+        entries: Any = await self.fs.readdir(fh, start)
+        out: list[bytes] = []
+        used = 0
+        last: tuple[int, Node] | None = None
         try:
             for position, node in entries:
-                if not pyfuse3.readdir_reply(token, node.name, self._attrs(node), position):
+                if plus:
+                    rec = abi.dirent_plus(self._entry(node), node.ino, position, node.name,
+                                          node.is_dir)
+                else:
+                    rec = abi.dirent(node.ino, position, node.name, node.is_dir)
+                if used + len(rec) > size:
                     break
-                self.fs.readdir_progress(fh, position, node)
+                out.append(rec)
+                used += len(rec)
+                last = position, node
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
+        if last is not None:
+            self.fs.readdir_progress(fh, last[0], last[1])
+        return b"".join(out)  # one buffer: a writev takes at most IOV_MAX (1024) parts
 
-    @_handler("releasedir")
-    async def releasedir(self, fh: int) -> None:
-        self.fs.releasedir(fh)
-
-    # -- files --------------------------------------------------------------------------
-    @_handler("open")
-    async def open(self, inode: int, flags: int, ctx: Any = None) -> Any:
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT):
-            raise FsError(errno.EROFS)
-        fh, keep_cache, backing_id = await self.fs.open(inode, reader=getattr(ctx, "pid", 0))
-        metrics.OPEN_HANDLES.inc()
-        if backing_id:
-            # The kernel reads the cache file itself; it refuses keep_cache with it.
-            # (Set as an attribute: only the passthrough build of pyfuse3 has it.)
-            info: Any = pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=False)
-            info.backing_id = backing_id
-            return info
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False)
-
-    @_handler("read")
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        data = await self.fs.read(fh, off, size)
-        metrics.READ_BYTES.inc(len(data))
-        return data
-
-    @_handler("release")
-    async def release(self, fh: int) -> None:
-        self.fs.release(fh)
-        metrics.OPEN_HANDLES.dec()
-
-    @_handler("access")
-    async def access(self, inode: int, mode: int, ctx: Any = None) -> bool:
-        if mode & os.W_OK:
-            raise FsError(errno.EROFS)
-        self.fs.node(inode)
-        return True
-
-    # -- everything that would modify: read-only file system ---------------------------
-    async def _erofs(self, *args: Any, **kwargs: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS)
-
-    setattr = _erofs
-    mknod = _erofs
-    mkdir = _erofs
-    unlink = _erofs
-    rmdir = _erofs
-    symlink = _erofs
-    rename = _erofs
-    link = _erofs
-    write = _erofs
-    create = _erofs
-    setxattr = _erofs
-    removexattr = _erofs
-
-    async def getxattr(self, inode: int, name: bytes, ctx: Any = None) -> bytes:
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-
-    async def listxattr(self, inode: int, ctx: Any = None) -> list[bytes]:
-        return []
+    def releasedir(self, req: Request) -> Reply:
+        self.fs.releasedir(abi.RELEASE_IN.unpack_from(req.body)[0])
+        return None

@@ -14,8 +14,12 @@ from the trio thread and from worker threads alike.
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
 import socket
+import threading
+from collections.abc import Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,6 +31,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from cachefs import __version__
 from cachefs.errors import ConfigError
@@ -86,21 +91,19 @@ LMDB_READERS = Gauge(
     "cachefs_lmdb_readers", "LMDB reader slots in use (what mdb_stat -r lists)", registry=REGISTRY)
 LMDB_READER_SLOTS = Gauge(
     "cachefs_lmdb_reader_slots", "LMDB reader slots configured", registry=REGISTRY)
+THREAD_HOPS = Counter(
+    "cachefs_thread_hops", "Calls handed from the request loop to a worker thread, by what "
+    "they do", ["op"], registry=REGISTRY)
 
 # --- file system -----------------------------------------------------------
 READ_BYTES = Counter(
     "cachefs_read_bytes", "Bytes returned to readers through the mount", registry=REGISTRY)
-FUSE_REQUESTS = Counter(
-    "cachefs_fuse_requests", "FUSE requests handled", ["op"], registry=REGISTRY)
 FUSE_ERRORS = Counter(
     "cachefs_fuse_errors", "FUSE requests answered with an error", ["op", "errno"],
     registry=REGISTRY)
 FUSE_INTERNAL_ERRORS = Counter(
     "cachefs_fuse_internal_errors", "Unexpected exceptions in FUSE handlers (answered EIO)",
     registry=REGISTRY)
-FUSE_LATENCY = Histogram(
-    "cachefs_fuse_request_duration_seconds", "FUSE request latency", ["op"],
-    buckets=LATENCY_BUCKETS, registry=REGISTRY)
 SKIPPED_KEYS = Counter(
     "cachefs_skipped_keys", "Object keys not shown because they cannot be file names or are "
     "shadowed by a directory of the same name", ["reason"], registry=REGISTRY)
@@ -318,6 +321,102 @@ DEAD_MOUNTS_CLEANED = Counter(
     "the mount point at start", registry=REGISTRY)
 
 
+# --- counted on the request path without locks ---------------------------------
+# A prometheus_client metric takes a lock per update (about a microsecond); the FUSE
+# workers answer a request in a few, so what they count per request is kept here:
+# per-thread arrays, or itertools counters (next() is atomic), summed when scraped.
+class RequestShard:
+    """One thread's FUSE request counts and latency histograms (only that thread adds)."""
+
+    __slots__ = ("buckets", "counts", "sums")
+
+    def __init__(self, n_ops: int) -> None:
+        self.counts = [0] * n_ops
+        self.sums = [0.0] * n_ops
+        self.buckets = [[0] * (len(LATENCY_BUCKETS) + 1) for _ in range(n_ops)]
+
+    def observe(self, op: int, seconds: float) -> None:
+        self.counts[op] += 1
+        self.sums[op] += seconds
+        self.buckets[op][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+
+class FuseRequestStats:
+    """``cachefs_fuse_requests_total{op}`` and ``cachefs_fuse_request_duration_seconds{op}``
+    from every thread's :class:`RequestShard` (a collector: summed at scrape time)."""
+
+    def __init__(self, ops: tuple[str, ...]) -> None:
+        self.ops = ops
+        self.index = {op: i for i, op in enumerate(ops)}
+        self._shards: list[RequestShard] = []
+        self._lock = threading.Lock()
+
+    def shard(self) -> RequestShard:
+        """A new shard for one thread."""
+        s = RequestShard(len(self.ops))
+        with self._lock:
+            self._shards.append(s)
+        return s
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            shards = list(self._shards)
+        requests = CounterMetricFamily("cachefs_fuse_requests", "FUSE requests handled",
+                                       labels=["op"])
+        latency = HistogramMetricFamily("cachefs_fuse_request_duration_seconds",
+                                        "FUSE request latency", labels=["op"])
+        bounds = [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]
+        for i, op in enumerate(self.ops):
+            count = sum(s.counts[i] for s in shards)
+            requests.add_metric([op], count)
+            per = [sum(s.buckets[i][j] for s in shards) for j in range(len(bounds))]
+            cumulative = list(itertools.accumulate(per))
+            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)),
+                               sum(s.sums[i] for s in shards))
+        yield requests
+        yield latency
+
+
+class FastCounter:
+    """A label-less monotonic count for hot paths (any thread, no lock)."""
+
+    def __init__(self) -> None:
+        self._it = itertools.count()
+
+    def inc(self) -> None:
+        next(self._it)
+
+    @property
+    def value(self) -> int:
+        return int(self._it.__reduce__()[1][0])  # the next value next() would return
+
+
+class _FastCounters:
+    """Exports :class:`FastCounter` objects grouped as one labelled counter family."""
+
+    def __init__(self, name: str, documentation: str, label: str,
+                 values: tuple[str, ...]) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self.counters = {v: FastCounter() for v in values}
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for v, c in self.counters.items():
+            family.add_metric([v], c.value)
+        yield family
+
+
+LMDB_TRANSACTIONS = _FastCounters("cachefs_lmdb_transactions",
+                                  "LMDB transactions begun, by mode", "mode", ("read", "write"))
+REGISTRY.register(LMDB_TRANSACTIONS)
+
+
 # --- label sets known in advance ------------------------------------------
 # A labelled series does not exist until its first use, so on a healthy node the
 # error panels of the dashboard would show "No data" instead of zero, and rate()
@@ -325,7 +424,9 @@ DEAD_MOUNTS_CLEANED = Counter(
 # created at daemon start (create_known_series); other values still appear on first
 # use. Keep them small: every combination is a series on every node.
 FUSE_OPS = ("lookup", "getattr", "statfs", "opendir", "readdir", "releasedir", "open", "read",
-            "release", "access")
+            "release", "access", "getxattr", "listxattr")
+FUSE_STATS = FuseRequestStats(FUSE_OPS)
+REGISTRY.register(FUSE_STATS)
 #: The errno an operator must notice (the one every StoreError and internal error ends in).
 FUSE_ALERT_ERRNO = "EIO"
 S3_OPS = ("get", "head", "list")
@@ -347,9 +448,7 @@ def create_known_series() -> None:
 
     Called once by the daemon at start. Idempotent; never changes a value.
     """
-    for op in FUSE_OPS:
-        FUSE_REQUESTS.labels(op)
-        FUSE_LATENCY.labels(op)
+    for op in FUSE_OPS:  # (requests and latency: FUSE_STATS exports every op)
         FUSE_ERRORS.labels(op, FUSE_ALERT_ERRNO)
     for op in S3_OPS:
         S3_REQUESTS.labels(op)

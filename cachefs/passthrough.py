@@ -1,11 +1,12 @@
 """FUSE passthrough: the kernel reads fully cached objects straight from their cache file.
 
-When the pyfuse3 build offers it (``pyfuse3.passthrough_open``: libfuse >= 3.16,
-see third_party/), the kernel has it (Linux >= 6.9) and the daemon holds
-CAP_SYS_ADMIN, an open of an object whose every block is cached is answered
-with a *backing id* for the object's cache file. The kernel then serves
-``read()`` on that handle from the file itself, page cache included, and the
-daemon sees no read request for it: warm reads cost what local disk reads cost.
+When the kernel grants it at INIT (Linux >= 6.9; see :mod:`cachefs.fuse.abi`)
+and the daemon holds CAP_SYS_ADMIN, an open of an object whose every block is
+cached is answered with a *backing id* for the object's cache file
+(registered through the FUSE device, :class:`BackingDevice`). The kernel then
+serves ``read()`` on that handle from the file itself, page cache included,
+and the daemon sees no read request for it: warm reads cost what local disk
+reads cost.
 
 Contracts:
 
@@ -32,14 +33,16 @@ Contracts:
   holds the version the new handle opened.
 * An object whose file is gone by the time it is opened (evicted since the
   index was consulted) is a miss for that open only: the daemon serves it. If
-  the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not negotiated),
-  passthrough is switched off for the mount, logged once, and reads go through
-  the daemon as before; other refusals decline that open only.
+  the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not granted at
+  INIT), passthrough is switched off for the mount, logged once, and reads go
+  through the daemon as before; other refusals decline that open only.
 
-Concurrency: methods run on the trio thread, which alone touches
-``_backings``, ``_active``, ``_direct`` and ``_idle``. Verification and the
-backing ioctl run in a worker thread; concurrent opens of one object wait for
-the first one's verification (one registration per object at a time).
+Concurrency: opens and releases run on the FUSE request workers, several at a
+time. ``_lock`` guards ``_backings``, ``_active``, ``_direct`` and ``_idle``
+(held for dictionary work and the close ioctl only, never while a file is
+verified). Verification and the backing ioctl run on the opening worker
+itself (it may wait on the disk); concurrent opens of one object wait for the
+first one's verification (one registration per object at a time).
 """
 
 from __future__ import annotations
@@ -48,11 +51,9 @@ import dataclasses
 import errno
 import logging
 import os
+import threading
 from collections import OrderedDict
-from typing import Any
-
-import pyfuse3
-import trio
+from typing import Protocol
 
 from cachefs import failpoints, metrics
 from cachefs.cache.blocks import BlockCache
@@ -70,15 +71,28 @@ MAX_IDLE_BACKINGS = 4096
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
                           errno.ENOSYS, errno.EINVAL})
-
-
-# Only the passthrough build of pyfuse3 (third_party/) has these functions.
-_pyfuse3: Any = pyfuse3
+#: The first kernel with FUSE passthrough.
+_KERNEL = (6, 9)
 
 
 def supported() -> bool:
-    """Whether this pyfuse3 build can hand files to the kernel."""
-    return hasattr(_pyfuse3, "passthrough_open")
+    """Whether this kernel can let a FUSE file system hand files to it (Linux >= 6.9;
+    whether it does is settled at INIT, and the daemon needs CAP_SYS_ADMIN)."""
+    try:
+        parts = os.uname().release.split(".")
+        return (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)) >= _KERNEL
+    except (ValueError, IndexError):
+        return False
+
+
+class BackingDevice(Protocol):
+    """Registers backing files with the kernel (:class:`cachefs.fuse.device.Device`)."""
+
+    def backing_open(self, fd: int) -> int:
+        ...
+
+    def backing_close(self, backing_id: int) -> None:
+        ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,7 +101,7 @@ class _Backing:
 
     oid: bytes
     size: int
-    ready: trio.Event
+    ready: threading.Event
     backing_id: int = 0
     opens: int = 0  # open handles using it, over all inodes
 
@@ -97,14 +111,16 @@ class Passthrough:
     registered backing files (in use, and recently used idle ones)."""
 
     def __init__(self, fetcher: Fetcher, cache: BlockCache, ledger: PrefetchLedger, *,
-                 enabled: bool,
-                 limiter: trio.CapacityLimiter | None = None,
-                 max_idle: int = MAX_IDLE_BACKINGS, max_idle_bytes: int | None = None) -> None:
+                 enabled: bool, max_idle: int = MAX_IDLE_BACKINGS,
+                 max_idle_bytes: int | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
         self.ledger = ledger
-        self.enabled = enabled and supported()
-        self._limiter = limiter
+        # Until the device is attached (after INIT granted passthrough) nothing is passed.
+        self.wanted = enabled and supported()
+        self.enabled = False
+        self._device: BackingDevice | None = None
+        self._lock = threading.Lock()
         self._backings: dict[bytes, _Backing] = {}  # by object id
         self._active: dict[int, tuple[bytes, int]] = {}  # inode -> (object id, handles)
         self._direct: dict[int, int] = {}  # handles served by the daemon, per inode
@@ -115,80 +131,100 @@ class Passthrough:
         self._idle_bytes = 0
         self.max_idle = max_idle
         self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
+        metrics.PASSTHROUGH_ENABLED.set(0)
+
+    def attach_device(self, device: BackingDevice | None) -> None:
+        """The mount's device, once INIT settled whether the kernel passes files through
+        (None: it does not); before this, every open is served by the daemon."""
+        self._device = device
+        self.enabled = self.wanted and device is not None
         metrics.PASSTHROUGH_ENABLED.set(1 if self.enabled else 0)
 
-    async def open(self, ino: int, obj: ObjectVersion) -> int:
+    def open(self, ino: int, obj: ObjectVersion) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads it), or 0 (the
         daemon serves its reads). Every open must be matched by :meth:`release` with
-        the same answer."""
+        the same answer. Any thread; may wait on the disk (verification) or for another
+        open's verification of the same object."""
         oid = self.fetcher.object_id(obj)
         while True:
-            active = self._active.get(ino)
-            if active is not None:
-                # Handles of this inode are passed through: the new one must be too, on
-                # the same file (the kernel refuses two modes or two files per inode).
-                if active[0] != oid:  # an inode is one version (cachefs.fs): never true
-                    raise ObjectChanged(f"{obj.key}: inode {ino} is passed through to "
-                                        "another version's file")
-                return self._use(ino, self._backings[active[0]])
-            if self._direct.get(ino):
-                return self._direct_open(ino, "open_direct")
-            backing = self._backings.get(oid)
+            with self._lock:
+                active = self._active.get(ino)
+                if active is not None:
+                    # Handles of this inode are passed through: the new one must be too,
+                    # on the same file (the kernel refuses two modes or two files per inode).
+                    if active[0] != oid:  # an inode is one version (cachefs.fs): never true
+                        raise ObjectChanged(f"{obj.key}: inode {ino} is passed through to "
+                                            "another version's file")
+                    return self._use(ino, self._backings[active[0]])
+                if self._direct.get(ino):
+                    return self._direct_open(ino, "open_direct")
+                backing = self._backings.get(oid)
+                if backing is not None and backing.ready.is_set() and backing.backing_id:
+                    return self._use(ino, backing)
             if backing is None:
                 break
-            await backing.ready.wait()
-            if self._backings.get(oid) is backing and backing.backing_id:
-                if self._active.get(ino) is None and not self._direct.get(ino):
-                    return self._use(ino, backing)
-            # Failed, closed or the inode changed mode meanwhile: decide afresh.
+            backing.ready.wait()  # another open verifies this object: use its outcome
+            # (failed, closed or the inode changed mode meanwhile: decide afresh)
         bids = self.fetcher.block_ids(obj)
         reason = self._decline_reason(obj, bids)
         if reason is not None:
-            return self._direct_open(ino, reason)
-        backing = _Backing(oid, obj.size, trio.Event())
-        self._backings[oid] = backing
+            with self._lock:
+                return self._direct_open(ino, reason)
+        with self._lock:
+            if oid in self._backings or ino in self._active or self._direct.get(ino):
+                pass  # another open got here first: decide afresh below
+            else:
+                backing = _Backing(oid, obj.size, threading.Event())
+                self._backings[oid] = backing
+        if backing is None:
+            return self.open(ino, obj)
         outcome: str | OSError = "unverified"
         try:
-            backing.backing_id, outcome = await trio.to_thread.run_sync(
-                self._attach, oid, bids, limiter=self._limiter)
+            backing.backing_id, outcome = self._attach(oid, bids)
         finally:
-            if backing.backing_id:
-                metrics.PASSTHROUGH_BACKINGS.inc()
-            else:
-                del self._backings[oid]
-            backing.ready.set()
+            with self._lock:
+                if backing.backing_id:
+                    metrics.PASSTHROUGH_BACKINGS.inc()
+                else:
+                    del self._backings[oid]
+                backing.ready.set()
         if backing.backing_id:
             self.ledger.mark_used(bids)
-            if self._active.get(ino) is None and not self._direct.get(ino):
-                return self._use(ino, backing)
-            self._idle_or_keep(backing)  # the inode changed mode while we verified
-            return await self.open(ino, obj)
+            with self._lock:
+                if self._active.get(ino) is None and not self._direct.get(ino):
+                    return self._use(ino, backing)
+                self._idle_or_keep(backing)  # the inode changed mode while we verified
+            return self.open(ino, obj)
         if isinstance(outcome, OSError):
             self._switch_off(outcome)
             outcome = "refused"
-        return self._direct_open(ino, outcome)
+        with self._lock:
+            return self._direct_open(ino, outcome)
 
     def release(self, ino: int, backing_id: int) -> None:
-        """The handle opened with answer ``backing_id`` is closed."""
-        if not backing_id:
-            n = self._direct.get(ino, 0) - 1
-            if n > 0:
-                self._direct[ino] = n
+        """The handle opened with answer ``backing_id`` is closed (any thread)."""
+        with self._lock:
+            if not backing_id:
+                n = self._direct.get(ino, 0) - 1
+                if n > 0:
+                    self._direct[ino] = n
+                else:
+                    self._direct.pop(ino, None)
+                return
+            active = self._active.get(ino)
+            backing = self._backings.get(active[0]) if active else None
+            if active is None or backing is None or backing.backing_id != backing_id:
+                log.warning("release of unknown passthrough backing %d (inode %d)",
+                            backing_id, ino)
+                return
+            if active[1] > 1:
+                self._active[ino] = (active[0], active[1] - 1)
             else:
-                self._direct.pop(ino, None)
-            return
-        active = self._active.get(ino)
-        backing = self._backings.get(active[0]) if active else None
-        if active is None or backing is None or backing.backing_id != backing_id:
-            log.warning("release of unknown passthrough backing %d (inode %d)", backing_id, ino)
-            return
-        if active[1] > 1:
-            self._active[ino] = (active[0], active[1] - 1)
-        else:
-            del self._active[ino]
-        backing.opens -= 1
-        self._idle_or_keep(backing)
+                del self._active[ino]
+            backing.opens -= 1
+            self._idle_or_keep(backing)
 
+    # -- under _lock ------------------------------------------------------------------------
     def _use(self, ino: int, backing: _Backing) -> int:
         if backing.opens == 0 and backing.oid in self._idle:
             del self._idle[backing.oid]
@@ -210,19 +246,27 @@ class Passthrough:
 
     def _close(self, oid: bytes) -> None:
         """Drop an idle backing: an ioctl that only drops the kernel's reference to the
-        file (no I/O, no wait), so it runs on the trio thread."""
+        file (no I/O, no wait), so it runs under the lock."""
         backing = self._backings.pop(oid)
         del self._idle[oid]
         self._idle_bytes -= backing.size
         metrics.PASSTHROUGH_BACKINGS.dec()
         try:
-            _pyfuse3.passthrough_close(backing.backing_id)
+            assert self._device is not None
+            self._device.backing_close(backing.backing_id)
         except OSError as exc:
             log.warning("cannot close passthrough backing %d: %s", backing.backing_id,
                         exc.strerror)
         self.cache.unpin(oid)
 
     # -- internals -------------------------------------------------------------------------
+    def _direct_open(self, ino: int, reason: str) -> int:
+        self._direct[ino] = self._direct.get(ino, 0) + 1
+        if reason != "off":
+            metrics.PASSTHROUGH_DECLINED.labels(reason).inc()
+        return 0
+
+    # -- without the lock -----------------------------------------------------------------
     def _decline_reason(self, obj: ObjectVersion, bids: list[bytes]) -> str | None:
         if not self.enabled:
             return "off"
@@ -232,15 +276,9 @@ class Passthrough:
             return "not_cached"
         return None
 
-    def _direct_open(self, ino: int, reason: str) -> int:
-        self._direct[ino] = self._direct.get(ino, 0) + 1
-        if reason != "off":
-            metrics.PASSTHROUGH_DECLINED.labels(reason).inc()
-        return 0
-
     def _attach(self, oid: bytes, bids: list[bytes]) -> tuple[int, str | OSError]:
-        """Pin, open, verify and register the object's file with the kernel (worker
-        thread). Returns (backing id, "") or (0, why the open is served by the daemon:
+        """Pin, open, verify and register the object's file with the kernel (the
+        opening worker's thread). Returns (backing id, "") or (0, why the open is served by the daemon:
         "not_cached", "unverified", "refused", or the kernel's error when it cannot
         pass files through at all)."""
         failpoints.hit("attach.start")
@@ -258,7 +296,10 @@ class Passthrough:
                     return 0, "unverified"
                 failpoints.hit("attach.verified")
                 try:
-                    backing_id = int(_pyfuse3.passthrough_open(fd))
+                    device = self._device
+                    if device is None:
+                        return 0, "refused"
+                    backing_id = device.backing_open(fd)
                 except OSError as exc:
                     if exc.errno in _UNSUPPORTED:
                         return 0, exc
@@ -274,8 +315,9 @@ class Passthrough:
         return backing_id, ""
 
     def _switch_off(self, error: OSError) -> None:
-        if self.enabled:
-            self.enabled = False
+        with self._lock:
+            was, self.enabled = self.enabled, False
+        if was:
             metrics.PASSTHROUGH_ENABLED.set(0)
             log.warning("FUSE passthrough unavailable (%s): cachefs serves reads itself",
                         error.strerror or error)

@@ -140,7 +140,10 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
         "--workdir",
         str(work),
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # SIGINT as a terminal delivers it, even when this test runs in a background job
+    # (which starts with SIGINT ignored, and Python keeps an ignored SIGINT ignored).
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:

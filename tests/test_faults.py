@@ -262,6 +262,57 @@ def test_slowdown_and_resets_are_retried(proxied):
     assert proxy.faults["503"] > 0 and proxy.faults["reset"] > 0
 
 
+@pytest.mark.parametrize("waits_on", ["listing", "data"])
+def test_a_signal_to_a_reader_waiting_on_s3_never_fails_its_read(proxied, waits_on: str):
+    # A signal with a handler (a DataLoader's SIGCHLD, a timer) reaching a thread blocked in
+    # a request that waits on S3 (an open whose directory is being listed, a read) makes
+    # the kernel send FUSE_INTERRUPT for it. cachefs does not interrupt requests: the
+    # open and the read must go on and return the exact bytes, never an error.
+    proxy, m, data = proxied
+    key, expected = next(iter(data.items()))
+    throttled = threading.Event()
+    throttled.set()
+
+    def plan(method: str, path: str, n: int) -> str:
+        listing = "list-type" in path or "prefix=" in path
+        if throttled.is_set() and method == "GET" and listing == (waits_on == "listing"):
+            return "503"
+        return "pass"
+
+    proxy.plan = plan
+    if waits_on == "data":
+        (m.path / key).stat()  # listed: the read below waits only on its GET
+    result: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            result["data"] = (m.path / key).read_bytes()
+        except OSError as exc:
+            result["error"] = exc
+
+    seen: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while proxy.faults["503"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy.faults["503"] >= 2, "the reader never reached S3"
+        for _ in range(3):  # the reader is blocked in the kernel, waiting for the daemon
+            assert reader.ident is not None
+            signal.pthread_kill(reader.ident, signal.SIGUSR1)
+            time.sleep(0.1)
+        throttled.clear()
+        reader.join(30)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert not reader.is_alive()
+    assert "error" not in result, result.get("error")
+    assert result["data"] == expected
+    assert_daemon_healthy(m)
+
+
 # -- stalls, resets, truncation ---------------------------------------------------------------
 def test_small_read_behind_a_stalled_answer_completes_through_a_hedge(bucket, s3_endpoint,
                                                                        mount_factory):

@@ -168,6 +168,51 @@ def test_concurrent_readers_of_a_missing_block_share_one_get(rig: Rig, mem: Memo
     rig.run(body)
 
 
+def test_request_workers_reading_during_a_load_never_start_a_second_get(
+        rig: Rig, mem: MemoryStore) -> None:
+    # FUSE request workers answer reads of cached blocks themselves (read_now, any thread):
+    # while the block is being loaded they must hand the read to the trio side (None),
+    # never fetch it themselves nor return part of it; once it is there they serve it.
+    data = payload(3 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    slow_gets(mem, 0.05)
+
+    async def body(f: Fetcher) -> None:
+        stop = threading.Event()
+        seen: list[bytes | None] = []
+        errors: list[BaseException] = []
+
+        def worker(offset: int) -> None:
+            try:
+                while not stop.is_set():
+                    got = f.read_now(obj, offset, 2 * BS - offset)
+                    seen.append(got)
+                    if got is not None:
+                        assert got == data[offset:2 * BS]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i * 7,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(f.read, obj, i, 2 * BS - i)
+            await f.drain()
+            await trio.sleep(0.05)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not errors, errors
+        assert mem.calls["get"] == 2  # blocks 0 and 1, once each
+        assert None in seen and any(s is not None for s in seen)
+
+    rig.run(body)
+
+
 @pytest.mark.parametrize("hot", [0, 1 << 20], ids=["from-disk", "from-memory"])
 def test_second_read_is_served_without_a_get(tmp_path: Path, mem: MemoryStore, hot: int) -> None:
     data = payload(5 * BS + 3)

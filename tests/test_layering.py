@@ -1,8 +1,11 @@
-"""The layering stays honest: only the FUSE adapter, passthrough and the daemon import pyfuse3.
+"""The layering stays honest: only the mounting module and the daemon import pyfuse3.
 
-The core (S3 clients, caches, the read path, the file-system semantics, the control
-socket and the CLI's non-mount commands) must import with pyfuse3 unavailable, so it
-can be tested and reused without FUSE and so a lower layer never reaches up.
+cachefs speaks the FUSE protocol itself (cachefs.fuse.abi/server, the handlers in
+cachefs.fuse_ops); libfuse (through pyfuse3) only mounts and unmounts
+(cachefs.fuse.device). Everything else (S3 clients, caches, the read path, the
+file-system semantics, the request server, the control socket and the CLI's non-mount
+commands) must import with pyfuse3 unavailable, so it can be tested and reused without
+it and so a lower layer never reaches up.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-FUSE_MODULES = ["cachefs.fuse_ops", "cachefs.passthrough", "cachefs.daemon"]
+FUSE_MODULES = ["cachefs.fuse.device", "cachefs.daemon"]
 
 
 def _all_modules() -> list[str]:
@@ -55,6 +58,7 @@ def _import_without_pyfuse3(modules: list[str]) -> list[str]:
 def test_core_imports_without_pyfuse3() -> None:
     assert len(CORE_MODULES) > 30
     assert "cachefs.cache.blocks" in CORE_MODULES and "cachefs.fs" in CORE_MODULES
+    assert "cachefs.fuse.server" in CORE_MODULES and "cachefs.fuse_ops" in CORE_MODULES
     assert _import_without_pyfuse3(CORE_MODULES) == []
 
 

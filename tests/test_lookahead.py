@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 
 from cachefs.cache.metadata import Entry
@@ -11,6 +12,8 @@ from cachefs.read.lookahead import DirectoryLookahead
 
 NAMES = [f"img{i:05d}.jpg".encode() for i in range(2000)]
 DIR = "train/c000/"
+# A listing numbers a directory's names in name order (cachefs.cache.index).
+INO = {name: 100 + i for i, name in enumerate(NAMES)}
 
 
 class FakePrefetcher:
@@ -29,7 +32,8 @@ class FakePrefetcher:
 def iter_after(prefix: str, after: bytes) -> Iterator[Entry]:
     for name in NAMES:
         if name > after:
-            yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
+            yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                        ino=INO[name])
 
 
 def make() -> tuple[DirectoryLookahead, FakePrefetcher]:
@@ -40,7 +44,7 @@ def make() -> tuple[DirectoryLookahead, FakePrefetcher]:
 def test_one_reader_in_order_prefetches_ahead_and_not_behind() -> None:
     la, f = make()
     for name in NAMES[:40]:
-        la.on_open(DIR, name)
+        la.on_open(DIR, name, INO[name])
     assert f.prefetched, "an in-order walk starts prefetch"
     keys = [DIR + n.decode() for n in NAMES]
     assert all(keys.index(k) >= 3 for k in f.prefetched), "nothing before the walk"
@@ -53,7 +57,7 @@ def test_interleaved_readers_each_walking_in_order_are_detected() -> None:
     workers, batch = 8, 32
     for step in range(batch):
         for w in range(workers):
-            la.on_open(DIR, NAMES[w * batch + step], reader=1000 + w)
+            la.on_open(DIR, NAMES[w * batch + step], INO[NAMES[w * batch + step]], reader=1000 + w)
     keys = {DIR + n.decode() for n in NAMES}
     assert len(f.prefetched) >= workers * 8, f"only {len(f.prefetched)} files prefetched"
     assert set(f.prefetched) <= keys
@@ -66,7 +70,7 @@ def test_random_opens_prefetch_nothing() -> None:
     order = list(range(len(NAMES)))
     random.Random(5).shuffle(order)
     for i in order[:500]:
-        la.on_open(DIR, NAMES[i])
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]])
     # A random order ascends by an adjacent step now and then, never three times running
     # for long: at most a handful of small windows.
     assert len(f.prefetched) < 25, len(f.prefetched)
@@ -75,14 +79,14 @@ def test_random_opens_prefetch_nothing() -> None:
 def test_a_thread_pool_taking_turns_over_one_sequence_is_detected() -> None:
     la, f = make()
     for i in range(64):  # 8 threads, file i opened by thread i % 8
-        la.on_open(DIR, NAMES[i], reader=2000 + i % 8)
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=2000 + i % 8)
     assert DIR + NAMES[80].decode() in f.prefetched
 
 
 def test_walks_are_bounded() -> None:
     la, _ = make()
     for r in range(la.max_walks + 100):
-        la.on_open(f"d{r}/", NAMES[0], reader=r + 1)
+        la.on_open(f"d{r}/", NAMES[0], INO[NAMES[0]], reader=r + 1)
     assert len(la._walks) == la.max_walks
 
 
@@ -95,11 +99,155 @@ def test_a_shuffled_epoch_over_small_directories_prefetches_little() -> None:
     def small_dir(prefix: str, after: bytes) -> Iterator[Entry]:
         for name in NAMES[:50]:
             if name > after:
-                yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e")
+                yield Entry(name=name, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=INO[name])
 
     f = FakePrefetcher()
     la = DirectoryLookahead(f, small_dir)  # type: ignore[arg-type]
     random.Random(11).shuffle(files)
     for i, (d, n) in enumerate(files):
-        la.on_open(d, n, reader=3000 + i % 8)  # 8 workers
+        la.on_open(d, n, INO[n], reader=3000 + i % 8)  # 8 workers
     assert len(f.prefetched) < 0.02 * len(files), f"{len(f.prefetched)} of {len(files)} prefetched"
+
+
+def test_shuffled_epochs_after_an_in_order_one_prefetch_nothing() -> None:
+    # An in-order epoch leaves every directory's walk at its end; shuffled epochs after it
+    # must not keep it (a walk that covered the whole directory is not a walk of theirs).
+    la, f = make()
+    files = NAMES[:60]
+    for name in files:
+        la.on_open(DIR, name, INO[name], reader=5000)
+    before = len(f.prefetched)
+    rnd = random.Random(3)
+    for epoch in range(3):
+        order = files[:]
+        rnd.shuffle(order)
+        for i, name in enumerate(order):
+            la.on_open(DIR, name, INO[name], reader=6000 + epoch * 10 + i % 4)
+    assert len(f.prefetched) == before
+
+
+def test_shuffled_epochs_over_twenty_file_folders_prefetch_nothing() -> None:
+    # The issue's keep-policy case: 200 files in 10 folders, a fresh shuffle every epoch,
+    # 8 readers. Anything requested ahead here is fetched for nobody.
+    dirs = [f"train/c{c:02d}/" for c in range(10)]
+    files = [(d, n) for d in dirs for n in NAMES[:20]]
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after)  # type: ignore[arg-type]
+    rnd = random.Random(12)
+    per_epoch = []
+    for _ in range(20):
+        rnd.shuffle(files)
+        before = len(f.prefetched)
+        for i, (d, n) in enumerate(files):
+            la.on_open(d, n, INO[n], reader=7000 + i % 8)
+        per_epoch.append(len(f.prefetched) - before)
+    # A walk may look ordered now and then (a few files at first); every miss makes its
+    # directory harder to convince, so the waste dies out instead of going on.
+    assert sum(per_epoch) < 0.01 * 20 * len(files), per_epoch
+    assert sum(per_epoch[10:]) == 0, per_epoch
+
+
+def test_a_directory_whose_readers_leave_requests_unread_needs_longer_walks() -> None:
+    la, f = make()
+    run = NAMES[:6]
+    for name in run:  # looks like a walk: files requested ahead
+        la.on_open(DIR, name, INO[name])
+    assert f.prefetched
+    la.on_open(DIR, NAMES[500], INO[NAMES[500]])  # ...and the readers go elsewhere
+    assert la._penalty[DIR] == 1
+    f.prefetched.clear()
+    for name in NAMES[600:606]:  # the same short run no longer convinces
+        la.on_open(DIR, name, INO[name])
+    assert not f.prefetched
+    for name in NAMES[606:640]:  # a real walk still does, and earns the trust back
+        la.on_open(DIR, name, INO[name])
+    assert f.prefetched
+    assert DIR not in la._penalty
+
+
+def test_walks_followed_from_many_threads_at_once() -> None:
+    # The request workers observe opens concurrently; the walks stay consistent and an
+    # in-order walk among them is still found.
+    la, f = make()
+    errors: list[BaseException] = []
+
+    def shuffled(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            for _ in range(2000):
+                name = rnd.choice(NAMES)
+                for key in la.observe(f"d{seed}/", name, INO[name], reader=seed):
+                    assert key[0] == f"d{seed}/"
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=shuffled, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    due = []
+    for name in NAMES[:100]:
+        due += la.observe(DIR, name, INO[name], reader=1)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert (DIR, 1) in due and (DIR, 0) in due
+    assert la.issue(due) > 0 and DIR + NAMES[100].decode() in f.prefetched
+
+
+def test_a_walk_in_order_goes_on_into_the_next_directory() -> None:
+    # Class folders read one after the other in directory order by a pool of 4 readers:
+    # the next folder's files are requested before its first open (no stall of a round
+    # trip per folder), and only while the walk is in order.
+    folders = [f"train/c{c:03d}/" for c in range(5)]
+    per = 60
+    names: dict[str, list[bytes]] = {d: NAMES[:per] for d in folders}
+    ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(folders) for j, n in enumerate(names[d])}
+
+    def iter_after_dirs(prefix: str, after: bytes) -> Iterator[Entry]:
+        for n in names.get(prefix, []):
+            if n > after:
+                yield Entry(name=n, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=ino[(prefix, n)])
+
+    asked: list[str] = []
+
+    def next_dir(prefix: str) -> str | None:
+        asked.append(prefix)
+        i = folders.index(prefix)
+        return folders[i + 1] if i + 1 < len(folders) else None
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir)  # type: ignore[arg-type]
+    order = [(d, n) for d in folders for n in names[d]]
+    misses = []
+    for i, (d, n) in enumerate(order):
+        if d + n.decode() not in f.prefetched:
+            misses.append(d + n.decode())
+        la.on_open(d, n, ino[(d, n)], reader=9000 + i % 4)
+    # Only the first folder's walk has to prove itself; every later folder is requested
+    # ahead of its readers.
+    assert all(m.startswith(folders[0]) for m in misses), misses
+    assert len(misses) <= 8, misses
+    assert folders[0] in asked  # its successor was asked for early (listed ahead)
+    assert len(set(f.prefetched)) == len(f.prefetched)
+
+
+def test_shuffled_readers_are_not_carried_into_the_next_directory() -> None:
+    folders = [f"train/c{c:03d}/" for c in range(10)]
+    files = [(d, n) for d in folders for n in NAMES[:20]]
+    carried: list[str] = []
+
+    def next_dir(prefix: str) -> str | None:
+        carried.append(prefix)
+        i = folders.index(prefix)
+        return folders[i + 1] if i + 1 < len(folders) else None
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after, next_dir=next_dir)  # type: ignore[arg-type]
+    rnd = random.Random(5)
+    for _ in range(10):
+        rnd.shuffle(files)
+        for i, (d, n) in enumerate(files):
+            la.on_open(d, n, INO[n], reader=7000 + i % 8)
+    assert len(f.prefetched) < 0.01 * 10 * len(files), len(f.prefetched)

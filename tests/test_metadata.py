@@ -638,6 +638,31 @@ def test_opendir_lists_subdirectories_ahead(env: LmdbEnv) -> None:
     run_with_metadata(env, store, body, list_ahead=2)
 
 
+def test_next_dir_names_the_following_directory_and_lists_it_ahead(env: LmdbEnv) -> None:
+    store = MemoryStore()
+    for d in range(3):
+        for f in range(3):
+            store.put(f"t/c{d}/f{f}", b"x")
+    store.put("t/c1.txt", b"a file between two directories")
+
+    async def body(md: Metadata) -> None:
+        assert md.next_dir("t/c0/", "t/") is None  # the parent is not listed: nothing known
+        await md.ensure("t/")
+        assert md.next_dir("t/c0/", "t/") == "t/c1/"
+        assert md.next_dir("t/c1/", "t/") == "t/c2/"  # past the file in between
+        assert md.next_dir("t/c2/", "t/") is None  # the last one
+        assert md.next_dir("t/", "t/") is None  # never above the mount's root
+        assert md.next_dir("u/c0/", "t/") is None
+        with trio.fail_after(5):  # asking for them listed them ahead
+            while md.listed_at("t/c1/") is None or md.listed_at("t/c2/") is None:
+                await trio.sleep(0.01)
+        lists = store.calls["list"]
+        assert await md.lookup("t/c2/", b"f1") is not None
+        assert store.calls["list"] == lists  # no wait, no request
+
+    run_with_metadata(env, store, body, list_ahead=2)
+
+
 def test_unfinished_listing_of_an_earlier_run_is_removed(tmp_path: Path) -> None:
 
     store = MemoryStore(page_size=2)

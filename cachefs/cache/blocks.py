@@ -205,8 +205,20 @@ class BlockCache:
         entry = self._entry(bid)  # a synchronous helper: no reader slot held below
         if entry is None:
             return None
+        metrics.THREAD_HOPS.labels("cache_read").inc()
         data = await trio.to_thread.run_sync(self._read_verified, bid, entry,
                                              limiter=self._limiter)
+        if data is not None:
+            self.touch((bid,))
+        return data
+
+    def get_now(self, bid: bytes) -> bytes | None:
+        """:meth:`get` on the calling thread (which may wait on the disk): a FUSE request
+        worker reading a cached block, or any worker thread."""
+        entry = self._entry(bid)
+        if entry is None:
+            return None
+        data = self._read_verified(bid, entry)
         if data is not None:
             self.touch((bid,))
         return data
@@ -333,6 +345,7 @@ class BlockCache:
         if self.policy == "keep" and self._used + len(data) > self.capacity:
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
+        metrics.THREAD_HOPS.labels("cache_write").inc()
         return await trio.to_thread.run_sync(self.put_sync, bid, data, limiter=self._limiter)
 
     def put_sync(self, bid: bytes, data: bytes) -> bool:

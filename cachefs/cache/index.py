@@ -80,6 +80,10 @@ def prefix_id(prefix: str) -> bytes:
     return xxhash.xxh3_64_digest(enc(prefix))
 
 
+def _get(txn: Any, key: bytes, db: Any) -> Any:
+    return txn.get(key, db=db)
+
+
 def pack_entry(flags: int, size: int, mtime: float, ino: int, etag: str) -> bytes:
     if len(etag) == 32 and _HEX.issuperset(etag):
         return ENTRY.pack(flags | F_MD5, size, int(mtime) & 0xFFFFFFFF, ino) + bytes.fromhex(etag)
@@ -112,16 +116,52 @@ class Index:
         self.meta = env.db("meta")
 
     # -- reads (any thread) ---------------------------------------------------------
+    # The request path's reads take one snapshot each (LmdbEnv.run_read), answering in
+    # one transaction what would otherwise take two or three.
     def row(self, prefix: str) -> tuple[int, float, int, int] | None:
         """(version, listed at, entries, sub-directories) of ``prefix``'s listing."""
-        with self.env.read() as txn:
-            raw = txn.get(prefix_id(prefix), db=self.listings)
+        raw = self.env.run_read(_get, prefix_id(prefix), self.listings)
         return None if raw is None else LISTING.unpack_from(raw)
 
     def get(self, version: int, name: bytes) -> Entry | None:
-        with self.env.read() as txn:
-            raw = txn.get(VERSION.pack(version) + name, db=self.names)
+        raw = self.env.run_read(_get, VERSION.pack(version) + name, self.names)
         return None if raw is None else unpack_entry(name, raw)
+
+    def lookup(self, prefix: str, name: bytes
+               ) -> tuple[tuple[int, float, int, int], Entry | None] | None:
+        """(``prefix``'s listing row, the entry ``name`` in it) from one snapshot; None
+        when ``prefix`` has no listing."""
+        return self.env.run_read(self._lookup, prefix_id(prefix), name)
+
+    def _lookup(self, txn: Any, pid: bytes, name: bytes
+                ) -> tuple[tuple[int, float, int, int], Entry | None] | None:
+        raw = txn.get(pid, db=self.listings)
+        if raw is None:
+            return None
+        row = LISTING.unpack_from(raw)
+        entry = txn.get(VERSION.pack(row[0]) + name, db=self.names)
+        return row, (None if entry is None else unpack_entry(name, entry))
+
+    def resolve(self, ino: int) -> tuple[bytes, bytes, tuple[int, float, str] | None,
+                                         Entry | None] | None:
+        """:meth:`inode` and, when the directory has a listing, the entry of the name in
+        it (the name's current version there), from one snapshot."""
+        return self.env.run_read(self._resolve, ino)
+
+    def _resolve(self, txn: Any, ino: int) -> tuple[bytes, bytes, tuple[int, float, str] | None,
+                                                    Entry | None] | None:
+        raw = txn.get(INO.pack(ino), db=self.inodes)
+        if raw is None:
+            return None
+        pid, name = bytes(raw[:8]), bytes(raw[8:])
+        row_raw = txn.get(pid, db=self.listings)
+        if row_raw is None:
+            return pid, name, None, None
+        version, listed_at = LISTING.unpack_from(row_raw)[:2]
+        prefix = bytes(row_raw[LISTING.size:]).decode("utf-8", "surrogateescape")
+        entry = txn.get(VERSION.pack(version) + name, db=self.names)
+        return (pid, name, (version, listed_at, prefix),
+                None if entry is None else unpack_entry(name, entry))
 
     def iter(self, v: View, after: bytes | None) -> Iterator[Entry]:
         """Names of version ``v`` below its limit, in order, after ``after``."""

@@ -50,10 +50,10 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -61,6 +61,10 @@ from cachefs import metrics
 from cachefs.errors import CacheError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_READ_TXNS = metrics.LMDB_TRANSACTIONS.counters["read"]
+_WRITE_TXNS = metrics.LMDB_TRANSACTIONS.counters["write"]
 
 FORMAT_VERSION = b"1"
 DB_NAMES = (b"blocks", b"lru", b"listings", b"names", b"inodes", b"stage", b"meta")
@@ -155,6 +159,7 @@ class LmdbEnv:
     def read(self) -> Iterator[Any]:
         """A read-only snapshot, for synchronous code only (see the module docstring:
         never in a coroutine). Safe on the trio thread. LMDB errors become CacheError."""
+        _READ_TXNS.inc()
         try:
             txn = self.env.begin(write=False, buffers=False)
         except lmdb.ReadersFullError as exc:
@@ -168,17 +173,32 @@ class LmdbEnv:
         except lmdb.Error as exc:
             raise CacheError(f"cache metadata unreadable: {exc}") from exc
 
+    def run_read(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(txn, *args)`` in a read-only snapshot that ends before this returns: what
+        :meth:`read` does, for the request path's helpers (no generator). Raises
+        CacheError."""
+        _READ_TXNS.inc()
+        try:
+            txn = self.env.begin(write=False, buffers=False)
+        except lmdb.ReadersFullError as exc:
+            raise CacheError(f"cache metadata: all {self.max_readers} reader slots in use "
+                             f"({self.readers_in_use()} listed)") from exc
+        except lmdb.Error as exc:
+            raise CacheError(f"cache metadata unreadable: {exc}") from exc
+        try:
+            return fn(txn, *args)
+        except lmdb.Error as exc:
+            raise CacheError(f"cache metadata unreadable: {exc}") from exc
+        finally:
+            txn.abort()
+
     def get(self, db: str, key: bytes) -> bytes | None:
         """One value (its transaction ends before this returns). Raises CacheError."""
-        with self.read() as txn:
-            value: bytes | None = txn.get(key, db=self.dbs[db])
-            return value
+        return self.run_read(_get, key, self.dbs[db])
 
     def get_many(self, db: str, keys: Iterable[bytes]) -> list[bytes | None]:
         """Values of ``keys`` from one snapshot. Raises CacheError."""
-        with self.read() as txn:
-            d = self.dbs[db]
-            return [txn.get(k, db=d) for k in keys]
+        return self.run_read(_get_many, keys, self.dbs[db])
 
     def readers_in_use(self) -> int:
         """Reader slots taken now (what ``mdb_stat -r`` lists)."""
@@ -192,6 +212,7 @@ class LmdbEnv:
     @contextmanager
     def write(self) -> Iterator[Any]:
         """A write transaction. Worker threads only (it may wait for the writer lock)."""
+        _WRITE_TXNS.inc()
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
@@ -217,6 +238,15 @@ class LmdbEnv:
         """Empty one database (worker threads only)."""
         with self.write() as txn:
             txn.drop(self.dbs[name], delete=False)
+
+
+def _get(txn: Any, key: bytes, db: Any) -> bytes | None:
+    value: bytes | None = txn.get(key, db=db)
+    return value
+
+
+def _get_many(txn: Any, keys: Iterable[bytes], db: Any) -> list[bytes | None]:
+    return [txn.get(k, db=db) for k in keys]
 
 
 def _drop_old(env: Any) -> None:

@@ -75,6 +75,10 @@ from cachefs.cache.index import (
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 
+#: Names of a parent's listing next_dir() looks at past a directory (files between it
+#: and the next directory are skipped).
+NEXT_DIR_SCAN = 4096
+
 __all__ = ["Entry", "Metadata", "View", "entries_from_listing", "invalid_name_reason",
            "split_points", "watermark"]
 
@@ -285,6 +289,63 @@ class Metadata:
             return View(listing.version, listing.water)
         return None
 
+    # -- the same, from any thread (request workers): no side effects -----------
+    # These read LMDB and the listing state (dictionary lookups, atomic under the GIL)
+    # and never start a listing; ``due`` tells the caller to run view(prefix) on the
+    # trio thread, which starts the refresh a stale listing needs.
+    def _due(self, prefix: str, listed_at: float) -> bool:
+        """Whether view() would start a refresh of ``prefix`` now (read-only twin of
+        _revalidate's test)."""
+        if self._store is None or prefix in self._inflight:
+            return False
+        now = self._clock()
+        if prefix in self._stale or now - listed_at >= self._ttl:
+            return now >= self._retry_after.get(prefix, 0.0)
+        return False
+
+    def view_now(self, prefix: str) -> tuple[View | None, bool]:
+        """(what view() returns, whether a refresh is due). Any thread."""
+        row = self._index.row(prefix)
+        if row is not None:
+            return View(row[0], None), self._due(prefix, row[1])
+        listing = self._inflight.get(prefix)
+        if listing is not None and listing.version is not None:
+            return View(listing.version, listing.water), False
+        return None, False
+
+    def lookup_now(self, prefix: str, name: bytes) -> tuple[bool, Entry | None, bool]:
+        """(known, entry, refresh due): ``known`` False when lookup() would wait for a
+        listing (then ask it on the trio thread). Any thread."""
+        found = self._index.lookup(prefix, name)  # the listing and the name: one snapshot
+        if found is not None:
+            row, entry = found
+            return True, entry, self._due(prefix, row[1])
+        v, due = self.view_now(prefix)  # a first listing in progress, or none
+        if v is not None and (v.limit is None or name < v.limit):
+            return True, self._get(v.version, name), due
+        if v is None and self._store is None:
+            return True, None, False  # a manifest mount: not there
+        return False, None, due
+
+    def resolve_now(self, ino: int) -> tuple[tuple[str, Entry] | None, str | None]:
+        """(what resolve() returns, the prefix whose refresh is due or None). Any thread."""
+        found = self._index.resolve(ino)
+        if found is None:
+            return None, None
+        pid, name, row, entry = found
+        due = None
+        if row is not None:
+            prefix = row[2]
+            if self._due(prefix, row[1]):
+                due = prefix
+        else:
+            listing = self._inflight_ids.get(pid)
+            if listing is None or listing.version is None:
+                return None, None
+            prefix = listing.prefix
+            entry = self._index.get(listing.version, name)
+        return ((prefix, entry) if entry is not None and entry.ino == ino else None), due
+
     async def _wait(self, prefix: str) -> _Listing:
         """Start (or join) the listing of ``prefix`` and wait for its next progress."""
         listing = self._start(prefix)
@@ -415,6 +476,35 @@ class Metadata:
                 if len(subdirs) >= row[3] or len(subdirs) >= AHEAD_QUEUE:
                     break
         self._queue_ahead(subdirs)
+
+    def next_dir(self, prefix: str, root: str) -> str | None:
+        """The directory after ``prefix`` in its parent's listing, or None (``prefix``
+        is ``root`` or outside it, the last directory of its parent, or the parent's
+        listing is not here). When that directory has no listing, one is queued for the
+        list-ahead workers. Trio thread; looks at most NEXT_DIR_SCAN names."""
+        if prefix == root or not prefix.startswith(root):
+            return None
+        parent = prefix[:prefix.rstrip("/").rfind("/") + 1]
+        v = self.view(parent)
+        if v is None:
+            return None
+        entries = self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
+        found = None
+        try:
+            for i, entry in enumerate(entries):
+                if entry.is_dir:
+                    found = parent + entry.name.decode("utf-8", "surrogateescape") + "/"
+                    break
+                if i >= NEXT_DIR_SCAN:
+                    break
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
+        if (found is not None and self._store is not None and self.list_ahead_workers
+                and found not in self._inflight and self._index.row(found) is None):
+            self._queue_ahead([found])
+        return found
 
     def _queue_ahead(self, subdirs: list[str]) -> None:
         self._ahead.extend(reversed(subdirs))  # the first sub-directory is taken first

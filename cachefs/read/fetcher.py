@@ -220,6 +220,47 @@ class Fetcher:
             raise _first_leaf(group) from None
         return b"".join(parts)
 
+    def read_now(self, obj: ObjectVersion, offset: int, size: int) -> bytes | None:
+        """:meth:`read` answered from memory or the local disk on the calling thread (a
+        FUSE request worker: it may wait on the disk), or None when a block is neither
+        there nor may be read from there now (not cached, failed its verification, or
+        being loaded: the trio path joins that load). Never starts a load, so a GET is
+        only ever made by :meth:`read` (single flight). Any thread."""
+        end = min(offset + size, obj.size)
+        if offset >= end:
+            return b""
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
+        oid = self.object_id(obj)
+        blocks: list[tuple[bytes, bytes, str]] = []
+        for i in range(first, last + 1):
+            bid = block_id_at(oid, i * bs)
+            data = self.memory.peek(bid)
+            source = "memory"
+            if data is None:
+                if bid in self._flights:
+                    return None
+                data = self.cache.get_now(bid)
+                if data is None:
+                    return None
+                source = "disk"
+                self.memory.store(bid, data)
+            blocks.append((bid, data, source))
+        # Accounted only once every block is there (a None above is read again by read()).
+        parts = []
+        for i, (bid, data, source) in enumerate(blocks, start=first):
+            if self._notes is not None:
+                self._notes.note_read(bid)
+            lo = max(offset, i * bs) - i * bs
+            hi = min(end, (i + 1) * bs) - i * bs
+            metrics.CACHE_HIT_REQUESTS.inc()
+            metrics.CACHE_HIT_BYTES.inc(hi - lo)
+            metrics.TIER_READ_BYTES.labels(source).inc(hi - lo)
+            if source == "disk":
+                metrics.TIER_HITS.labels("disk").inc()
+            parts.append(data if lo == 0 and hi == len(data) else data[lo:hi])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     async def _block_for_read(self, obj: ObjectVersion, index: int, n: int) -> bytes:
         data, source = await self.get_block(obj, index)
         if source in ("memory", "disk"):
@@ -381,6 +422,7 @@ class Fetcher:
     async def _get_range(self, obj: ObjectVersion, start: int, end: int, *, whole: bool,
                          background: bool) -> Got:
         crc_kind = None if whole else self.assembled.crc_kind(obj)
+        metrics.THREAD_HOPS.labels("s3_get").inc()  # (the origin's GET runs in a worker thread)
         return await self.origin.get(obj.key, obj.etag, start, end, whole=whole,
                                      background=background, crc_kind=crc_kind)
 

@@ -18,7 +18,7 @@ reader that arrives later finds them there.
 
 Concurrency: one task (:meth:`ReadOrder.run`) owned by the daemon's nursery
 does all the work; :meth:`set_order` and :meth:`on_open` only update state
-and wake it (trio thread only).
+and wake it (trio thread only); :meth:`moves` only reads (any thread).
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ class ReadOrder:
         self.generation += 1
         self._wake.set()
         return len(self._order)
+
+    def moves(self, key: str) -> bool:
+        """Whether an open of ``key`` would move the cursor (any thread: a dictionary
+        lookup; the FUSE workers ask before handing the open to :meth:`on_open`)."""
+        pos = self._position.get(key)
+        return pos is not None and pos > self._cursor
 
     def on_open(self, key: str) -> None:
         """A reader opened ``key``: move the cursor if it is further along the order."""

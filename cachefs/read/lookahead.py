@@ -1,129 +1,296 @@
 """Directory lookahead: prefetch the next files of a directory walked in name order.
 
-Concurrency: trio thread only; :meth:`DirectoryLookahead.on_open` is called by
-the file system on every open and only starts fetches (``Prefetcher.want``
-never waits).
+A walk is recognised by *where* its opens land, not by their order alone. Files
+are placed by inode number: a listing gives the names of a directory
+consecutive numbers in name order (:mod:`cachefs.cache.index`), so "the next
+files" are the next numbers. A walk has a frontier (the furthest position
+opened) and remembers which of the 64 positions below it were opened. An open
+at most ``adjacency`` positions past the frontier (or among the files
+requested ahead) moves it; an open at most ``adjacency`` behind it (a slower
+reader of a pool) is recorded; any other open restarts the walk, and so does
+a position more than ``adjacency`` behind the frontier left unopened (a walk
+in order leaves no file behind). One reader's own walk allows a step of 2 (a
+sub-directory between two files) instead of ``adjacency``: a reader reads its
+files one after the other. A walk is *in order* when at least
+``min_opens`` positions were opened and they fill at least ``density`` of the
+span they cover: a reader walking the directory fills every position, a pool
+of readers taking turns over one sequence all but the few still in flight,
+while a shuffled reader keeps restarting its walk (its next open is rarely
+just past the last one, and its jumps leave holes behind).
+
+Walks are followed per reader and per directory: each open steps both the walk
+of its reader (the FUSE request's thread id: one DataLoader worker, one
+thread) and the directory's shared walk (a thread pool over one in-order
+sequence). While a walk is in order, up to ``window`` files after it are
+requested (doubling with the files it opened, at most ``max_files``); each open
+consumes one, and only the shortfall is issued, continuing after the last file
+requested.
+
+A walk that requests the last file of its directory goes on into the next
+directory of the parent's listing (``next_dir``; a DataLoader over class
+folders in directory order reads them one after the other): the files of
+that directory it still wants are requested there, and the directory gets a
+shared walk that starts trusted, so its readers keep the requests flowing
+without first proving their order again (and without a stall of one round trip
+per directory). ``next_dir`` also has that directory listed early: it is asked
+as soon as a walk is in order, so the listing is there when the walk needs it.
+A directory not listed yet when the walk ends is not carried into.
+
+Speculation must not waste: files requested ahead that a directory's readers
+never reach (its shared walk restarted elsewhere: shuffled readers that looked
+ordered for a moment) count against the directory, and each such miss doubles
+the opens its walks need before they are trusted again (up to ``min_opens <<
+MAX_PENALTY``); a walk that consumes its window undoes one doubling.
+
+Concurrency: :meth:`DirectoryLookahead.observe` runs on the FUSE request
+workers (any thread) and only updates walks, under ``_lock``; when a walk is
+due to request files it returns it, and :meth:`DirectoryLookahead.issue` (trio
+thread: it starts fetches through ``Prefetcher.want``, which never waits) does
+the requesting. :meth:`on_open` does both, for callers on the trio thread.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.prefetcher import DIRECTORY, Prefetcher
 
+#: Positions a walk remembers below the furthest one opened.
+SPAN = 64
+#: Misses double the opens a directory's walks need, at most this many times.
+MAX_PENALTY = 4
+_MASK = (1 << SPAN) - 1
+
+WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
+
 
 class _Walk:
-    __slots__ = ("ahead", "issued_until", "last", "streak")
+    __slots__ = ("ahead", "asked_next", "carried", "end", "hi", "hits", "issued_ino",
+                 "issued_until", "last", "lo", "opened", "spread")
 
-    def __init__(self, name: bytes) -> None:
-        self.last = name
-        self.streak = 0
-        self.ahead = 0  # files requested ahead of the readers (approximate)
-        self.issued_until: bytes | None = None
+    def __init__(self, name: bytes, ino: int) -> None:
+        self.lo = self.hi = ino
+        self.opened = 1  # bit i: position hi - i was opened
+        self.last = name  # the name at position hi
+        self.ahead = 0  # files requested ahead and not reached yet
+        self.issued_until: bytes | None = None  # the last name requested ahead
+        self.issued_ino = 0
+        self.end = False  # nothing after issued_until: the directory is all requested
+        self.hits = 0  # opens of files requested ahead, since the last forgiveness
+        self.spread = 0  # the furthest behind the frontier an open landed
+        self.asked_next = False  # next_dir() was asked (its listing started early)
+        self.carried = False  # at its end, and went on into the next directory (or none)
+
+    def count(self) -> int:
+        return self.opened.bit_count()
+
+    def span(self) -> int:
+        return min(SPAN, self.hi - self.lo + 1)
 
 
 class DirectoryLookahead:
-    """Prefetch the next files of a directory when readers open its files in name order.
-
-    Walks are followed per reader and per directory: each open steps both the
-    walk of its reader (the FUSE request's thread id: one DataLoader worker,
-    one thread) and the directory's shared walk (readers taking turns over one
-    in-order sequence, such as a thread pool). A walk advances when the file is
-    among the ``adjacency`` entries after its previous file (or among the files
-    it already requested ahead); any other open restarts it. After
-    ``min_streak`` advances, up to ``window(streak)`` files after the walk are
-    requested (doubling with the streak, at most ``max_files``). Each open
-    consumes one file of the window; only the shortfall is issued, continuing
-    after the last file requested, so the cost per open is a few index lookups
-    however large the window. A random order does not advance a walk three
-    times running, so random readers pay nothing. Blocks go through
-    ``Prefetcher.want`` (never waits, bounded by budget).
-    """
+    """Prefetch the next files of a directory when readers open its files in name order
+    (see the module docstring)."""
 
     def __init__(self, prefetcher: Prefetcher,
                  iter_after: Callable[[str, bytes], Iterator[Entry]], *,
-                 max_files: int = 256, min_streak: int = 3, max_walks: int = 4096,
-                 adjacency: int = 8) -> None:
+                 next_dir: Callable[[str], str | None] | None = None,
+                 max_files: int = 256, min_opens: int = 4, density: float = 0.75,
+                 max_walks: int = 4096, adjacency: int = 8) -> None:
         self._prefetcher = prefetcher
         self._iter_after = iter_after
+        # directory -> the next directory of its parent's listing, or None (trio thread;
+        # may start that directory's listing)
+        self._next_dir = next_dir
         self.adjacency = adjacency
         self.max_files = max_files
-        self.min_streak = min_streak
+        self.min_opens = min_opens
+        self.density = density
         self.max_walks = max_walks
-        # (directory, reader) -> walk, least recently used first; reader 0 = shared walk
-        self._walks: dict[tuple[str, int], _Walk] = {}
+        # (directory, reader) -> walk, least recently used first
+        self._walks: dict[WalkKey, _Walk] = {}
+        # directory -> doublings of min_opens after requests ahead its walks never reached
+        self._penalty: dict[str, int] = {}
+        self._where: dict[int, str] = {}  # reader -> the directory of its last open
+        self._lock = threading.Lock()
 
-    def _follows(self, prefix: str, last: bytes, name: bytes, walk: _Walk) -> bool:
-        """Whether ``name`` is among the next few files after ``last`` (or among those
-        already requested ahead): a reader walking the directory in order, but not a
-        random order that happens to ascend."""
-        if walk.issued_until is not None and last < name <= walk.issued_until:
-            return True
-        entries = self._iter_after(prefix, last)
-        try:
-            for i, entry in enumerate(entries):
-                if entry.name == name:
-                    return True
-                if i + 1 >= self.adjacency or entry.name > name:
-                    return False
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
-        return False
+    # -- following walks (any thread) ---------------------------------------------------
+    def observe(self, prefix: str, name: bytes, ino: int, reader: int = 0) -> list[WalkKey]:
+        """Record an open of ``name`` (inode ``ino``) in ``prefix`` by ``reader`` (a thread
+        id; 0 if unknown); returns the walks now due to request files ahead (hand them
+        to :meth:`issue` on the trio thread)."""
+        due = []
+        with self._lock:
+            if reader and self._where.get(reader) != prefix:
+                # A reader walking a directory opens nothing else meanwhile.
+                self._walks.pop((prefix, reader), None)
+                self._where.pop(reader, None)
+                self._where[reader] = prefix
+                if len(self._where) > self.max_walks:
+                    self._where.pop(next(iter(self._where)))
+            keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
+            for key in keys:
+                walk = self._step(key, name, ino)
+                if self._wanted(key, walk) > 0:
+                    due.append(key)
+        return due
 
-    def on_open(self, prefix: str, name: bytes, reader: int = 0) -> int:
-        """Record an open by ``reader`` (a thread id; 0 if unknown); returns how many
-        files were newly requested."""
-        issued = self._on_open(prefix, name, (prefix, 0))
-        if reader:
-            issued += self._on_open(prefix, name, (prefix, reader))
-        return issued
-
-    def _step(self, key: tuple[str, int], name: bytes) -> _Walk:
-        prefix = key[0]
+    def _step(self, key: WalkKey, name: bytes, ino: int) -> _Walk:
         walk = self._walks.pop(key, None)
+        # One reader walks strictly in order (a step of 2 passes a sub-directory); a pool
+        # of readers taking turns arrives up to ``adjacency`` files out of order.
+        near = self.adjacency if key[1] == 0 else 2
         if walk is None:
-            walk = _Walk(name)
-        elif name > walk.last and self._follows(prefix, walk.last, name, walk):
-            walk.streak += 1
-            walk.last = name
-            walk.ahead = max(0, walk.ahead - 1)
-        elif name != walk.last:
-            walk = _Walk(name)
+            walk = _Walk(name, ino)
+        elif ino > walk.hi and (ino - walk.hi <= near or ino <= walk.issued_ino):
+            shift = ino - walk.hi
+            if ino <= walk.issued_ino:
+                walk.hits += 1
+                if walk.hits >= self.min_opens << self._penalty.get(key[0], 0):
+                    self._forgive(key[0])  # it walked as far as it had to before
+                    walk.hits = 0
+            walk.opened = ((walk.opened << shift) | 1) & _MASK
+            walk.hi, walk.last = ino, name
+            walk.ahead = max(0, walk.ahead - shift)
+        elif walk.lo <= ino <= walk.hi and walk.hi - ino <= near:
+            walk.opened |= 1 << (walk.hi - ino)  # a file a slower reader of the pool opened
+            walk.spread = max(walk.spread, walk.hi - ino)
+        else:
+            walk = self._restart(key, walk, name, ino)
+        behind = ((1 << walk.span()) - 1) & ~((1 << (near + 1)) - 1)
+        if walk.opened & behind != behind:
+            walk = self._restart(key, walk, name, ino)  # it left a file behind: not a walk
         self._walks[key] = walk  # most recently used last
         if len(self._walks) > self.max_walks:
             self._walks.pop(next(iter(self._walks)))
         return walk
 
-    def _on_open(self, prefix: str, name: bytes, key: tuple[str, int]) -> int:
-        walk = self._step(key, name)
-        if walk.streak < self.min_streak:
+    def _restart(self, key: WalkKey, walk: _Walk, name: bytes, ino: int) -> _Walk:
+        if walk.ahead > 0 and key[1] == 0:
+            # The directory's readers left it with files requested ahead unread. (Not
+            # counted for one reader's walk: DataLoader workers each read a run of
+            # files and jump, and what one requested past its run the next one reads.)
+            self._punish(key[0])
+        return _Walk(name, ino)
+
+    def _in_order(self, prefix: str, walk: _Walk) -> bool:
+        # Opens arriving out of order by k positions need 2k more to tell a pool of readers
+        # in order from shuffled readers in a small directory.
+        need = (self.min_opens << self._penalty.get(prefix, 0)) + 2 * walk.spread
+        n = walk.count()
+        return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
+
+    def _wanted(self, key: WalkKey, walk: _Walk) -> int:
+        """Files the walk should request now (0 when not in order)."""
+        if walk.carried or not self._in_order(key[0], walk):
             return 0
-        window = min(self.max_files, 2 ** (walk.streak - self.min_streak + 2))
-        if walk.issued_until is None or walk.issued_until <= name:
-            walk.issued_until, walk.ahead = name, 0
-        want = window - walk.ahead
+        window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
+        if walk.issued_ino <= walk.hi:
+            walk.issued_until, walk.issued_ino, walk.ahead = walk.last, walk.hi, 0
+        return int(window - walk.ahead)
+
+    def _punish(self, prefix: str) -> None:
+        self._penalty[prefix] = min(MAX_PENALTY, self._penalty.get(prefix, 0) + 1)
+        if len(self._penalty) > self.max_walks:
+            self._penalty.pop(next(iter(self._penalty)))
+
+    def _forgive(self, prefix: str) -> None:
+        n = self._penalty.get(prefix, 0)
+        if n > 1:
+            self._penalty[prefix] = n - 1
+        elif n:
+            del self._penalty[prefix]
+
+    # -- requesting files ahead (trio thread) -------------------------------------------------
+    def issue(self, keys: list[WalkKey]) -> int:
+        """Request the files ahead that the walks ``keys`` want now; returns how many
+        files were newly requested."""
         issued = 0
-        if want <= 0:
-            return 0
-        entries = self._iter_after(prefix, walk.issued_until)
+        for key in keys:
+            with self._lock:
+                walk = self._walks.get(key)
+                if walk is None:
+                    continue
+                want = self._wanted(key, walk)
+                if want <= 0 or walk.issued_until is None:
+                    continue
+                prefix = key[0]
+                n = 0 if walk.end else self._request(prefix, walk, walk.issued_until, want)
+                issued += n
+                if self._next_dir is None:
+                    walk.carried = walk.end
+                elif not walk.asked_next or walk.end:
+                    walk.asked_next = True
+                    nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
+                    if walk.end:
+                        if nxt is None:
+                            walk.carried = True  # the parent's last directory
+                        elif n < want and self._carry(nxt, want - n, walk):
+                            walk.carried = True
+                        # (else its listing is not here yet: tried again at the next open)
+        return issued
+
+    def _request(self, prefix: str, walk: _Walk, after: bytes, want: int) -> int:
+        """Request up to ``want`` files of ``prefix`` after name ``after`` for ``walk``
+        (under ``_lock``); sets ``walk.end`` when the directory's last file is among
+        them. Returns how many were requested."""
+        entries = self._iter_after(prefix, after)
+        n = 0
         try:
+            walk.end = True  # unless the loop stops before the last entry
             for entry in entries:
                 if entry.is_dir:
                     continue
-                obj = ObjectVersion(prefix + entry.name.decode(), entry.etag, entry.size)
-                if self._prefetcher.want_object(obj, DIRECTORY) is None:
-                    break  # memory budget full
-                walk.issued_until = entry.name
-                walk.ahead += 1
-                issued += 1
-                if issued >= want:
+                if n >= want:
+                    walk.end = False
                     break
+                obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
+                                    entry.etag, entry.size)
+                if self._prefetcher.want_object(obj, DIRECTORY) is None:
+                    walk.end = False
+                    break  # memory budget full
+                walk.issued_until, walk.issued_ino = entry.name, entry.ino
+                walk.ahead += 1
+                n += 1
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
-        return issued
+        return n
+
+    def _carry(self, prefix: str, want: int, prev: _Walk) -> int:
+        """A walk in order ended its directory: request ``want`` files of the next
+        directory ``prefix`` and give it a trusted shared walk positioned before its
+        first file (under ``_lock``). Nothing when it is not listed yet or already has
+        a walk."""
+        key = (prefix, 0)
+        if key in self._walks:
+            prev.carried = True
+            return 0  # its readers are there already (or it was carried into before)
+        entries = self._iter_after(prefix, b"")
+        try:
+            first = next((e for e in entries if not e.is_dir), None)
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()  # (its snapshot ends now, not when the generator is collected)
+        if first is None:
+            return 0  # not listed yet, or no files
+        walk = _Walk(b"", first.ino - 1)
+        walk.opened = _MASK  # trusted: as if the positions before its first file were read
+        walk.lo = walk.hi - SPAN + 1
+        walk.issued_until, walk.issued_ino = b"", walk.hi
+        n = self._request(prefix, walk, b"", want)
+        if n:
+            self._walks[key] = walk
+            if len(self._walks) > self.max_walks:
+                self._walks.pop(next(iter(self._walks)))
+        return n
+
+    def on_open(self, prefix: str, name: bytes, ino: int, reader: int = 0) -> int:
+        """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
+        due = self.observe(prefix, name, ino, reader)
+        return self.issue(due) if due else 0

@@ -28,7 +28,11 @@ and wasted bytes, by policy: the fetcher reports every block a reader takes
 kernel reads itself (:meth:`PrefetchLedger.mark_used`).
 
 Concurrency: trio thread only; nothing here blocks or awaits except
-:meth:`Prefetcher.warm_block`.
+:meth:`Prefetcher.warm_block`. Exception: the FUSE request workers report reads to
+the ledger (:meth:`PrefetchLedger.note_read`, :meth:`PrefetchLedger.mark_used`)
+from their threads; the ledger changes its ordered dictionary only by single
+operations (each atomic under the GIL), so those reports interleave safely with
+:meth:`PrefetchLedger.issued` on the trio thread.
 """
 
 from __future__ import annotations

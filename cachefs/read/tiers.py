@@ -25,12 +25,14 @@ RAM, bounded) and :class:`DiskTier` (the local block cache) here; a shared
 in-region tier is another implementation of the same protocol.
 
 Concurrency: tiers are called on the trio thread; ``get``/``put`` may await
-worker threads of their own.
+worker threads of their own. The memory tier is also read (and filled with blocks
+read from disk) by the FUSE request workers: its methods take its own lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -81,32 +83,36 @@ class MemoryTier:
         self.capacity = capacity
         self.used = 0
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
 
     def peek(self, bid: bytes) -> bytes | None:
-        data = self._blocks.get(bid)
-        if data is not None:
-            self._blocks.move_to_end(bid)
-        return data
+        with self._lock:
+            data = self._blocks.get(bid)
+            if data is not None:
+                self._blocks.move_to_end(bid)
+            return data
 
     def store(self, bid: bytes, data: bytes) -> None:
         if len(data) > self.capacity:
             return
-        old = self._blocks.pop(bid, None)
-        if old is not None:
-            self.used -= len(old)
-        self._blocks[bid] = data
-        self.used += len(data)
-        while self.used > self.capacity:
-            _, dropped = self._blocks.popitem(last=False)
-            self.used -= len(dropped)
+        with self._lock:
+            old = self._blocks.pop(bid, None)
+            if old is not None:
+                self.used -= len(old)
+            self._blocks[bid] = data
+            self.used += len(data)
+            while self.used > self.capacity:
+                _, dropped = self._blocks.popitem(last=False)
+                self.used -= len(dropped)
 
     def __contains__(self, bid: bytes) -> bool:
         return bid in self._blocks
 
     def discard(self, bid: bytes) -> None:
-        old = self._blocks.pop(bid, None)
-        if old is not None:
-            self.used -= len(old)
+        with self._lock:
+            old = self._blocks.pop(bid, None)
+            if old is not None:
+                self.used -= len(old)
 
     def contains(self, ref: BlockRef) -> bool:
         return ref.bid in self._blocks

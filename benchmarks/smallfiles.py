@@ -1,0 +1,353 @@
+"""Small files: files/s, link use and the daemon's cost per file, cold and warm.
+
+    python -m benchmarks.smallfiles                     # cachefs (+ without passthrough), peers, local
+    python -m benchmarks.smallfiles --systems cachefs --passes warm   # one focused measurement
+    python -m benchmarks.smallfiles --quick             # seconds (the test suite runs it)
+
+The dataset is ``--files`` files of ``--min-kb``..``--max-kb`` in ``--folders``
+folders on a SeaweedFS origin behind the WAN emulator (70 ms RTT, 48 MB/s in
+total, 16 MB/s per connection by default). ``--threads`` reader threads read
+whole files (``open(p, 'rb').read()``), taking turns over one list.
+
+Passes (each system gets a fresh, empty cache for every cold pass):
+
+* ``cold``           -- directory order (sorted paths), cold cache;
+* ``warm``           -- the same order again after the page cache (and dentries) were dropped;
+* ``warm-shuffled``  -- a fresh random order, page cache dropped;
+* ``shuffled``       -- cold cache, a random order, no hint;
+* ``shuffled-hint``  -- cold cache, a random order handed to cachefs first (the read-order hint).
+
+Per pass it reports files/s (and the share of local disk's files/s for warm
+passes, of the link for cold ones) and, for cachefs, what a file costs the
+daemon: CPU (user + system, from ``/proc/<pid>/stat``, all threads; the trio
+thread's share from ``/proc/<pid>/task``), FUSE requests by operation, LMDB
+transactions, S3 GETs, thread hops and bytes copied, all per file, from the
+daemon's metrics. ``cachefs-nopt`` is cachefs with ``--passthrough off`` (what
+a plain ``pip install`` without the passthrough build gets).
+
+Wall-clock numbers need a quiet machine: the origin, the emulator, the daemon
+and the readers share the cores. The per-file counts and CPU are meaningful
+on a busy one too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks.origin import SeaweedOrigin
+from benchmarks.systems import Mounted, mount_cachefs, mount_rclone, mount_s3fs
+from benchmarks.util import CLK_TCK, drop_caches, fuse_usable, proc_sample
+from benchmarks.wan import WanLink
+
+BUCKET = "small"
+PREFIX = "ds"
+SYSTEMS = ("cachefs", "cachefs-nopt", "rclone", "s3fs", "local")
+PASSES = ("cold", "warm", "warm-shuffled", "shuffled", "shuffled-hint")
+WARM = ("warm", "warm-shuffled")
+
+
+# -- dataset -----------------------------------------------------------------------------
+def dataset(files: int, folders: int, min_kb: int, max_kb: int, seed: int) -> list[tuple[str, int]]:
+    rnd = random.Random(seed)
+    return [(f"c{i % folders:03d}/img{i:06d}.jpg", rnd.randint(min_kb * 1000, max_kb * 1000))
+            for i in range(files)]
+
+
+def payload(key: str, size: int) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
+def prepare(origin: SeaweedOrigin, local: Path, items: list[tuple[str, int]]) -> None:
+    origin.ensure_bucket(BUCKET)
+    s3 = origin.client(max_pool=16)
+
+    def put(item: tuple[str, int]) -> None:
+        key, size = item
+        data = payload(key, size)
+        s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=data)
+        path = local / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, items))
+
+
+# -- measuring -----------------------------------------------------------------------------
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, labels included in the name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name and kind ("main.user", "python.sys"...) of a process
+    (threads of one name summed; the main thread is "main")."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            key = "main" if tid == str(pid) else name
+            for part, i in (("user", 11), ("sys", 12)):
+                k = f"{key}.{part}"
+                out[k] = out.get(k, 0.0) + int(fields[i]) / CLK_TCK
+    return out
+
+
+def read_pass(root: Path, order: list[str], threads: int) -> tuple[float, int]:
+    def read(rel: str) -> int:
+        with open(root / rel, "rb") as f:
+            return len(f.read())
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, order))
+    return time.perf_counter() - t0, total
+
+
+def per_file(before: dict[str, float], after: dict[str, float], prefix: str, n: int) -> dict[str, float]:
+    out = {}
+    for k, v in after.items():
+        if k.startswith(prefix):
+            d = v - before.get(k, 0.0)
+            if d:
+                label = k[len(prefix):].strip("{}").split("=", 1)[-1] or "all"
+                out[label] = round(d / n, 3)
+    return out
+
+
+@contextlib.contextmanager
+def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
+    """Record the daemon with py-spy (if asked and installed) while the block runs."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if pid is None or out is None or not os.path.exists(exe):
+        yield
+        return
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--format",
+                             "raw", "--rate", "250", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
+            spy: Path | None = None, before_read: Any = None) -> dict[str, Any]:
+    drop_caches()
+    met0 = scrape(m.metrics_url) if m.metrics_url else {}
+    cpu0 = proc_sample(m.pid).cpu_s if m.pid else 0.0  # type: ignore[union-attr]
+    thr0 = thread_cpu(m.pid) if m.pid else {}
+    with py_spy(m.pid, spy):
+        if before_read is not None:
+            before_read()
+        seconds, total = read_pass(m.root, order, threads)
+    n = len(order)
+    assert total == nbytes, f"{m.system} {name}: read {total} bytes, expected {nbytes}"
+    row: dict[str, Any] = {"system": m.system, "pass": name, "files": n, "seconds": round(seconds, 3),
+                           "files_per_s": round(n / seconds, 1), "MB_per_s": round(total / seconds / 1e6, 2)}
+    if m.pid:
+        time.sleep(0.3)  # write-backs still running belong to the pass
+        cpu1 = proc_sample(m.pid).cpu_s  # type: ignore[union-attr]
+        thr1 = thread_cpu(m.pid)
+        row["cpu_us_per_file"] = round((cpu1 - cpu0) / n * 1e6, 1)
+        row["thread_cpu_us_per_file"] = {k: round((v - thr0.get(k, 0.0)) / n * 1e6, 1)
+                                         for k, v in thr1.items() if v - thr0.get(k, 0.0) > 0}
+    if m.metrics_url:
+        met1 = scrape(m.metrics_url)
+        row["fuse_per_file"] = per_file(met0, met1, "cachefs_fuse_requests_total", n)
+        row["lmdb_txn_per_file"] = per_file(met0, met1, "cachefs_lmdb_transactions_total", n)
+        row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
+        gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
+        row["s3_gets_per_file"] = round(gets / n, 3)
+        s3b = met1.get("cachefs_s3_bytes_total", 0) - met0.get("cachefs_s3_bytes_total", 0)
+        row["s3_bytes_per_byte_read"] = round(s3b / nbytes, 3)
+        read = met1.get("cachefs_read_bytes_total", 0) - met0.get("cachefs_read_bytes_total", 0)
+        row["daemon_read_bytes_per_file"] = round(read / n)
+    return row
+
+
+# -- systems ---------------------------------------------------------------------------------
+def mount_system(system: str, endpoint: str, run_dir: Path, local: Path,
+                 extra: list[str]) -> contextlib.AbstractContextManager[Mounted]:
+    if system == "local":
+        return contextlib.nullcontext(Mounted("local", local, None))
+    if system in ("cachefs", "cachefs-nopt"):
+        args = ["--metadata-ttl", "1h", *extra]
+        if system == "cachefs-nopt":
+            args += ["--passthrough", "off"]
+        return _renamed(mount_cachefs(endpoint, BUCKET, PREFIX, run_dir, extra=args), system)
+    fn = {"rclone": mount_rclone, "s3fs": mount_s3fs}[system]
+    return fn(endpoint, BUCKET, PREFIX, run_dir)
+
+
+@contextlib.contextmanager
+def _renamed(cm: contextlib.AbstractContextManager[Mounted], system: str) -> Iterator[Mounted]:
+    with cm as m:
+        m.system = system
+        yield m
+
+
+def run_system(system: str, passes: list[str], endpoint: str, work: Path, local: Path,
+               items: list[tuple[str, int]], threads: int, seed: int, extra: list[str],
+               spy_dir: Path | None) -> list[dict[str, Any]]:
+    keys = [k for k, _ in items]
+    nbytes = sum(s for _, s in items)
+    in_order = sorted(keys)
+    rows: list[dict[str, Any]] = []
+    run_dir = work / f"run-{system}"
+
+    def shuffled(salt: int) -> list[str]:
+        order = in_order[:]
+        random.Random(seed * 100 + salt).shuffle(order)
+        return order
+
+    def spy(name: str) -> Path | None:
+        return spy_dir / f"{system}-{name}.folded" if spy_dir else None
+
+    def go(m: Mounted, name: str, order: list[str], hint: bool = False) -> None:
+        def send() -> None:
+            from cachefs.control.client import send_hint
+            send_hint(str(m.root / k) for k in order)
+
+        row = measure(m, name, order, nbytes, threads, spy(name), send if hint else None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # cold (directory order), then the warm passes over the same cache
+    if any(p in ("cold", *WARM) for p in passes):
+        with mount_system(system, endpoint, run_dir, local, extra) as m:
+            if system != "local":
+                if "cold" in passes:
+                    go(m, "cold", in_order)
+                else:
+                    read_pass(m.root, in_order, threads)  # fill the cache, unmeasured
+            for i, name in enumerate(p for p in passes if p in WARM):
+                go(m, name, in_order if name == "warm" else shuffled(i + 1))
+    for name in ("shuffled", "shuffled-hint"):
+        if name not in passes or system == "local":
+            continue
+        if name == "shuffled-hint" and not system.startswith("cachefs"):
+            continue
+        with mount_system(system, endpoint, run_dir, local, extra) as m:
+            go(m, name, shuffled(10), hint=name == "shuffled-hint")
+    return rows
+
+
+def summary(rows: list[dict[str, Any]], link_MBps: float) -> str:
+    local = {r["pass"]: r["files_per_s"] for r in rows if r["system"] == "local"}
+    lines = ["| system | pass | files/s | share | daemon CPU us/file (trio thread) | FUSE requests/file | "
+             "LMDB txns/file | thread hops/file | GETs/file |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["pass"] in WARM:
+            share = f"{r['files_per_s'] / local[r['pass']]:.2f} of local" if local.get(r["pass"]) else "-"
+        else:
+            share = f"{r['MB_per_s'] / link_MBps:.2f} of link"
+        cpu = "-"
+        if "cpu_us_per_file" in r:
+            th = r.get("thread_cpu_us_per_file", {})
+            main = th.get("main.user", 0.0) + th.get("main.sys", 0.0)
+            cpu = f"{r['cpu_us_per_file']:.0f} ({main:.0f})"
+        fuse = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("fuse_per_file", {}).items()))
+        lmdb = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("lmdb_txn_per_file", {}).items()))
+        hops = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("thread_hops_per_file", {}).items()))
+        lines.append(f"| {r['system']} | {r['pass']} | {r['files_per_s']:.0f} | {share} | {cpu} | "
+                     f"{fuse or '-'} | {lmdb or '-'} | {hops or '-'} | {r.get('s3_gets_per_file', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.smallfiles",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--passes", default=",".join(PASSES))
+    ap.add_argument("--files", type=int, default=1200)
+    ap.add_argument("--folders", type=int, default=20)
+    ap.add_argument("--min-kb", type=int, default=80)
+    ap.add_argument("--max-kb", type=int, default=140)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--rtt-ms", type=float, default=70.0)
+    ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
+    ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cachefs-arg", action="append", default=[],
+                    help="extra argument for cachefs mount (repeatable)")
+    ap.add_argument("--py-spy", type=Path, metavar="DIR",
+                    help="record the daemon with py-spy during every pass (folded stacks in DIR)")
+    ap.add_argument("--quick", action="store_true", help="120 files, 2 folders, RTT 20 ms")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--workdir", type=Path)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.files, args.folders, args.rtt_ms = 120, 4, 20.0
+    ok, why = fuse_usable()
+    if not ok:
+        print(f"FUSE is not usable here: {why}", file=sys.stderr)
+        return 1
+    systems = [s for s in args.systems.split(",") if s]
+    passes = [p for p in args.passes.split(",") if p]
+    bad = [s for s in systems if s not in SYSTEMS] + [p for p in passes if p not in PASSES]
+    if bad:
+        print(f"unknown system or pass: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if any(p in WARM for p in passes) and "local" not in systems:
+        systems.append("local")  # the reference of the warm passes
+    if args.py_spy:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="cachefs-small-"))
+    work.mkdir(parents=True, exist_ok=True)
+    items = dataset(args.files, args.folders, args.min_kb, args.max_kb, args.seed)
+    local = work / "local"
+    rows: list[dict[str, Any]] = []
+    with SeaweedOrigin(work / "s3") as origin:
+        prepare(origin, local, items)
+        with WanLink(origin.s3_port, args.rtt_ms, args.bandwidth_MBps, args.conn_bandwidth_MBps,
+                     log_path=str(work / "wan.log")) as wan:
+            for system in systems:
+                rows += run_system(system, passes, wan.endpoint, work, local, items, args.threads,
+                                   args.seed, args.cachefs_arg, args.py_spy)
+    print(summary(rows, args.bandwidth_MBps))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows}, indent=2))
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,392 @@
+"""The FUSE request loop: worker threads read requests from the device and answer them.
+
+Each of ``workers`` threads reads one request at a time from its own
+descriptor of the connection (a blocking read into a buffer it reuses),
+decodes it, calls the operation's handler and writes the reply: two system
+calls per request and no task switch. Handlers come from
+:class:`cachefs.fuse_ops.Operations`:
+
+* the *inline* handler of an operation runs on the worker thread itself. It
+  may read LMDB and local files (a worker may wait on the disk: that is what
+  it is for), and must not touch what belongs to the trio thread (listings
+  being made, fetches in flight, prefetch state);
+* when it cannot answer without waiting on the trio side (a directory not
+  listed yet, a block to fetch from S3) it raises :class:`Deferred`, and the
+  request goes to the operation's *async* handler, run as a task of this
+  server's nursery on the trio thread, which writes the reply when it has it.
+  The worker goes on with the next request meanwhile. Operations without an
+  inline handler (directories) always take that path.
+
+Per request the server counts ``cachefs_fuse_requests_total{op}`` and
+``cachefs_fuse_request_duration_seconds{op}``; a handler's exception becomes
+the errno of :func:`cachefs.fuse_ops.errno_for` (EIO plus a logged traceback
+for an unexpected one: a bug answers one request with EIO, never ends the
+mount).
+
+Lifetime: :meth:`RequestServer.run` answers INIT, starts the workers and
+returns when all of them have stopped: the connection ended (unmounted: reads
+fail with ENODEV) or DESTROY arrived. Deferred requests still running then are
+cancelled (nobody is left to answer). Workers are daemon threads; a worker in
+a handler holds :attr:`RequestServer.active` above zero (the daemon waits for
+it before closing the index).
+
+Concurrency: workers share nothing but the handlers' objects (each handler
+documents what it touches); the trio side is reached only through
+:meth:`RequestServer.post` (thread-safe, in order, batched per wake-up of the
+trio thread) and the deferred path.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+
+from cachefs import metrics
+from cachefs.fuse import abi
+
+log = logging.getLogger(__name__)
+
+#: Request workers by default: enough to keep a few readers' disk reads in flight; more
+#: add nothing on a Python interpreter (one runs Python at a time), fewer serialise
+#: the waits for the disk.
+DEFAULT_WORKERS = 4
+
+
+class Deferred(Exception):
+    """Raised by an inline handler: the request needs the trio thread (its async handler)."""
+
+
+#: A reply: bytes, or a sequence of buffers written as one message (no joining copy).
+Reply = bytes | Sequence[bytes | memoryview] | None
+
+
+class Request:
+    """One request: its header fields and its arguments (a private copy once deferred)."""
+
+    __slots__ = ("body", "fd", "nodeid", "opcode", "pid", "t0", "uid", "unique")
+
+    def __init__(self, fd: int, opcode: int, unique: int, nodeid: int, uid: int, pid: int,
+                 body: bytes | memoryview, t0: float) -> None:
+        self.fd = fd
+        self.opcode = opcode
+        self.unique = unique
+        self.nodeid = nodeid
+        self.uid = uid
+        self.pid = pid
+        self.body = body
+        self.t0 = t0
+
+
+InlineHandler = Callable[[Request], Reply]
+AsyncHandler = Callable[[Request], Awaitable[Reply]]
+
+
+class Handlers:
+    """What the server needs of the operations (see :class:`cachefs.fuse_ops.Operations`)."""
+
+    def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
+        """opcode -> (metric name, inline handler, async handler)."""
+        raise NotImplementedError
+
+    def error_code(self, op: str, exc: BaseException) -> int:
+        """The errno answering ``exc`` (logs what needs logging)."""
+        raise NotImplementedError
+
+    def negotiated(self, result: abi.Negotiated) -> None:
+        """Told what INIT settled, before any other request is read."""
+
+
+class RequestServer:
+    """Serves one FUSE connection with worker threads (see the module docstring)."""
+
+    def __init__(self, open_fd: Callable[[], int], handlers: Handlers, *,
+                 workers: int = DEFAULT_WORKERS, want_passthrough: bool = False) -> None:
+        self._open_fd = open_fd  # a new descriptor of the connection, owned by the caller
+        self._handlers = handlers
+        self._table = handlers.table()
+        self._op_index = {op: metrics.FUSE_STATS.index[name]
+                          for op, (name, _, _) in self._table.items()}
+        self._trio_stats = metrics.FUSE_STATS.shard()  # replies written on the trio thread
+        self.workers = max(1, workers)
+        self.want_passthrough = want_passthrough
+        self.negotiated: abi.Negotiated | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._posted: collections.deque[tuple[Callable[..., object], tuple[Any, ...]]] = (
+            collections.deque())
+        self._post_scheduled = False
+        self._post_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._running = 0
+        self._busy: list[bool] = []  # per worker: inside a handler now
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._stopped: trio.Event | None = None
+
+    # -- the trio side -------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer INIT, serve until the connection ends; ``started`` once INIT is done."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._stopped = trio.Event()
+        fds = [self._open_fd() for _ in range(self.workers)]
+        try:
+            self.negotiated = await trio.to_thread.run_sync(self._init, fds[0])
+            self._handlers.negotiated(self.negotiated)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._running = len(fds)
+                self._busy = [False] * len(fds)
+                for i, fd in enumerate(fds):
+                    t = threading.Thread(target=self._worker, args=(i, fd), daemon=True,
+                                         name=f"cachefs-fuse-{i}")
+                    self._threads.append(t)
+                    t.start()
+                task_status.started()
+                await self._stopped.wait()
+                nursery.cancel_scope.cancel()  # deferred requests: nobody left to answer
+        finally:
+            self._nursery = None
+            alive = [t for t in self._threads if t.is_alive()]
+            if not alive:
+                for fd in fds:
+                    os.close(fd)
+            # else: a worker still blocked in read() keeps its descriptor (process exit
+            # closes it); closing it now could hand its number to another file.
+
+    async def stopped(self) -> None:
+        """Return once every worker has stopped (the connection ended)."""
+        assert self._stopped is not None
+        await self._stopped.wait()
+
+    def cancel(self) -> None:
+        """End :meth:`run` now, workers or not (trio thread; after the connection was
+        given up: a worker still blocked in its read is left to the process's exit)."""
+        self._set_stopped()
+
+    @property
+    def active(self) -> int:
+        """Workers inside a handler now."""
+        return sum(self._busy)
+
+    def stop(self, timeout: float) -> bool:
+        """From now on answer every request EIO without a handler, and wait until no
+        worker is inside one (any thread); returns whether none is. (A worker checks the
+        flag after marking itself busy, so one that missed it is still waited for.)"""
+        deadline = time.monotonic() + timeout
+        self._stopping = True
+        while any(self._busy):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the trio thread soon, in the order posted (any thread).
+        Dropped silently once the server has stopped."""
+        with self._post_lock:
+            self._posted.append((fn, args))
+            if self._post_scheduled:
+                return
+            self._post_scheduled = True
+        token = self._token
+        if token is None:
+            return
+        try:
+            token.run_sync_soon(self._drain_posted)
+        except trio.RunFinishedError:
+            pass
+
+    def _drain_posted(self) -> None:
+        while True:
+            with self._post_lock:
+                if not self._posted:
+                    self._post_scheduled = False
+                    return
+                batch = list(self._posted)
+                self._posted.clear()
+            for fn, args in batch:
+                try:
+                    fn(*args)
+                except Exception:
+                    log.exception("a request's follow-up work failed")
+
+    def _defer(self, req: Request, handler: AsyncHandler) -> None:
+        if isinstance(req.body, memoryview):
+            req.body = bytes(req.body)  # the worker's buffer is reused for the next request
+        token = self._token
+        assert token is not None
+        try:
+            token.run_sync_soon(self._start_deferred, req, handler)
+        except trio.RunFinishedError:
+            _write(req.fd, req.unique, -errno.EIO, None)
+
+    def _start_deferred(self, req: Request, handler: AsyncHandler) -> None:
+        if self._nursery is None:
+            _write(req.fd, req.unique, -errno.EIO, None)
+            return
+        self._nursery.start_soon(self._serve_deferred, req, handler)
+
+    async def _serve_deferred(self, req: Request, handler: AsyncHandler) -> None:
+        name = self._table[req.opcode][0]
+        try:
+            reply = await handler(req)
+        except Exception as exc:
+            self._reply_error(req, self._handlers.error_code(name, exc), self._trio_stats)
+        else:
+            self._reply(req, reply, self._trio_stats)
+
+    # -- the workers ---------------------------------------------------------------------
+    def _init(self, fd: int) -> abi.Negotiated:
+        """Read and answer INIT (the first request of every connection; worker thread)."""
+        buf = bytearray(abi.BUFFER_SIZE)
+        while True:
+            n = _read(fd, buf)
+            if n is None:
+                raise abi.ProtocolError("the connection ended before INIT")
+            _, opcode, unique, _, _, _, _, _, _ = abi.IN_HEADER.unpack_from(buf)
+            if opcode != abi.INIT:
+                _write(fd, unique, -errno.EIO, None)
+                continue
+            try:
+                body, result = abi.negotiate(memoryview(buf)[abi.IN_HEADER.size:n],
+                                             want_passthrough=self.want_passthrough)
+            except abi.ProtocolError:
+                _write(fd, unique, -errno.EPROTO, None)
+                raise
+            _write(fd, unique, 0, body)
+            return result
+
+    def _worker(self, index: int, fd: int) -> None:
+        buf = bytearray(abi.BUFFER_SIZE)
+        view = memoryview(buf)
+        unpack = abi.IN_HEADER.unpack_from
+        table = self._table
+        busy = self._busy
+        stats = metrics.FUSE_STATS.shard()
+        clock = time.perf_counter
+        try:
+            while True:
+                n = _read(fd, buf)
+                if n is None:
+                    return  # the connection ended
+                length, opcode, unique, nodeid, uid, _, pid, _, _ = unpack(buf)
+                entry = table.get(opcode)
+                if entry is None:
+                    if self._special(fd, opcode, unique, view[abi.IN_HEADER.size:length]):
+                        return
+                    continue
+                req = Request(fd, opcode, unique, nodeid, uid, pid,
+                              view[abi.IN_HEADER.size:length], clock())
+                _, inline, deferred = entry
+                if inline is None:
+                    assert deferred is not None
+                    self._defer(req, deferred)
+                    continue
+                busy[index] = True
+                try:
+                    if self._stopping:
+                        _write(fd, unique, -errno.EIO, None)
+                        continue
+                    reply = inline(req)
+                except Deferred:
+                    assert deferred is not None
+                    self._defer(req, deferred)
+                except Exception as exc:
+                    self._reply_error(req, self._handlers.error_code(entry[0], exc), stats)
+                else:
+                    self._reply(req, reply, stats)
+                finally:
+                    busy[index] = False
+        except Exception:
+            log.exception("FUSE request worker failed; it stops")
+        finally:
+            self._worker_done()
+
+    def _special(self, fd: int, opcode: int, unique: int, body: memoryview) -> bool:
+        """Requests without a handler; returns True when the worker must stop."""
+        if opcode in (abi.FORGET, abi.BATCH_FORGET):
+            return False  # nothing is kept per inode; no reply
+        if opcode == abi.IOCTL:
+            # Sent for every open() by Python's isatty() check (TCGETS), and the kernel
+            # does not remember a refusal: answer at once, as a local file would.
+            _write(fd, unique, -errno.ENOTTY, None)
+            return False
+        if opcode == abi.INTERRUPT:
+            # Interrupts are not supported: ENOSYS to the INTERRUPT itself (its unique has
+            # FUSE_INT_REQ_BIT set) tells the kernel to stop sending them, and the
+            # interrupted request goes on to its own answer. (Answering the interrupted
+            # request's unique instead would fail that request with ENOSYS.)
+            _write(fd, unique, -errno.ENOSYS, None)
+            return False
+        if opcode == abi.DESTROY:
+            _write(fd, unique, 0, None)
+            return True
+        code = errno.EROFS if opcode in abi.MODIFYING else errno.ENOSYS
+        _write(fd, unique, -code, None)
+        return False
+
+    def _worker_done(self) -> None:
+        with self._lock:
+            self._running -= 1
+            last = self._running == 0
+        if last and self._token is not None:
+            try:
+                self._token.run_sync_soon(self._set_stopped)
+            except trio.RunFinishedError:
+                pass
+
+    def _set_stopped(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+
+    # -- replies ---------------------------------------------------------------------------
+    def _reply(self, req: Request, reply: Reply, stats: metrics.RequestShard) -> None:
+        stats.observe(self._op_index[req.opcode], time.perf_counter() - req.t0)
+        _write(req.fd, req.unique, 0, reply)
+
+    def _reply_error(self, req: Request, code: int, stats: metrics.RequestShard) -> None:
+        name = self._table[req.opcode][0]
+        stats.observe(self._op_index[req.opcode], time.perf_counter() - req.t0)
+        metrics.FUSE_ERRORS.labels(name, errno.errorcode.get(code, str(code))).inc()
+        _write(req.fd, req.unique, -code, None)
+
+
+def _read(fd: int, buf: bytearray) -> int | None:
+    """One request into ``buf``; None when the connection has ended."""
+    while True:
+        try:
+            n = os.readv(fd, [buf])
+        except OSError as exc:
+            if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                continue  # ENOENT: the request was interrupted before we read it
+            if exc.errno == errno.ENODEV:
+                return None  # unmounted (or aborted)
+            raise
+        return n if n > 0 else None
+
+
+def _write(fd: int, unique: int, error: int, reply: Reply) -> None:
+    if reply is None:
+        parts: list[bytes | memoryview] = []
+    elif isinstance(reply, bytes | bytearray | memoryview):
+        parts = [reply]
+    else:
+        parts = list(reply)
+    size = abi.OUT_HEADER.size + sum(len(p) for p in parts)
+    try:
+        os.writev(fd, [abi.OUT_HEADER.pack(size, error, unique), *parts])
+    except OSError as exc:
+        # ENOENT: the request was interrupted (its caller is gone); ENODEV: unmounted.
+        if exc.errno not in (errno.ENOENT, errno.ENODEV):
+            log.error("cannot answer a FUSE request (%d bytes in %d parts): %s; answering EIO",
+                      size, len(parts), exc.strerror)
+            if parts:  # the caller must not wait for ever
+                _write(fd, unique, -errno.EIO, None)
