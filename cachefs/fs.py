@@ -56,9 +56,10 @@ class BackingFiles(Protocol):
     only needs these two calls, so it stays free of pyfuse3.
     """
 
-    def open(self, ino: int, obj: ObjectVersion) -> int:
+    def open(self, ino: int, obj: ObjectVersion, *, o_direct: bool = False) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads the file), or 0.
-        Any thread; may wait on the disk (it verifies the file the first time)."""
+        Any thread; may wait on the disk (it verifies the file the first time).
+        ``o_direct``: the open asked for O_DIRECT."""
         ...
 
     def release(self, ino: int, backing_id: int) -> None:
@@ -269,14 +270,16 @@ class FileSystem:
         self._handles.pop(fh, None)
 
     # -- files ------------------------------------------------------------------------------
-    def open_now(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
+    def open_now(self, ino: int, reader: int = 0, *,
+                 o_direct: bool = False) -> tuple[int, bool, int]:
         """Open a file (any thread; never waits on the trio thread, may wait on the disk
         when passthrough verifies the file); returns (handle, keep_cache, backing_id).
         keep_cache is always True: an inode is one object version, so the kernel's page
         cache of it can never hold bytes of another version. A backing_id > 0 means the
         kernel reads the object's cache file itself (see :mod:`cachefs.passthrough`).
         ``reader`` (the opening thread's id, 0 if unknown) lets directory lookahead
-        follow each reader's walk."""
+        follow each reader's walk. ``o_direct``: the open asked for O_DIRECT (see
+        :meth:`cachefs.passthrough.Passthrough.open`)."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
@@ -288,7 +291,7 @@ class FileSystem:
         due = self.lookahead.observe(node.parent_prefix, node.name, node.ino, reader)
         if due:
             self.post(self.lookahead.issue, due)
-        backing_id = self.backing.open(ino, obj) if self.backing else 0
+        backing_id = self.backing.open(ino, obj, o_direct=o_direct) if self.backing else 0
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(fh, node, obj, backing_id)
         return fh, True, backing_id

@@ -186,7 +186,8 @@ class Operations(Handlers):
         flags = abi.OPEN_IN.unpack_from(req.body)[0]
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
-        fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid)
+        fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid,
+                                                     o_direct=bool(flags & os.O_DIRECT))
         self._opened.inc()
         if backing_id:
             # The kernel reads the cache file itself; it refuses keep_cache with it.
