@@ -182,9 +182,9 @@ class FileSystem:
     def lookup_now(self, parent_ino: int, name: bytes) -> Node:
         """:meth:`lookup` without waiting (any thread); NeedsWait when the directory's
         listing has not reached ``name`` yet."""
+        if name == b".":  # also of a file: the kernel resolving a file handle (export)
+            return self.node(parent_ino)
         parent = self._dir(parent_ino)
-        if name == b".":
-            return parent
         if name == b"..":
             return self._parent_of(parent)
         known, entry, due = self.metadata.lookup_now(parent.path, name)
@@ -198,9 +198,9 @@ class FileSystem:
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""
+        if name == b".":  # also of a file: the kernel resolving a file handle (export)
+            return self.node(parent_ino)
         parent = self._dir(parent_ino)
-        if name == b".":
-            return parent
         if name == b"..":
             return self._parent_of(parent)
         entry = await self.metadata.lookup(parent.path, name)

@@ -1,0 +1,59 @@
+"""The FUSE protocol at its edges, on real mounts: requests ordinary programs seldom
+send (file handles, ...), answered as the kernel expects."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+import pytest
+
+pytestmark = pytest.mark.fuse
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+
+
+def _name_to_handle(path: str) -> bytes:
+    buf = ctypes.create_string_buffer(struct.pack("Ii", 128, 0) + b"\0" * 128)
+    mount_id = ctypes.c_int()
+    if _libc.name_to_handle_at(_AT_FDCWD, path.encode(), buf, ctypes.byref(mount_id), 0):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), path)
+    size = struct.unpack_from("I", buf.raw)[0]
+    return buf.raw[:8 + size]
+
+
+def _open_by_handle(mount_fd: int, handle: bytes) -> int:
+    fd = _libc.open_by_handle_at(mount_fd, ctypes.create_string_buffer(handle, len(handle)),
+                                 os.O_RDONLY)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return int(fd)
+
+
+def _drop_dentries_and_inodes() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2\n")
+
+
+def test_a_file_handle_opens_its_file_after_the_kernel_forgot_the_inode(bucket, mount_factory):  # type: ignore[no-untyped-def]
+    """cachefs grants export support: for a file handle whose inode the kernel no
+    longer holds, the kernel looks up "." in the handle's inode, a file or a directory
+    (what NFS re-export and open_by_handle_at do)."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/f.txt", Body=b"by handle\n")
+    m = mount_factory(f"s3://{name}")
+    handles = {p: _name_to_handle(str(m.path / p)) for p in ("d/f.txt", "d")}
+    mount_fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _drop_dentries_and_inodes()
+        fd = _open_by_handle(mount_fd, handles["d/f.txt"])
+        try:
+            assert os.pread(fd, 100, 0) == b"by handle\n"
+        finally:
+            os.close(fd)
+        os.close(_open_by_handle(mount_fd, handles["d"]))
+    finally:
+        os.close(mount_fd)
+    m.stop()
