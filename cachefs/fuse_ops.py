@@ -63,7 +63,9 @@ OP_NAMES: dict[int, str] = {
     abi.GETXATTR: "getxattr", abi.LISTXATTR: "listxattr",
 }
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+#: Open flags that may write: EROFS (the kernel answers most first; it strips O_CREAT). As
+#: on any read-only mount, O_APPEND of a read-only open is no write: it opens.
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
 _ENOATTR = getattr(errno, "ENOATTR", errno.ENODATA)
 
 

@@ -4,6 +4,7 @@ send (file handles, ...), answered as the kernel expects."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import struct
 
@@ -56,4 +57,26 @@ def test_a_file_handle_opens_its_file_after_the_kernel_forgot_the_inode(bucket, 
         os.close(_open_by_handle(mount_fd, handles["d"]))
     finally:
         os.close(mount_fd)
+    m.stop()
+
+
+def test_open_flags_refuse_writes_only(bucket, mount_factory):  # type: ignore[no-untyped-def]
+    """As on any read-only mount: opens that may write fail EROFS; a read-only open with
+    O_APPEND or O_CREAT (of an existing file) reads, since neither writes anything."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="f.txt", Body=b"read me\n")
+    m = mount_factory(f"s3://{name}")
+    path = m.path / "f.txt"
+    for flags in (os.O_RDONLY | os.O_APPEND, os.O_RDONLY | os.O_CREAT, os.O_RDONLY | os.O_DIRECT,
+                  os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC | os.O_NONBLOCK):
+        fd = os.open(path, flags)
+        try:
+            assert os.pread(fd, 100, 0) == b"read me\n", flags
+        finally:
+            os.close(fd)
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND,
+                  os.O_RDWR | os.O_CREAT):
+        with pytest.raises(OSError) as exc:
+            os.close(os.open(path, flags))
+        assert exc.value.errno == errno.EROFS, flags
     m.stop()
