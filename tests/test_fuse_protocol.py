@@ -44,8 +44,9 @@ def test_a_file_handle_opens_its_file_after_the_kernel_forgot_the_inode(bucket, 
     (what NFS re-export and open_by_handle_at do)."""
     client, name = bucket
     client.put_object(Bucket=name, Key="d/f.txt", Body=b"by handle\n")
+    client.put_object(Bucket=name, Key="d/e/g/h.txt", Body=b"deeper\n")
     m = mount_factory(f"s3://{name}")
-    handles = {p: _name_to_handle(str(m.path / p)) for p in ("d/f.txt", "d")}
+    handles = {p: _name_to_handle(str(m.path / p)) for p in ("d/f.txt", "d", "d/e/g")}
     mount_fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _drop_dentries_and_inodes()
@@ -55,6 +56,13 @@ def test_a_file_handle_opens_its_file_after_the_kernel_forgot_the_inode(bucket, 
         finally:
             os.close(fd)
         os.close(_open_by_handle(mount_fd, handles["d"]))
+        _drop_dentries_and_inodes()
+        fd = _open_by_handle(mount_fd, handles["d/e/g"])  # reconnected through ".."
+        try:
+            assert os.listdir(fd) == ["h.txt"]
+            assert os.readlink(f"/proc/self/fd/{fd}") == str(m.path / "d/e/g")
+        finally:
+            os.close(fd)
     finally:
         os.close(mount_fd)
     m.stop()
