@@ -107,8 +107,10 @@ class FileHandle:
 class DirHandle:
     fh: int
     node: Node
-    last_index: int = 0
-    last_name: bytes | None = None
+    # Names of the entries sent at positions from the last request's start on (trio
+    # thread): the kernel continues from any entry of the last answer (it passes on only
+    # what the reader's buffer takes), and a continuation follows names, not positions.
+    sent: dict[int, bytes] = dataclasses.field(default_factory=dict)
 
 
 # Directory inodes whose prefix is remembered (a directory's prefix never changes for
@@ -230,7 +232,7 @@ class FileSystem:
 
     async def readdir(self, fh: int, start: int) -> Iterator[tuple[int, Node]]:
         """Entries from position ``start`` as ``(next position, node)``; the caller must
-        call :meth:`readdir_progress` with the last position the kernel accepted.
+        call :meth:`readdir_progress` for each entry it sends to the kernel.
 
         Streams: a directory whose first listing is still running yields the names
         that have arrived (waiting only when none after ``start`` has)."""
@@ -238,8 +240,10 @@ class FileSystem:
         if not isinstance(handle, DirHandle):
             raise FsError(errno.EBADF)
         parent = handle.node
-        if start == 0 or (start == handle.last_index and handle.last_name is not None):
-            after = None if start == 0 else handle.last_name
+        after = handle.sent.get(start) if start else None
+        if start == 0 or after is not None:
+            handle.sent = {pos: name for pos, name in handle.sent.items()
+                           if start and pos >= start}
             view = await self.metadata.readable(parent.path, after)
             if view is None:
                 return iter(())
@@ -264,7 +268,7 @@ class FileSystem:
     def readdir_progress(self, fh: int, position: int, node: Node) -> None:
         handle = self._handles.get(fh)
         if isinstance(handle, DirHandle):
-            handle.last_index, handle.last_name = position, node.name
+            handle.sent[position] = node.name
 
     def releasedir(self, fh: int) -> None:
         self._handles.pop(fh, None)

@@ -231,7 +231,7 @@ class Operations(Handlers):
         entries: Any = await self.fs.readdir(fh, start)
         out: list[bytes] = []
         used = 0
-        last: tuple[int, Node] | None = None
+        sent: list[tuple[int, Node]] = []
         try:
             for position, node in entries:
                 if plus:
@@ -243,13 +243,13 @@ class Operations(Handlers):
                     break
                 out.append(rec)
                 used += len(rec)
-                last = position, node
+                sent.append((position, node))
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
-        if last is not None:
-            self.fs.readdir_progress(fh, last[0], last[1])
+        for position, node in sent:  # the kernel may continue after any of them
+            self.fs.readdir_progress(fh, position, node)
         return b"".join(out)  # one buffer: a writev takes at most IOV_MAX (1024) parts
 
     def releasedir(self, req: Request) -> Reply:

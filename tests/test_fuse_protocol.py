@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import struct
+import time
 
 import pytest
 
@@ -14,6 +16,7 @@ pytestmark = pytest.mark.fuse
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
+_GETDENTS64 = {"x86_64": 217, "aarch64": 61}[platform.machine()]  # the system call number
 
 
 def _name_to_handle(path: str) -> bytes:
@@ -87,4 +90,50 @@ def test_open_flags_refuse_writes_only(bucket, mount_factory):  # type: ignore[n
         with pytest.raises(OSError) as exc:
             os.close(os.open(path, flags))
         assert exc.value.errno == errno.EROFS, flags
+    m.stop()
+
+
+def _getdents(fd: int, size: int) -> list[bytes]:
+    """One getdents64 call with a buffer of ``size`` bytes: the names it returned."""
+    buf = ctypes.create_string_buffer(size)
+    n = _libc.syscall(_GETDENTS64, fd, buf, size)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    names, i = [], 0
+    while i < n:
+        reclen = int.from_bytes(buf.raw[i + 16:i + 18], "little")
+        names.append(buf.raw[i + 19:i + reclen].split(b"\0")[0])
+        i += reclen
+    return names
+
+
+def test_a_reader_with_a_small_buffer_sees_unchanged_entries_once_across_a_refresh(
+        bucket, mount_factory):  # type: ignore[no-untyped-def]
+    """A reader whose getdents buffer takes only part of a READDIRPLUS answer makes the
+    kernel continue from an entry inside that answer. When the listing was refreshed
+    meanwhile (names added and removed before that entry), the continuation must still
+    follow names: every entry present throughout comes exactly once."""
+    client, name = bucket
+    for i in range(0, 200, 2):
+        client.put_object(Bucket=name, Key=f"d/n{i:04d}", Body=b"1")
+    m = mount_factory(f"s3://{name}", "--metadata-ttl", "1s")
+    fd = os.open(m.path / "d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        got = _getdents(fd, 700) + _getdents(fd, 700)  # part of the directory
+        assert got and got[-1] < b"n0100"
+        for i in range(1, 200, 2):
+            client.put_object(Bucket=name, Key=f"d/n{i:04d}", Body=b"1")
+        for i in (0, 2, 4):
+            client.delete_object(Bucket=name, Key=f"d/n{i:04d}")
+        deadline = time.monotonic() + 60
+        while not (m.path / "d" / "n0001").exists():  # a lookup starts the refresh
+            assert time.monotonic() < deadline, "the listing was never refreshed"
+            time.sleep(0.2)
+        while chunk := _getdents(fd, 700):
+            got += chunk
+    finally:
+        os.close(fd)
+    stable = {f"n{i:04d}".encode() for i in range(6, 200, 2)}
+    assert sorted(n for n in got if got.count(n) > 1) == []
+    assert stable <= set(got)
     m.stop()
