@@ -56,9 +56,10 @@ class BackingFiles(Protocol):
     only needs these two calls, so it stays free of pyfuse3.
     """
 
-    def open(self, ino: int, obj: ObjectVersion) -> int:
+    def open(self, ino: int, obj: ObjectVersion, *, o_direct: bool = False) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads the file), or 0.
-        Any thread; may wait on the disk (it verifies the file the first time)."""
+        Any thread; may wait on the disk (it verifies the file the first time).
+        ``o_direct``: the open asked for O_DIRECT."""
         ...
 
     def release(self, ino: int, backing_id: int) -> None:
@@ -106,8 +107,10 @@ class FileHandle:
 class DirHandle:
     fh: int
     node: Node
-    last_index: int = 0
-    last_name: bytes | None = None
+    # Names of the entries sent at positions from the last request's start on (trio
+    # thread): the kernel continues from any entry of the last answer (it passes on only
+    # what the reader's buffer takes), and a continuation follows names, not positions.
+    sent: dict[int, bytes] = dataclasses.field(default_factory=dict)
 
 
 # Directory inodes whose prefix is remembered (a directory's prefix never changes for
@@ -181,9 +184,9 @@ class FileSystem:
     def lookup_now(self, parent_ino: int, name: bytes) -> Node:
         """:meth:`lookup` without waiting (any thread); NeedsWait when the directory's
         listing has not reached ``name`` yet."""
+        if name == b".":  # also of a file: the kernel resolving a file handle (export)
+            return self.node(parent_ino)
         parent = self._dir(parent_ino)
-        if name == b".":
-            return parent
         if name == b"..":
             return self._parent_of(parent)
         known, entry, due = self.metadata.lookup_now(parent.path, name)
@@ -197,9 +200,9 @@ class FileSystem:
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""
+        if name == b".":  # also of a file: the kernel resolving a file handle (export)
+            return self.node(parent_ino)
         parent = self._dir(parent_ino)
-        if name == b".":
-            return parent
         if name == b"..":
             return self._parent_of(parent)
         entry = await self.metadata.lookup(parent.path, name)
@@ -229,7 +232,7 @@ class FileSystem:
 
     async def readdir(self, fh: int, start: int) -> Iterator[tuple[int, Node]]:
         """Entries from position ``start`` as ``(next position, node)``; the caller must
-        call :meth:`readdir_progress` with the last position the kernel accepted.
+        call :meth:`readdir_progress` for each entry it sends to the kernel.
 
         Streams: a directory whose first listing is still running yields the names
         that have arrived (waiting only when none after ``start`` has)."""
@@ -237,8 +240,10 @@ class FileSystem:
         if not isinstance(handle, DirHandle):
             raise FsError(errno.EBADF)
         parent = handle.node
-        if start == 0 or (start == handle.last_index and handle.last_name is not None):
-            after = None if start == 0 else handle.last_name
+        after = handle.sent.get(start) if start else None
+        if start == 0 or after is not None:
+            handle.sent = {pos: name for pos, name in handle.sent.items()
+                           if start and pos >= start}
             view = await self.metadata.readable(parent.path, after)
             if view is None:
                 return iter(())
@@ -263,20 +268,22 @@ class FileSystem:
     def readdir_progress(self, fh: int, position: int, node: Node) -> None:
         handle = self._handles.get(fh)
         if isinstance(handle, DirHandle):
-            handle.last_index, handle.last_name = position, node.name
+            handle.sent[position] = node.name
 
     def releasedir(self, fh: int) -> None:
         self._handles.pop(fh, None)
 
     # -- files ------------------------------------------------------------------------------
-    def open_now(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
+    def open_now(self, ino: int, reader: int = 0, *,
+                 o_direct: bool = False) -> tuple[int, bool, int]:
         """Open a file (any thread; never waits on the trio thread, may wait on the disk
         when passthrough verifies the file); returns (handle, keep_cache, backing_id).
         keep_cache is always True: an inode is one object version, so the kernel's page
         cache of it can never hold bytes of another version. A backing_id > 0 means the
         kernel reads the object's cache file itself (see :mod:`cachefs.passthrough`).
         ``reader`` (the opening thread's id, 0 if unknown) lets directory lookahead
-        follow each reader's walk."""
+        follow each reader's walk. ``o_direct``: the open asked for O_DIRECT (see
+        :meth:`cachefs.passthrough.Passthrough.open`)."""
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
@@ -288,7 +295,7 @@ class FileSystem:
         due = self.lookahead.observe(node.parent_prefix, node.name, node.ino, reader)
         if due:
             self.post(self.lookahead.issue, due)
-        backing_id = self.backing.open(ino, obj) if self.backing else 0
+        backing_id = self.backing.open(ino, obj, o_direct=o_direct) if self.backing else 0
         fh = next(self._next_fh)
         self._handles[fh] = FileHandle(fh, node, obj, backing_id)
         return fh, True, backing_id

@@ -63,7 +63,9 @@ OP_NAMES: dict[int, str] = {
     abi.GETXATTR: "getxattr", abi.LISTXATTR: "listxattr",
 }
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+#: Open flags that may write: EROFS (the kernel answers most first; it strips O_CREAT). As
+#: on any read-only mount, O_APPEND of a read-only open is no write: it opens.
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
 _ENOATTR = getattr(errno, "ENOATTR", errno.ENODATA)
 
 
@@ -186,7 +188,8 @@ class Operations(Handlers):
         flags = abi.OPEN_IN.unpack_from(req.body)[0]
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
-        fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid)
+        fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid,
+                                                     o_direct=bool(flags & os.O_DIRECT))
         self._opened.inc()
         if backing_id:
             # The kernel reads the cache file itself; it refuses keep_cache with it.
@@ -228,7 +231,7 @@ class Operations(Handlers):
         entries: Any = await self.fs.readdir(fh, start)
         out: list[bytes] = []
         used = 0
-        last: tuple[int, Node] | None = None
+        sent: list[tuple[int, Node]] = []
         try:
             for position, node in entries:
                 if plus:
@@ -240,13 +243,13 @@ class Operations(Handlers):
                     break
                 out.append(rec)
                 used += len(rec)
-                last = position, node
+                sent.append((position, node))
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
-        if last is not None:
-            self.fs.readdir_progress(fh, last[0], last[1])
+        for position, node in sent:  # the kernel may continue after any of them
+            self.fs.readdir_progress(fh, position, node)
         return b"".join(out)  # one buffer: a writev takes at most IOV_MAX (1024) parts
 
     def releasedir(self, req: Request) -> Reply:

@@ -438,7 +438,7 @@ S3_CHECKS = ("crc64nvme", "crc32c", "crc32", "sha256", "sha1", "etag_md5")
 #: The kind a failing or throttling S3 endpoint produces (cachefs.errors).
 S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
-PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "refused", "unverified")
+PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "o_direct", "refused", "unverified")
 #: cachefs.read.prefetcher.POLICIES
 PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm")
 

@@ -140,11 +140,13 @@ class Passthrough:
         self.enabled = self.wanted and device is not None
         metrics.PASSTHROUGH_ENABLED.set(1 if self.enabled else 0)
 
-    def open(self, ino: int, obj: ObjectVersion) -> int:
+    def open(self, ino: int, obj: ObjectVersion, *, o_direct: bool = False) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads it), or 0 (the
         daemon serves its reads). Every open must be matched by :meth:`release` with
         the same answer. Any thread; may wait on the disk (verification) or for another
-        open's verification of the same object."""
+        open's verification of the same object. An ``o_direct`` open is served by the
+        daemon unless the inode is passed through already: the kernel would open the
+        cache file O_DIRECT too, and unaligned reads would fail EINVAL."""
         oid = self.fetcher.object_id(obj)
         while True:
             with self._lock:
@@ -158,6 +160,8 @@ class Passthrough:
                     return self._use(ino, self._backings[active[0]])
                 if self._direct.get(ino):
                     return self._direct_open(ino, "open_direct")
+                if o_direct:
+                    return self._direct_open(ino, "o_direct")
                 backing = self._backings.get(oid)
                 if backing is not None and backing.ready.is_set() and backing.backing_id:
                     return self._use(ino, backing)

@@ -224,3 +224,25 @@ def _wait_for(m: Any, metric: str, value: float) -> None:
         if m.metric(metric) == value:
             return
         threading.Event().wait(0.05)
+
+
+def test_o_direct_opens_of_a_cached_file_read_like_cold_ones(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """An O_DIRECT open of a cached file is served by the daemon: passed through, the
+    kernel would open the cache file O_DIRECT too, and a read into an unaligned buffer
+    (any Python ``os.pread``) would fail EINVAL where the same read of a cold file works."""
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data  # cached now: a plain open is passed through
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for off, size in ((5, 100), (0, 4096), (BLOCK - 3, 10), (len(data) - 10, 100)):
+            assert os.pread(fd, size, off) == data[off:off + size]
+        with open(path, "rb", buffering=0) as f:  # a plain open meanwhile: served too
+            assert f.read() == data
+    finally:
+        os.close(fd)
+    assert m.metric('cachefs_passthrough_declined_total{reason="o_direct"}') == 1
+    assert _read(path) == data
+    assert _counter(m, "cachefs_passthrough_opens_total") == 1  # again, once it is closed
+    m.stop()
