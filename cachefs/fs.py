@@ -36,7 +36,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from cachefs.cache.metadata import Entry, Metadata
+import trio
+
+from cachefs.cache.metadata import Entry, Metadata, View
 from cachefs.errors import NoSuchKey, ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder
@@ -248,9 +250,17 @@ class FileSystem:
             if view is None:
                 return iter(())
             entries = self.metadata.entries_in(view, after)
-        else:  # a seek to a position: count from the start of the complete listing
+        else:  # a seek to a position: count from the start of the complete listing, in
+            # a worker thread (O(position) index reads must never hold up the trio thread)
             await self.metadata.ensure(parent.path)
-            entries = itertools.islice(self.metadata.iter_entries(parent.path), start, None)
+            view = self.metadata.view(parent.path)
+            if view is None:
+                return iter(())
+            found, after = await trio.to_thread.run_sync(
+                _name_at, self.metadata, view, start - 1)
+            if not found:
+                return iter(())  # past the end
+            entries = self.metadata.entries_in(view, after)
         return self._positions(parent, entries, start)
 
     def _positions(self, parent: Node, entries: Iterator[Entry],
@@ -353,3 +363,16 @@ class FileSystem:
 
 def _call(fn: Callable[..., Any], *args: Any) -> None:
     fn(*args)
+
+
+
+def _name_at(metadata: Metadata, view: View, index: int) -> tuple[bool, bytes | None]:
+    """(whether it exists, the name of) entry ``index`` of ``view`` (any thread)."""
+    entries = metadata.entries_in(view)
+    try:
+        entry = next(itertools.islice(entries, index, None), None)
+    finally:
+        close = getattr(entries, "close", None)
+        if close is not None:
+            close()
+    return (False, None) if entry is None else (True, entry.name)
