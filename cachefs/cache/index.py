@@ -80,10 +80,6 @@ def prefix_id(prefix: str) -> bytes:
     return xxhash.xxh3_64_digest(enc(prefix))
 
 
-def _get(txn: Any, key: bytes, db: Any) -> Any:
-    return txn.get(key, db=db)
-
-
 def pack_entry(flags: int, size: int, mtime: float, ino: int, etag: str) -> bytes:
     if len(etag) == 32 and _HEX.issuperset(etag):
         return ENTRY.pack(flags | F_MD5, size, int(mtime) & 0xFFFFFFFF, ino) + bytes.fromhex(etag)
@@ -120,11 +116,11 @@ class Index:
     # one transaction what would otherwise take two or three.
     def row(self, prefix: str) -> tuple[int, float, int, int] | None:
         """(version, listed at, entries, sub-directories) of ``prefix``'s listing."""
-        raw = self.env.run_read(_get, prefix_id(prefix), self.listings)
+        raw = self.env.get("listings", prefix_id(prefix))
         return None if raw is None else LISTING.unpack_from(raw)
 
     def get(self, version: int, name: bytes) -> Entry | None:
-        raw = self.env.run_read(_get, VERSION.pack(version) + name, self.names)
+        raw = self.env.get("names", VERSION.pack(version) + name)
         return None if raw is None else unpack_entry(name, raw)
 
     def lookup(self, prefix: str, name: bytes

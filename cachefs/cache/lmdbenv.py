@@ -155,18 +155,22 @@ class LmdbEnv:
         return self.dbs[name]
 
     # -- reads -----------------------------------------------------------------------
-    @contextmanager
-    def read(self) -> Iterator[Any]:
-        """A read-only snapshot, for synchronous code only (see the module docstring:
-        never in a coroutine). Safe on the trio thread. LMDB errors become CacheError."""
+    def _begin_read(self) -> Any:
+        """A new read-only transaction (counted). Raises CacheError."""
         _READ_TXNS.inc()
         try:
-            txn = self.env.begin(write=False, buffers=False)
+            return self.env.begin(write=False, buffers=False)
         except lmdb.ReadersFullError as exc:
             raise CacheError(f"cache metadata: all {self.max_readers} reader slots in use "
                              f"({self.readers_in_use()} listed)") from exc
         except lmdb.Error as exc:
             raise CacheError(f"cache metadata unreadable: {exc}") from exc
+
+    @contextmanager
+    def read(self) -> Iterator[Any]:
+        """A read-only snapshot, for synchronous code only (see the module docstring:
+        never in a coroutine). Safe on the trio thread. LMDB errors become CacheError."""
+        txn = self._begin_read()
         try:
             with txn:
                 yield txn
@@ -177,14 +181,7 @@ class LmdbEnv:
         """``fn(txn, *args)`` in a read-only snapshot that ends before this returns: what
         :meth:`read` does, for the request path's helpers (no generator). Raises
         CacheError."""
-        _READ_TXNS.inc()
-        try:
-            txn = self.env.begin(write=False, buffers=False)
-        except lmdb.ReadersFullError as exc:
-            raise CacheError(f"cache metadata: all {self.max_readers} reader slots in use "
-                             f"({self.readers_in_use()} listed)") from exc
-        except lmdb.Error as exc:
-            raise CacheError(f"cache metadata unreadable: {exc}") from exc
+        txn = self._begin_read()
         try:
             return fn(txn, *args)
         except lmdb.Error as exc:
