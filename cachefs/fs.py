@@ -23,7 +23,8 @@ made, fetches, prefetch state): work for it is handed over with :attr:`post`
 after which the async method of the same name answers it on the trio thread.
 ``_handles`` is only changed by single dictionary operations (atomic under the
 GIL) and handle numbers come from one counter; ``_dirs`` is guarded by
-``_dirs_lock``.
+``_dirs_lock``. A readdir after a seek counts to its position in one of trio's
+worker threads (index reads only; O(position) must not hold up the trio thread).
 """
 
 from __future__ import annotations
