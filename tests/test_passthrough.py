@@ -233,7 +233,10 @@ def test_o_direct_opens_of_a_cached_file_read_like_cold_ones(shard, mount_factor
     _, name, data = shard
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
     path = m.path / "shards" / "s0.tar"
-    assert _read(path) == data  # cached now: a plain open is passed through
+    assert _read(path) == data
+    # Written to the cache just after they were read: wait for every block, so that the
+    # file is cached whole (a plain open would be passed through) when O_DIRECT opens it.
+    _wait_for(m, "cachefs_cache_blocks", -(-len(data) // BLOCK))
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         for off, size in ((5, 100), (0, 4096), (BLOCK - 3, 10), (len(data) - 10, 100)):
