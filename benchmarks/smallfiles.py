@@ -121,6 +121,21 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def context_switches(pid: int) -> int:
+    """Context switches (voluntary + involuntary) of every live thread of a process so far:
+    each hand-over between threads (a thread hop, a contended GIL) costs two or more."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            total += sum(int(line.split()[1]) for line in status.splitlines()
+                         if line.endswith("ctxt_switches", 0, line.find(":")))
+    return total
+
+
 def read_pass(root: Path, order: list[str], threads: int) -> tuple[float, int]:
     def read(rel: str) -> int:
         with open(root / rel, "rb") as f:
@@ -171,6 +186,7 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     met0 = scrape(m.metrics_url) if m.metrics_url else {}
     cpu0 = proc_sample(m.pid).cpu_s if m.pid else 0.0  # type: ignore[union-attr]
     thr0 = thread_cpu(m.pid) if m.pid else {}
+    csw0 = context_switches(m.pid) if m.pid else 0
     with py_spy(m.pid, spy):
         if before_read is not None:
             before_read()
@@ -183,6 +199,8 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         time.sleep(0.3)  # write-backs still running belong to the pass
         cpu1 = proc_sample(m.pid).cpu_s  # type: ignore[union-attr]
         thr1 = thread_cpu(m.pid)
+        # (threads that ended during the pass are not counted: trio's idle workers live 10 s)
+        row["context_switches_per_file"] = round((context_switches(m.pid) - csw0) / n, 1)
         row["cpu_us_per_file"] = round((cpu1 - cpu0) / n * 1e6, 1)
         row["thread_cpu_us_per_file"] = {k: round((v - thr0.get(k, 0.0)) / n * 1e6, 1)
                                          for k, v in thr1.items() if v - thr0.get(k, 0.0) > 0}

@@ -348,6 +348,16 @@ class BlockCache:
         metrics.THREAD_HOPS.labels("cache_write").inc()
         return await trio.to_thread.run_sync(self.put_sync, bid, data, limiter=self._limiter)
 
+    def put_now(self, bid: bytes, data: bytes) -> bool:
+        """:meth:`put` on the calling worker thread (the thread that fetched the block:
+        no hop of its own). False when not admitted; never raises for disk trouble."""
+        if self.contains(bid):
+            return True
+        if self.policy == "keep" and self._used + len(data) > self.capacity:
+            metrics.CACHE_ADMISSION_REJECTS.inc()
+            return False
+        return self.put_sync(bid, data)
+
     def put_sync(self, bid: bytes, data: bytes) -> bool:
         if len(data) > self.capacity:
             metrics.CACHE_ADMISSION_REJECTS.inc()

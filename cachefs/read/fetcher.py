@@ -35,8 +35,16 @@ Tasks and ownership:
   cached block is skipped, so readers' own disk reads never queue behind
   thousands of speculative ones (a reader reads a skipped block from disk
   when it gets there).
-* Everything here runs on the trio thread; ``_flights`` and the memory tier
-  are only touched there. No LMDB transaction is held across an ``await``
+* A whole-object GET (an object of one block: small files) is written to the
+  disk tier in the S3 worker thread that fetched it, after its check against
+  S3's statement passed (:meth:`Origin.get`'s ``sink``): one thread hop per
+  cold small file instead of two. Those writes pass a :class:`_SinkGate`,
+  closed when :meth:`Fetcher.run` ends (unmount), which then waits for the
+  writes already running: a worker thread abandoned by a cancelled GET never
+  writes to the cache once the daemon is closing it.
+* Everything here runs on the trio thread, except those writes (which touch
+  only the disk tier, the gate and their own block); ``_flights`` and the
+  memory tier are only touched on the trio thread. No LMDB transaction is held across an ``await``
   here or below (the disk tier looks blocks up in synchronous helpers), so a
   load waiting for a disk thread holds no index reader slot.
 
@@ -48,7 +56,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -68,6 +77,8 @@ log = logging.getLogger(__name__)
 ORIGIN = "s3"  # the source name of blocks fetched from the origin
 #: Speculative loads of blocks on local disk in flight at most (see the module docstring).
 MAX_DISK_AHEAD = 64
+#: How long the fetcher's end waits for disk writes still running in S3 worker threads.
+SINK_CLOSE_TIMEOUT = 10.0
 
 
 class ReadNotes(Protocol):
@@ -95,6 +106,41 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+class _SinkGate:
+    """Disk writes running in S3 worker threads: counted, and refused once closed.
+
+    Any thread; :meth:`close` blocks (run it in a worker thread) until the writes that
+    entered before it have left, or ``timeout`` passed (returns False then)."""
+
+    __slots__ = ("_closed", "_idle", "_lock", "_running")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._closed = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._running += 1
+            self._idle.clear()
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                self._idle.set()
+
+    def close(self, timeout: float) -> bool:
+        with self._lock:
+            self._closed = True
+        return self._idle.wait(timeout)
 
 
 class _Flight:
@@ -135,15 +181,23 @@ class Fetcher:
         self.max_disk_ahead = MAX_DISK_AHEAD
         self._idle = trio.Event()
         self._idle.set()
+        self._sinks = _SinkGate()
 
     # -- lifecycle ------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the nursery flights run in; returns when cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.assembled.attach(nursery)
-            task_status.started()
-            await trio.sleep_forever()
+        """Own the nursery flights run in; returns when cancelled, once no disk write is
+        left running in an S3 worker thread (see :class:`_SinkGate`)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.assembled.attach(nursery)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                if not await trio.to_thread.run_sync(self._sinks.close, SINK_CLOSE_TIMEOUT):
+                    log.warning("a cache write was still running %g s after the fetcher "
+                                "stopped", SINK_CLOSE_TIMEOUT)
 
     async def drain(self) -> None:
         """Wait until every flight and cache write has finished (used at unmount)."""
@@ -344,6 +398,7 @@ class Fetcher:
         data: bytes | None = None
         got: Got | None = None
         found_at = len(self.tiers)  # the index of the tier that had it; len(): the origin
+        skip = 0  # the tiers above found_at that already have it
         try:
             try:
                 for i, tier in enumerate(self.tiers):
@@ -361,8 +416,10 @@ class Fetcher:
                         reserved = ref.length
                         self.budget.force_reserve(reserved)
                     flight.source = ORIGIN
-                    got = await self._fetch(obj, index, flight.prefetch)
+                    got, on_disk = await self._fetch(ref, flight.prefetch)
                     data = got.data
+                    if on_disk:
+                        skip = 1  # written to the disk tier in the GET's worker thread
                 metrics.TIER_HITS.labels(flight.source).inc()
                 flight.data = data
                 self.memory.store(bid, data)
@@ -374,7 +431,7 @@ class Fetcher:
             finally:
                 if flight.data is None and flight.error is None:  # cancelled at shutdown
                     flight.error = TransientStoreError("fetch cancelled: cachefs is stopping")
-                write_back = flight.error is None and found_at > 0
+                write_back = flight.error is None and found_at > skip
                 if not write_back:
                     del self._flights[bid]
                     flight.settled.set()
@@ -383,7 +440,7 @@ class Fetcher:
                 # The flight stays registered until the block is on disk: evicted from
                 # memory meanwhile, it must still not be fetched a second time.
                 try:
-                    for tier in self.tiers[:found_at]:
+                    for tier in self.tiers[skip:found_at]:
                         # Readers already have the block: a failed write-back (even a bug)
                         # costs a refetch later, never the fetcher's nursery
                         # (cachefs.background).
@@ -407,24 +464,55 @@ class Fetcher:
             if not self._pending:
                 self._idle.set()
 
-    async def _fetch(self, obj: ObjectVersion, index: int, prefetch: bool) -> Got:
-        """Block ``index`` from S3: a whole-object GET when one block covers the object,
-        else a ranged GET (with its CRC when S3's full-object CRC is known)."""
-        start = index * self.block_size
-        end = start + self.block_len(obj, index)
+    async def _fetch(self, ref: BlockRef, prefetch: bool) -> tuple[Got, bool]:
+        """Block ``ref`` from S3 and whether it is on the disk tier already: a whole-object
+        GET when one block covers the object (written to the disk tier in its worker
+        thread), else a ranged GET (with its CRC when S3's full-object CRC is known)."""
+        obj = ref.obj
+        start = ref.index * self.block_size
+        end = start + ref.length
         whole = start == 0 and end >= obj.size
         metrics.INFLIGHT_FETCHES.inc()
         try:
-            return await self._get_range(obj, start, end, whole=whole, background=prefetch)
+            if not whole:
+                return await self._get_range(obj, start, end, whole=False,
+                                             background=prefetch), False
+            stored: list[bool] = []
+            got = await self._get_range(obj, start, end, whole=True, background=prefetch,
+                                        sink=self._disk_sink(ref, stored))
+            # Written by one of the answers (there may be two: a hedged GET), or by none
+            # (bytes served after two answers disagreed with the ETag): then the write-back.
+            return got, bool(stored)
         finally:
             metrics.INFLIGHT_FETCHES.dec()
 
+    def _disk_sink(self, ref: BlockRef, stored: list[bool]) -> Callable[[bytes], None] | None:
+        """The function that writes a checked whole object to the disk tier in the GET's
+        worker thread (appending to ``stored`` when it was written); None without one."""
+        disk = self.tiers[0]
+        if not isinstance(disk, DiskTier):
+            return None
+        gate = self._sinks
+
+        def sink(data: bytes) -> None:  # an S3 worker thread
+            if not gate.enter():
+                return  # the fetcher has stopped: the cache is being closed
+            try:
+                # Readers already have the block: a failed write (even a bug) costs a
+                # refetch later, never the GET (cachefs.background).
+                with contained("cache_write", "writing a fetched object to the disk tier"):
+                    disk.put_now(ref, data)
+                    stored.append(True)
+            finally:
+                gate.leave()
+        return sink
+
     async def _get_range(self, obj: ObjectVersion, start: int, end: int, *, whole: bool,
-                         background: bool) -> Got:
+                         background: bool, sink: Callable[[bytes], None] | None = None) -> Got:
         crc_kind = None if whole else self.assembled.crc_kind(obj)
         metrics.THREAD_HOPS.labels("s3_get").inc()  # (the origin's GET runs in a worker thread)
         return await self.origin.get(obj.key, obj.etag, start, end, whole=whole,
-                                     background=background, crc_kind=crc_kind)
+                                     background=background, crc_kind=crc_kind, sink=sink)
 
     async def _withdraw(self, obj: ObjectVersion, bids: list[bytes]) -> None:
         """Take the blocks ``bids`` of ``obj`` back from every tier (their bytes failed a

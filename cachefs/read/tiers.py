@@ -25,8 +25,10 @@ RAM, bounded) and :class:`DiskTier` (the local block cache) here; a shared
 in-region tier is another implementation of the same protocol.
 
 Concurrency: tiers are called on the trio thread; ``get``/``put`` may await
-worker threads of their own. The memory tier is also read (and filled with blocks
-read from disk) by the FUSE request workers: its methods take its own lock.
+worker threads of their own. :meth:`DiskTier.put_now` is the exception: the
+fetcher calls it in the S3 worker thread that fetched a whole object. The
+memory tier is also read (and filled with blocks read from disk) by the FUSE
+request workers: its methods take its own lock.
 """
 
 from __future__ import annotations
@@ -144,6 +146,11 @@ class DiskTier:
 
     async def put(self, ref: BlockRef, data: bytes) -> None:
         await self.cache.put(ref.bid, data)
+
+    def put_now(self, ref: BlockRef, data: bytes) -> bool:
+        """:meth:`put` on the calling worker thread (the S3 thread that fetched the
+        block, see :meth:`cachefs.read.fetcher.Fetcher`): whether it was stored."""
+        return self.cache.put_now(ref.bid, data)
 
     async def withdraw(self, refs: Sequence[BlockRef]) -> None:
         # A miss next time; pinned objects' bytes are released at unpin.

@@ -263,14 +263,20 @@ class Origin:
 
     # -- requests -------------------------------------------------------------------
     async def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-                  background: bool = False, crc_kind: str | None = None) -> Got:
+                  background: bool = False, crc_kind: str | None = None,
+                  sink: Callable[[bytes], None] | None = None) -> Got:
         """Bytes ``[start, end)`` of version ``etag`` of ``key``.
 
         ``whole``: the range is the whole object; the answer is checked against what S3
         states about it. ``background``: prefetch or warm (takes the background share of
         the connections). ``crc_kind``: also compute the bytes' CRC of that kind (in the
-        worker thread). Raises ObjectChanged, NoSuchKey, AccessDenied... at once, and
-        TransientStoreError once the retry deadline has passed.
+        worker thread). ``sink`` (whole-object GETs only): called in the worker thread
+        with the bytes once they passed that check (the fetcher writes them to the disk
+        cache there, saving a second thread hop); it must not raise, and it may run for
+        more than one answer (a hedged GET whose two answers both arrive) or for none
+        (bytes served after two identical answers disagreed with the ETag, see
+        :meth:`_disagreement`). Raises ObjectChanged, NoSuchKey, AccessDenied... at once,
+        and TransientStoreError once the retry deadline has passed.
         """
         where = f"s3://{self.bucket}/{key}"
         failed: list[object] = []  # what the answers that failed their check computed
@@ -281,6 +287,8 @@ class Origin:
             if whole:
                 check = integrity.check_whole(body.data, where=where, stated=body.checksum,
                                               etag=etag, etag_md5=body.etag_md5 and check_etags)
+                if sink is not None:
+                    sink(body.data)
                 return Got(body.data, check)
             return Got(body.data, "none",
                        integrity.crc(crc_kind, body.data) if crc_kind else None)
