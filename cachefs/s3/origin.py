@@ -53,12 +53,20 @@ full-object check (see :mod:`cachefs.read.assembled`).
 **Stopping.** :meth:`Origin.close` (unmount) aborts every request in flight
 and ends every retry wait: callers get TransientStoreError("cachefs is
 stopping") at once. Worker threads are abandoned when their caller is
-cancelled (``abandon_on_cancel``) after their socket is shut down, so neither
-unmount nor a cancelled reader waits for a blocked thread; an abandoned thread
-keeps its connection slot until it returns.
+cancelled, after their socket is shut down, so neither unmount nor a cancelled
+reader waits for a blocked thread; an abandoned thread keeps its connection
+slot (and background slot) until it returns.
+
+**Threads.** Each request runs in a thread of trio's thread cache
+(``trio.lowlevel.start_thread_soon``); its outcome is handed to the trio thread
+with ``run_sync_soon`` (:meth:`Origin._landed`), where the waiting task is
+rescheduled. No task, nursery or cancel scope is made per request beyond the
+waiting task's own: the trio thread's cost per GET bounds cold small-file
+throughput.
 
 Concurrency: everything here runs on the trio thread, except the functions
-handed to worker threads, which touch only their arguments and the Exchange.
+handed to worker threads, which touch only their arguments, the Exchange and
+(to deliver their outcome) the trio token.
 """
 
 from __future__ import annotations
@@ -70,8 +78,9 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
+import outcome
 import trio
 
 from cachefs import metrics
@@ -220,6 +229,30 @@ class _Episode:
     last_log: float = -math.inf
 
 
+class _Waiting(Generic[T]):
+    """The trio task waiting for one request's jobs (a GET and its hedge), and the jobs
+    that have landed, in the order they did (trio thread only)."""
+
+    __slots__ = ("landed", "task")
+
+    def __init__(self) -> None:
+        self.task: trio.lowlevel.Task | None = None
+        self.landed: list[_Job[T]] = []
+
+
+class _Job(Generic[T]):
+    """One blocking call in a worker thread: its exchange, the connection tokens it
+    holds (it is their borrower), and its outcome once landed (trio thread only)."""
+
+    __slots__ = ("background", "exchange", "result", "waiting")
+
+    def __init__(self, exchange: Exchange, waiting: _Waiting[T], background: bool) -> None:
+        self.exchange = exchange
+        self.waiting = waiting
+        self.background = background
+        self.result: outcome.Outcome[T] | None = None
+
+
 class Origin:
     """S3 for the async rest of cachefs: see the module docstring."""
 
@@ -244,6 +277,7 @@ class Origin:
         self._last_warning: dict[str, float] = {}
         self._md5_disagreements = 0
         self.check_etags = True
+        self._token: trio.lowlevel.TrioToken | None = None
         metrics.S3_HEDGE_DELAY.set(self.latency.hedge_delay)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -394,40 +428,98 @@ class Origin:
     def _exchange(self) -> Exchange:
         return Exchange(self.latency.idle_timeout)
 
-    async def _call(self, fn: Callable[[Exchange], T], exchange: Exchange, *,
-                    background: bool) -> T:
-        """Run ``fn(exchange)`` in a worker thread under the connection limit."""
-        if self._closed:
-            raise self._stopping(f"s3://{self.bucket}")
-        self._exchanges.add(exchange)
+    def _start(self, fn: Callable[[Exchange], T], job: _Job[T]) -> None:
+        """Run ``fn(job.exchange)`` in a worker thread; its outcome lands on the trio thread
+        (:meth:`_landed`). The job holds its connection tokens already."""
+        self._exchanges.add(job.exchange)
         self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
+        token = self._token
+        if token is None:
+            token = self._token = trio.lowlevel.current_trio_token()
+        exchange = job.exchange
+        landed = self._landed
 
         def run() -> T:  # worker thread
             exchange.sending()
             return fn(exchange)
 
+        def deliver(result: outcome.Outcome[T]) -> None:  # worker thread
+            try:
+                token.run_sync_soon(landed, job, result)
+            except trio.RunFinishedError:
+                pass  # the daemon is gone: nothing waits for it any more
+
+        trio.lowlevel.start_thread_soon(run, deliver)
+
+    def _landed(self, job: _Job[T], result: outcome.Outcome[T]) -> None:
+        """A worker thread's outcome, on the trio thread: the connection's tokens go back
+        (only now: an abandoned thread keeps its slot until it returns), the limit and
+        latency learn from it, and the waiting task (if any) is woken."""
+        job.result = result
+        self._exchanges.discard(job.exchange)
+        self.limit.all.release_on_behalf_of(job)
+        if job.background:
+            self.limit.background.release_on_behalf_of(job)
+        if isinstance(result, outcome.Value):
+            latency = job.exchange.first_byte_latency
+            if latency is not None:
+                self.latency.observe(latency)
+            self.limit.succeeded()
+        elif (isinstance(result, outcome.Error) and isinstance(result.error, TransientStoreError)
+              and result.error.throttled):
+            self.limit.throttled(job.exchange.sent_at)
+        waiting = job.waiting
+        waiting.landed.append(job)
+        task, waiting.task = waiting.task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def _submit(self, fn: Callable[[Exchange], T], exchange: Exchange,
+                      waiting: _Waiting[T], *, background: bool) -> _Job[T]:
+        """Take a connection (and a background slot) and start ``fn`` on it."""
+        if self._closed:
+            raise self._stopping(f"s3://{self.bucket}")
+        job = _Job(exchange, waiting, background)
+        if background:
+            await self.limit.background.acquire_on_behalf_of(job)
         try:
+            await self.limit.all.acquire_on_behalf_of(job)
+        except BaseException:
             if background:
-                async with self.limit.background:
-                    result = await trio.to_thread.run_sync(
-                        run, limiter=self.limit.all, abandon_on_cancel=True)
-            else:
-                result = await trio.to_thread.run_sync(
-                    run, limiter=self.limit.all, abandon_on_cancel=True)
-        except TransientStoreError as exc:
-            if exc.throttled:
-                self.limit.throttled(exchange.sent_at)
+                self.limit.background.release_on_behalf_of(job)
             raise
+        if self._closed:  # closed while this waited for a connection
+            self.limit.all.release_on_behalf_of(job)
+            if background:
+                self.limit.background.release_on_behalf_of(job)
+            raise self._stopping(f"s3://{self.bucket}")
+        self._start(fn, job)
+        return job
+
+    @staticmethod
+    async def _wait(waiting: _Waiting[T], timeout: float) -> None:
+        """Until one more job of ``waiting`` has landed, or ``timeout`` seconds."""
+        with trio.move_on_after(timeout):
+            waiting.task = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                waiting.task = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def _call(self, fn: Callable[[Exchange], T], exchange: Exchange, *,
+                    background: bool) -> T:
+        """Run ``fn(exchange)`` in a worker thread under the connection limit."""
+        waiting: _Waiting[T] = _Waiting()
+        job = await self._submit(fn, exchange, waiting, background=background)
+        try:
+            while job.result is None:
+                await self._wait(waiting, math.inf)
         except BaseException:
             exchange.abort()  # cancelled: the abandoned thread stops at once
             raise
-        finally:
-            self._exchanges.discard(exchange)
-        latency = exchange.first_byte_latency
-        if latency is not None:
-            self.latency.observe(latency)
-        self.limit.succeeded()
-        return result
+        return job.result.unwrap()
 
     def _may_hedge(self) -> bool:
         if self._closed or self._hedge_tokens < 1 or self.limit.all.available_tokens < 1:
@@ -435,51 +527,66 @@ class Origin:
         self._hedge_tokens -= 1
         return True
 
+    def _start_hedge(self, fn: Callable[[Exchange], T], waiting: _Waiting[T], *,
+                     background: bool) -> _Job[T] | None:
+        """A second request on a spare connection (and background slot), or None."""
+        if not self._may_hedge():
+            return None
+        job = _Job(self._exchange(), waiting, background)
+        if background:
+            try:
+                self.limit.background.acquire_on_behalf_of_nowait(job)
+            except trio.WouldBlock:
+                return None
+        self.limit.all.acquire_on_behalf_of_nowait(job)  # _may_hedge saw a spare one
+        self._start(fn, job)
+        return job
+
     async def _hedged(self, fn: Callable[[Exchange], T], *, background: bool) -> T:
         """One attempt of a GET: a second request if the first goes silent, first
-        complete answer wins, the other is aborted."""
-        done = trio.Event()
-        answers: list[tuple[Exchange, T]] = []
-        errors: list[StoreError] = []
-        live: list[Exchange] = []
+        complete answer wins, the other is aborted.
 
-        async def run(exchange: Exchange) -> None:
-            try:
-                answers.append((exchange, await self._call(fn, exchange, background=background)))
-            except StoreError as exc:
-                errors.append(exc)
-            finally:
-                live.remove(exchange)
-                if answers or not live:
-                    done.set()
-
-        primary = self._exchange()
-        hedge: Exchange | None = None
-        async with trio.open_nursery() as nursery:
-            live.append(primary)
-            nursery.start_soon(run, primary)
-            while not done.is_set():
+        No task or nursery per request: the caller waits for its jobs itself (a GET's
+        cost on the trio thread bounds cold small-file throughput), waking at the hedge
+        delay to check whether the first request went silent."""
+        waiting: _Waiting[T] = _Waiting()
+        primary = await self._submit(fn, self._exchange(), waiting, background=background)
+        jobs = [primary]
+        hedge: _Job[T] | None = None
+        try:
+            while True:
+                answered = [j for j in waiting.landed if isinstance(j.result, outcome.Value)]
+                if answered or len(waiting.landed) == len(jobs):
+                    break
                 delay = self.latency.hedge_delay
-                if hedge is None and primary.sent_at is not None:
-                    delay = primary.progress_at + delay - time.monotonic()
-                    if delay <= 0 and not done.is_set():
-                        if self._may_hedge():
-                            hedge = self._exchange()
+                sent_at = primary.exchange.sent_at
+                if hedge is None and primary.result is None and sent_at is not None:
+                    delay = primary.exchange.progress_at + delay - time.monotonic()
+                    if delay <= 0:
+                        hedge = self._start_hedge(fn, waiting, background=background)
+                        if hedge is not None:
+                            jobs.append(hedge)
                             metrics.S3_HEDGES_SENT.inc()
                             log.debug("hedging a GET silent for %.1f s",
-                                      time.monotonic() - primary.progress_at)
-                            live.append(hedge)
-                            nursery.start_soon(run, hedge)
+                                      time.monotonic() - primary.exchange.progress_at)
                             continue
                         delay = self.latency.hedge_delay / 4
-                with trio.move_on_after(max(delay, 0.01)):
-                    await done.wait()
-            nursery.cancel_scope.cancel()
-        if answers:
-            winner, result = answers[0]
+                await self._wait(waiting, max(delay, 0.01))
+        finally:
+            for job in jobs:
+                if job.result is None:
+                    job.exchange.abort()  # the loser, or everything when cancelled
+        if answered:
+            winner = answered[0]
             if winner is hedge:
                 metrics.S3_HEDGES_WON.inc()
-            return result
+            return winner.result.unwrap()  # type: ignore[union-attr]
+        errors: list[StoreError] = []
+        for job in waiting.landed:
+            assert isinstance(job.result, outcome.Error)
+            if not isinstance(job.result.error, StoreError):
+                job.result.unwrap()  # a bug: raised as it is
+            errors.append(job.result.error)
         permanent = [e for e in errors if not isinstance(e, TransientStoreError)]
         raise (permanent or errors)[0]
 
