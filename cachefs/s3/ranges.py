@@ -6,7 +6,8 @@ event hooks, response parsing) against ~0.55 ms for the same request signed
 with botocore's SigV4 signer and sent on a kept-alive ``http.client``
 connection (urllib3's pool: ~0.6-0.75 ms; awscrt's S3 client: ~1.0 ms), and
 requests are now signed by :mod:`cachefs.s3.sigv4` (botocore's signature at a
-quarter of its CPU). For
+quarter of its CPU) and sent and read by :mod:`cachefs.s3.http1` (without
+``http.client``'s email-package header parsing). For
 datasets of small files the daemon's CPU per file is the limit on 2 cores,
 so GETs take the lean path, and so do listings (:meth:`RangeClient.list_page`,
 parsed by :mod:`cachefs.s3.listxml`); HEAD and the mount probe stay on boto3
@@ -31,7 +32,6 @@ instance-role credentials are picked up.
 
 from __future__ import annotations
 
-import functools
 import http.client
 import io
 import queue
@@ -49,6 +49,7 @@ from cachefs.errors import (
     StoreError,
     TransientStoreError,
 )
+from cachefs.s3 import http1
 from cachefs.s3.connections import Connector
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
 from cachefs.s3.integrity import Checksum, etag_is_md5, stated_checksum
@@ -83,29 +84,6 @@ class _ProgressReader(io.RawIOBase):
         super().close()
 
 
-class _SockView:
-    """What http.client.HTTPResponse needs of a socket: ``makefile('rb')``."""
-
-    __slots__ = ("exchange", "sock")
-
-    def __init__(self, sock: socket.socket, exchange: Exchange) -> None:
-        self.sock = sock
-        self.exchange = exchange
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        # The socket's own unbuffered reader holds a reference that keeps the socket open
-        # while the answer is read, even when http.client closes the connection early
-        # (an answer with "Connection: close").
-        raw = self.sock.makefile("rb", buffering=0)
-        return io.BufferedReader(_ProgressReader(raw, self.exchange))
-
-
-class _Response(http.client.HTTPResponse):
-    def __init__(self, sock: socket.socket, debuglevel: int = 0, method: str | None = None,
-                 url: str | None = None, *, exchange: Exchange) -> None:
-        super().__init__(_SockView(sock, exchange), debuglevel, method, url)  # type: ignore[arg-type]
-
-
 class _Answer:
     __slots__ = ("body", "headers", "status")
 
@@ -115,18 +93,8 @@ class _Answer:
         self.body = body
 
 
-#: The answer headers cachefs reads (fetching all of them costs ~15% of a small GET's CPU).
+#: The answer headers cachefs reads (prefixes of lower-cased names).
 _WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region")
-
-
-def _headers(msg: Any) -> dict[str, str]:
-    """The headers cachefs reads from an answer, names lower-cased."""
-    out: dict[str, str] = {}
-    for name in msg.keys():
-        low = name.lower()
-        if low.startswith(_WANTED):
-            out[low] = msg.get(name)
-    return out
 
 
 def _reason(exc: BaseException) -> str:
@@ -222,17 +190,22 @@ class RangeClient:
             reused = False
             try:
                 conn, reused = self._connection()
-                exchange.attach(conn.sock)
-                assert conn.sock is not None
-                conn.sock.settimeout(exchange.idle_timeout)
-                conn.response_class = functools.partial(  # type: ignore[assignment]
-                    _Response, exchange=exchange)
+                sock = conn.sock
+                exchange.attach(sock)
+                assert sock is not None
+                sock.settimeout(exchange.idle_timeout)
                 exchange.sending()
-                conn.request(method, target, headers=headers)
-                resp = conn.getresponse()
-                body = resp.read()
-                answer = _Answer(resp.status, _headers(resp.msg), body)
-                reusable = not resp.will_close
+                http1.send(sock, method, target, headers)
+                # The socket's own unbuffered reader keeps the socket open while the
+                # answer is read, even if the connection is closed meanwhile.
+                fp = io.BufferedReader(_ProgressReader(sock.makefile("rb", buffering=0),
+                                                       exchange))
+                try:
+                    status, got, body, will_close = http1.read_answer(fp, method, _WANTED)
+                finally:
+                    fp.close()
+                answer = _Answer(status, got, body)
+                reusable = not will_close
             except StoreError as exc:
                 if conn is not None:
                     conn.close()
