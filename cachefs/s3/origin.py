@@ -112,6 +112,8 @@ HEDGE_SHARE = 0.1
 HEDGE_BURST = 10.0
 MD5_DISAGREEMENTS_TO_STOP = 3
 _LOG_EVERY = 10.0  # seconds between "still failing" lines per operation
+#: The name of a worker thread while it makes an S3 request (``top -H``, the benchmarks).
+_THREAD_NAME = "cachefs-s3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +451,7 @@ class Origin:
             except trio.RunFinishedError:
                 pass  # the daemon is gone: nothing waits for it any more
 
-        trio.lowlevel.start_thread_soon(run, deliver)
+        trio.lowlevel.start_thread_soon(run, deliver, name=_THREAD_NAME)
 
     def _landed(self, job: _Job[T], result: outcome.Outcome[T]) -> None:
         """A worker thread's outcome, on the trio thread: the connection's tokens go back
