@@ -58,6 +58,9 @@ from cachefs.s3.sigv4 import SigV4Signer
 from cachefs.s3.store import Body, Exchange, ListPage
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+# Metric children bound once (a labels() lookup costs ~2 us per request).
+_REQUESTS = {op: metrics.S3_REQUESTS.labels(op) for op in ("get", "list", "head")}
+_LATENCY = {op: metrics.S3_LATENCY.labels(op) for op in ("get", "list", "head")}
 _REGION_RE = re.compile(rb"<Region>([^<]+)</Region>")
 
 
@@ -184,7 +187,7 @@ class RangeClient:
         headers = self._signed(method, path, extra)
         target = self.connector.target(path)
         for resend in (False, True):
-            metrics.S3_REQUESTS.labels(op).inc()
+            (_REQUESTS.get(op) or metrics.S3_REQUESTS.labels(op)).inc()
             t0 = time.monotonic()
             conn: http.client.HTTPConnection | None = None
             reused = False
@@ -224,7 +227,8 @@ class RangeClient:
                                           reason=_reason(exc)) from exc
             finally:
                 exchange.detach()
-                metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
+                (_LATENCY.get(op) or metrics.S3_LATENCY.labels(op)).observe(
+                    time.monotonic() - t0)
             if reusable:
                 self._release(conn)
             else:
