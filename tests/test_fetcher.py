@@ -705,3 +705,92 @@ def test_objects_without_a_full_checksum_are_not_dropped(rig: Rig, mem: MemorySt
         assert all(f.cache.contains(b) for b in f.block_ids(obj))
 
     rig.run(body)
+
+
+# -- whole objects written to disk in the GET's thread -------------------------------------------
+def _hops(op: str) -> float:
+    from cachefs import metrics
+    return metrics.REGISTRY.get_sample_value("cachefs_thread_hops_total", {"op": op}) or 0.0
+
+
+def test_a_whole_object_is_on_disk_when_its_read_returns_with_one_thread_hop(
+        rig: Rig, mem: MemoryStore) -> None:
+    """A small file's GET writes it to the disk cache in its own worker thread: when the
+    read returns the block is indexed and its flight gone, and no second hop was made."""
+    data = payload(BS - 3)
+    mem.put("small", data)
+    obj = version(mem, "small")
+    gets, writes = _hops("s3_get"), _hops("cache_write")
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 0, BS) == data
+        bid = f.block_id(obj, 0)
+        assert f.cache.contains(bid)
+        assert not f.is_loading(bid)
+        assert f.budget.used == 0
+        assert f.cache.get_now(bid) == data
+
+    rig.run(body)
+    assert (_hops("s3_get") - gets, _hops("cache_write") - writes) == (1, 0)
+
+
+def test_a_failing_write_in_the_get_thread_falls_back_to_the_write_back(
+        rig: Rig, mem: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write in the GET's thread must never fail the read: if it raises (a bug), the
+    reader gets its bytes and the block is written back the usual way."""
+    data = payload(BS - 3)
+    mem.put("small", data)
+    obj = version(mem, "small")
+
+    def broken(self: BlockCache, bid: bytes, block: bytes) -> bool:
+        raise RuntimeError("a bug in the cache write")
+
+    monkeypatch.setattr(BlockCache, "put_now", broken)
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 0, BS) == data
+        await f.drain()
+        assert f.cache.get_now(f.block_id(obj, 0)) == data  # by the write-back
+
+    rig.run(body)
+
+
+def test_no_write_from_a_get_thread_once_the_fetcher_has_stopped(
+        rig: Rig, mem: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GET thread abandoned at unmount never writes to the cache once the fetcher has
+    stopped (the index is about to be closed); the fetcher's end waits for a write that
+    is running."""
+    data = payload(BS - 3)
+    mem.put("small", data)
+    obj = version(mem, "small")
+    in_write = threading.Event()
+    release = threading.Event()
+    real_put_now = BlockCache.put_now
+    writes: list[str] = []
+
+    def slow_put_now(self: BlockCache, bid: bytes, block: bytes) -> bool:
+        in_write.set()
+        release.wait(5)
+        writes.append("done")
+        return real_put_now(self, bid, block)
+
+    monkeypatch.setattr(BlockCache, "put_now", slow_put_now)
+    sinks: list[Any] = []
+    late: list[bool] = []
+
+    async def main() -> None:
+        async with rig.fetcher() as f:
+            sink = f._disk_sink(f.ref(obj, 0), late)
+            assert sink is not None
+            sinks.append(sink)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(f.read, obj, 0, BS)
+                await trio.to_thread.run_sync(in_write.wait, 5)
+                # Stop the fetcher while the write runs: its end waits for the write.
+                trio.lowlevel.current_trio_token().run_sync_soon(release.set)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert writes == ["done"]  # the running write finished before the fetcher ended
+    sinks[0](data)  # a GET thread finishing after the stop: refused
+    assert writes == ["done"] and not late

@@ -44,9 +44,10 @@ Tasks and ownership:
   writes to the cache once the daemon is closing it.
 * Everything here runs on the trio thread, except those writes (which touch
   only the disk tier, the gate and their own block); ``_flights`` and the
-  memory tier are only touched on the trio thread. No LMDB transaction is held across an ``await``
-  here or below (the disk tier looks blocks up in synchronous helpers), so a
-  load waiting for a disk thread holds no index reader slot.
+  memory tier are only touched on the trio thread. No LMDB transaction is
+  held across an ``await`` here or below (the disk tier looks blocks up in
+  synchronous helpers), so a load waiting for a disk thread holds no index
+  reader slot.
 
 Invariant: a block id names one object version (key, ETag), so bytes of two
 versions are never mixed; a version that changed on S3 raises ObjectChanged.

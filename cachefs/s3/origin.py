@@ -495,12 +495,21 @@ class Origin:
                 self.limit.background.release_on_behalf_of(job)
             raise
         if self._closed:  # closed while this waited for a connection
-            self.limit.all.release_on_behalf_of(job)
-            if background:
-                self.limit.background.release_on_behalf_of(job)
+            self._give_back(job)
             raise self._stopping(f"s3://{self.bucket}")
-        self._start(fn, job)
+        try:
+            self._start(fn, job)
+        except BaseException:  # no thread to be had: nothing was sent
+            self._give_back(job)
+            raise
         return job
+
+    def _give_back(self, job: _Job[T]) -> None:
+        """Return the tokens of a job that never ran."""
+        self._exchanges.discard(job.exchange)
+        self.limit.all.release_on_behalf_of(job)
+        if job.background:
+            self.limit.background.release_on_behalf_of(job)
 
     @staticmethod
     async def _wait(waiting: _Waiting[T], timeout: float) -> None:
@@ -544,8 +553,17 @@ class Origin:
                 self.limit.background.acquire_on_behalf_of_nowait(job)
             except trio.WouldBlock:
                 return None
-        self.limit.all.acquire_on_behalf_of_nowait(job)  # _may_hedge saw a spare one
-        self._start(fn, job)
+        try:
+            self.limit.all.acquire_on_behalf_of_nowait(job)  # _may_hedge saw a spare one
+        except trio.WouldBlock:  # (but tasks already queue for it)
+            if background:
+                self.limit.background.release_on_behalf_of(job)
+            return None
+        try:
+            self._start(fn, job)
+        except BaseException:
+            self._give_back(job)
+            raise
         return job
 
     async def _hedged(self, fn: Callable[[Exchange], T], *, background: bool) -> T:
