@@ -1,15 +1,15 @@
-"""The S3 data plane: signed GETs and HEADs over plain ``http.client`` connections.
+"""The S3 data plane: signed GETs and HEADs on plain kept-alive connections.
 
 Why not boto3 for GETs: measured on this project's machines, a boto3
 ``get_object`` of a 110 KB object costs 1.5-4.5 ms of CPU (request model,
 event hooks, response parsing) against ~0.55 ms for the same request signed
 with botocore's SigV4 signer and sent on a kept-alive ``http.client``
-connection (urllib3's pool: ~0.6-0.75 ms; awscrt's S3 client: ~1.0 ms), and
-requests are now signed by :mod:`cachefs.s3.sigv4` (botocore's signature at a
-quarter of its CPU) and sent and read by :mod:`cachefs.s3.http1` (without
-``http.client``'s email-package header parsing). For
-datasets of small files the daemon's CPU per file is the limit on 2 cores,
-so GETs take the lean path, and so do listings (:meth:`RangeClient.list_page`,
+connection (urllib3's pool: ~0.6-0.75 ms; awscrt's S3 client: ~1.0 ms). Less
+again now: requests are signed by :mod:`cachefs.s3.sigv4` (botocore's
+signature at a fifth of its CPU) and sent and read by :mod:`cachefs.s3.http1`
+(``http.client`` only connects: TLS, proxy tunnels). For datasets of small
+files the daemon's CPU per file is the limit on 2 cores, so GETs take the
+lean path, and so do listings (:meth:`RangeClient.list_page`,
 parsed by :mod:`cachefs.s3.listxml`); HEAD and the mount probe stay on boto3
 (:mod:`cachefs.s3.boto`). ``benchmarks/getcpu.py`` measures it.
 
