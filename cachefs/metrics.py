@@ -190,13 +190,29 @@ SINGLE_FLIGHT_JOINS = Counter(
     "sending another GET", registry=REGISTRY)
 PREFETCH_ISSUED_BYTES = Counter(
     "cachefs_prefetch_issued_bytes", "Bytes requested ahead of readers, by policy "
-    "(sequential, directory, hint, warm)", ["policy"], registry=REGISTRY)
+    "(sequential, directory, hint, warm, sweep)", ["policy"], registry=REGISTRY)
 PREFETCH_USED_BYTES = Counter(
     "cachefs_prefetch_used_bytes", "Prefetched bytes later read, by policy", ["policy"],
     registry=REGISTRY)
 PREFETCH_WASTED_BYTES = Counter(
     "cachefs_prefetch_wasted_bytes", "Prefetched bytes evicted or dropped unread, by policy",
     ["policy"], registry=REGISTRY)
+SWEEP_FILES = Counter(
+    "cachefs_sweep_files", "Small files fetched by the sweep (a directory read in an order "
+    "nothing predicts, fetched into free cache space)", registry=REGISTRY)
+SWEEP_BYTES = Counter(
+    "cachefs_sweep_bytes", "Bytes fetched by the sweep", registry=REGISTRY)
+SWEEP_DIRECTORIES = Counter(
+    "cachefs_sweep_directories", "Directories queued for a sweep, by cause (misses: readers "
+    "missed its files out of order; sibling: several sub-directories of its parent were)",
+    ["cause"], registry=REGISTRY)
+SWEEP_STOPS = Counter(
+    "cachefs_sweep_stops", "Sweeps ended or paused, by reason (done, no_space: the cache has "
+    "no free space, unread_bound: swept bytes not read yet reached their bound, hint: a "
+    "read-order hint is followed, error)", ["reason"], registry=REGISTRY)
+SWEEP_UNREAD_BYTES = Gauge(
+    "cachefs_sweep_unread_bytes", "Bytes fetched by the sweep that no reader has taken yet",
+    registry=REGISTRY)
 TIER_HITS = Counter(
     "cachefs_tier_loads", "Block loads answered, by the tier that had the block "
     "(disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
@@ -304,7 +320,8 @@ METADATA_REFRESH_FAILURES = Counter(
 
 # --- crashes, housekeeping and the control socket ---------------------------------
 #: Background tasks that report their failures (cachefs.background); label values.
-BACKGROUND_TASKS = ("maintenance", "orphan_scan", "control", "cache_write", "read_order")
+BACKGROUND_TASKS = ("maintenance", "orphan_scan", "control", "cache_write", "read_order",
+                    "sweep")
 BACKGROUND_ERRORS = Counter(
     "cachefs_background_errors", "Unexpected failures of background tasks (logged, counted; "
     "the task goes on)", ["task"], registry=REGISTRY)
@@ -440,7 +457,10 @@ S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "o_direct", "refused", "unverified")
 #: cachefs.read.prefetcher.POLICIES
-PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm")
+PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm", "sweep")
+#: cachefs.read.sweep
+SWEEP_CAUSES = ("misses", "sibling")
+SWEEP_STOP_REASONS = ("done", "no_space", "unread_bound", "hint", "error")
 
 
 def create_known_series() -> None:
@@ -472,6 +492,10 @@ def create_known_series() -> None:
         PREFETCH_ISSUED_BYTES.labels(policy)
         PREFETCH_USED_BYTES.labels(policy)
         PREFETCH_WASTED_BYTES.labels(policy)
+    for cause in SWEEP_CAUSES:
+        SWEEP_DIRECTORIES.labels(cause)
+    for reason in SWEEP_STOP_REASONS:
+        SWEEP_STOPS.labels(reason)
     for task in BACKGROUND_TASKS:
         BACKGROUND_ERRORS.labels(task)
     for reason in CONTROL_REJECT_REASONS:
