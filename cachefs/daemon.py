@@ -70,6 +70,7 @@ from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
 from cachefs.read.shared import SharedLayout, SharedSettings, SharedTier
+from cachefs.read.sweep import Sweeper
 from cachefs.s3.boto import S3Store
 from cachefs.s3.objects import open_tier_client
 from cachefs.s3.origin import Origin
@@ -287,9 +288,21 @@ class Daemon:
             return metadata.next_dir(prefix, root)
 
         lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir)
+
+        def free_space() -> int:  # (what is in flight will be written to the cache next)
+            return cache.capacity - cache.used - budget.used
+
+        # Small files read in no predictable order: swept into free cache space, at most
+        # the hint's lookahead (plus twice what readers read) ahead of use.
+        sweeper = Sweeper(prefetcher, ledger, metadata, free_space=free_space,
+                          max_file=cfg.block_size, ahead_bytes=max_readahead * 4,
+                          margin=max_readahead, hinted=read_order.hinted,
+                          hint_active=lambda: read_order.active,
+                          window=max(1, cfg.max_connections // 2))
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
-                        read_order=read_order, lookahead=lookahead, backing=passthrough)
+                        read_order=read_order, lookahead=lookahead, backing=passthrough,
+                        sweeper=sweeper)
         warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
                                 warmer=warmer, root_prefix=cfg.source.prefix)
@@ -324,8 +337,8 @@ class Daemon:
         fs.post = server.post
         unmounted = False
         try:
-            trio.run(self._serve, server, origin, fetcher, metadata, read_order, control,
-                     passthrough, cache, env, shared, on_ready)
+            trio.run(self._serve, server, origin, fetcher, metadata, read_order, sweeper,
+                     control, passthrough, cache, env, shared, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -336,7 +349,7 @@ class Daemon:
 
     async def _serve(self, server: RequestServer, origin: Origin, fetcher: Fetcher,
                      metadata: Metadata,
-                     read_order: ReadOrder,
+                     read_order: ReadOrder, sweeper: Sweeper,
                      control: ControlServer, passthrough: Passthrough, cache: BlockCache,
                      env: LmdbEnv, shared: SharedTier | None,
                      on_ready: Callable[[], None]) -> None:
@@ -350,6 +363,7 @@ class Daemon:
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals, origin)
             await nursery.start(read_order.run)
+            await nursery.start(sweeper.run)
             await nursery.start(control.serve)
             async with trio.open_nursery() as fuse_nursery:
                 await fuse_nursery.start(server.run)

@@ -46,6 +46,7 @@ from cachefs.read.hints import ReadOrder
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher
 from cachefs.read.sequential import ReadStream
+from cachefs.read.sweep import Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ DIR_CACHE = 65536
 class FileSystem:
     def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str,
                  max_readahead: int, prefetcher: Prefetcher, read_order: ReadOrder,
-                 lookahead: DirectoryLookahead, backing: BackingFiles | None = None) -> None:
+                 lookahead: DirectoryLookahead, backing: BackingFiles | None = None,
+                 sweeper: Sweeper | None = None) -> None:
         self.metadata = metadata
         self.fetcher = fetcher
         self.prefetcher = prefetcher
@@ -139,9 +141,11 @@ class FileSystem:
         self.post: Callable[..., None] = _call
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
-        # Files that will be read next: the sampler's order (hints) and directory walks.
+        # Files that will be read next: the sampler's order (hints) and directory walks;
+        # directories read in no predictable order are swept.
         self.read_order = read_order
         self.lookahead = lookahead
+        self.sweeper = sweeper
 
     # -- inodes ---------------------------------------------------------------------
     def _node_for(self, parent_prefix: str, entry: Entry) -> Node:
@@ -340,6 +344,10 @@ class FileSystem:
         if handle.stream is None:
             handle.stream = ReadStream(size=obj.size, block_size=self.fetcher.block_size,
                                        max_window=self.max_readahead)
+            if self.sweeper is not None:
+                # The handle's first read that the workers could not answer from memory
+                # or disk: a miss, unless its block is being loaded (the sweep decides).
+                self.sweeper.on_miss(handle.node.parent_prefix, handle.node.ino, obj)
         self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
             return await self.fetcher.read(obj, offset, size)

@@ -82,6 +82,15 @@ class ReadOrder:
         pos = self._position.get(key)
         return pos is not None and pos > self._cursor
 
+    def hinted(self, key: str) -> bool:
+        """Whether ``key`` is in the current order (any thread: a dictionary lookup)."""
+        return key in self._position
+
+    @property
+    def active(self) -> bool:
+        """An order is set and readers have not reached its last file."""
+        return self._cursor < len(self._order) - 1
+
     def on_open(self, key: str) -> None:
         """A reader opened ``key``: move the cursor if it is further along the order."""
         pos = self._position.get(key)

@@ -1,6 +1,6 @@
 """Every speculative fetch, under one admission rule and one ledger.
 
-Four policies decide *what* is worth fetching before a reader asks for it:
+Five policies decide *what* is worth fetching before a reader asks for it:
 
 * ``sequential`` -- a handle read in order (:class:`~cachefs.read.sequential.ReadStream`,
   fed by :meth:`Prefetcher.on_read`);
@@ -8,6 +8,9 @@ Four policies decide *what* is worth fetching before a reader asks for it:
   (:class:`~cachefs.read.lookahead.DirectoryLookahead`);
 * ``hint`` -- the order the training sampler announced
   (:class:`~cachefs.read.hints.ReadOrder`);
+* ``sweep`` -- readers opening a directory's small files in an order nothing
+  predicts, missing the cache: the rest of the directory (and its siblings) is
+  fetched into free cache space (:class:`~cachefs.read.sweep.Sweeper`);
 * ``warm`` -- ``cachefs warm`` (:class:`~cachefs.control.warm.Warmer`).
 
 They all go through :class:`Prefetcher`, which decides *whether* and *how*:
@@ -16,7 +19,7 @@ They all go through :class:`Prefetcher`, which decides *whether* and *how*:
 * A block on local disk is loaded into memory ahead only for the policies that
   predict an imminent daemon read (``sequential`` always; ``directory`` while
   opens are not passed through to the kernel). Far-ahead policies (``hint``,
-  ``warm``) leave it on disk: loading it now would only push out blocks needed
+  ``sweep``, ``warm``) leave it on disk: loading it now would only push out blocks needed
   sooner.
 * A block from S3 needs room in the memory budget. :meth:`want` never waits: a
   full budget answers None and the policy stops until its next trigger.
@@ -25,18 +28,23 @@ They all go through :class:`Prefetcher`, which decides *whether* and *how*:
 The ledger (:class:`PrefetchLedger`) is the one place that counts issued, used
 and wasted bytes, by policy: the fetcher reports every block a reader takes
 (:meth:`PrefetchLedger.note_read`) and the passthrough layer the blocks the
-kernel reads itself (:meth:`PrefetchLedger.mark_used`).
+kernel reads itself (:meth:`PrefetchLedger.mark_used`). It also keeps, per
+policy, the bytes fetched ahead and not read yet and the bytes read so far
+(:meth:`PrefetchLedger.unread`, :meth:`PrefetchLedger.used`): the sweep bounds
+itself by them.
 
 Concurrency: trio thread only; nothing here blocks or awaits except
 :meth:`Prefetcher.warm_block`. Exception: the FUSE request workers report reads to
 the ledger (:meth:`PrefetchLedger.note_read`, :meth:`PrefetchLedger.mark_used`)
 from their threads; the ledger changes its ordered dictionary only by single
 operations (each atomic under the GIL), so those reports interleave safely with
-:meth:`PrefetchLedger.issued` on the trio thread.
+:meth:`PrefetchLedger.issued` on the trio thread; the per-policy tallies are
+changed under ``_tally_lock`` (taken only for blocks that were fetched ahead).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -49,7 +57,8 @@ SEQUENTIAL = "sequential"
 DIRECTORY = "directory"
 HINT = "hint"
 WARM = "warm"
-POLICIES = (SEQUENTIAL, DIRECTORY, HINT, WARM)
+SWEEP = "sweep"
+POLICIES = (SEQUENTIAL, DIRECTORY, HINT, WARM, SWEEP)
 
 #: Prefetched-but-unread blocks remembered before the oldest counts as wasted.
 LEDGER_SIZE = 65536
@@ -61,20 +70,31 @@ class PrefetchLedger:
     def __init__(self, capacity: int = LEDGER_SIZE) -> None:
         self.capacity = capacity
         self._open: OrderedDict[bytes, tuple[int, str]] = OrderedDict()  # oldest first
+        self._tally_lock = threading.Lock()
+        self._unread: dict[str, int] = dict.fromkeys(POLICIES, 0)
+        self._used: dict[str, int] = dict.fromkeys(POLICIES, 0)
 
     def issued(self, bid: bytes, n: int, policy: str) -> None:
         self._open[bid] = (n, policy)
         metrics.PREFETCH_ISSUED_BYTES.labels(policy).inc(n)
+        with self._tally_lock:
+            self._unread[policy] += n
         while len(self._open) > self.capacity:
             _, (wasted, old_policy) = self._open.popitem(last=False)
             metrics.PREFETCH_WASTED_BYTES.labels(old_policy).inc(wasted)
+            with self._tally_lock:
+                self._unread[old_policy] -= wasted
 
     def note_read(self, bid: bytes) -> None:
         """A reader took block ``bid`` (through the daemon)."""
         if self._open:
             entry = self._open.pop(bid, None)
             if entry is not None:
-                metrics.PREFETCH_USED_BYTES.labels(entry[1]).inc(entry[0])
+                n, policy = entry
+                metrics.PREFETCH_USED_BYTES.labels(policy).inc(n)
+                with self._tally_lock:
+                    self._unread[policy] -= n
+                    self._used[policy] += n
 
     def mark_used(self, bids: Iterable[bytes]) -> None:
         """These blocks are read without passing through the fetcher (the kernel reads
@@ -85,7 +105,18 @@ class PrefetchLedger:
 
     def forget(self, bid: bytes) -> None:
         """The load failed: nothing was fetched ahead after all."""
-        self._open.pop(bid, None)
+        entry = self._open.pop(bid, None)
+        if entry is not None:
+            with self._tally_lock:
+                self._unread[entry[1]] -= entry[0]
+
+    def unread(self, policy: str) -> int:
+        """Bytes ``policy`` fetched ahead that no reader took yet (nor counted as wasted)."""
+        return self._unread[policy]
+
+    def used(self, policy: str) -> int:
+        """Bytes ``policy`` fetched ahead that readers took, since the daemon started."""
+        return self._used[policy]
 
     def __len__(self) -> int:
         return len(self._open)
@@ -108,7 +139,7 @@ class Prefetcher:
             return True
         if policy == DIRECTORY:
             return not self._kernel_reads_cached()
-        return False
+        return False  # hint, sweep, warm: far ahead
 
     # -- the admission rule ---------------------------------------------------------------
     def want(self, obj: ObjectVersion, index: int, policy: str) -> int | None:
