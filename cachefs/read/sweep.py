@@ -135,14 +135,18 @@ class Sweeper:
         self.active = False
         self._queue: deque[str] = deque()
         self._queued: set[str] = set()  # every directory queued in this session
-        self._parents: dict[str, int] = {}  # parent -> its directories queued for misses
+        # parent -> its sub-directories swept for their misses (in any session; least
+        # recently added first)
+        self._parents: OrderedDict[str, set[str]] = OrderedDict()
         self._spread: list[str] = []  # parents whose sub-directories are to be queued
+        self._spread_done: set[str] = set()  # parents spread from in this session
         self._current: str | None = None  # the directory being swept
         self._after: bytes | None = None  # the last name of it looked at
         self._inflight: dict[bytes, int] = {}  # swept blocks still loading -> bytes
         self._read = 0  # bytes readers missed in swept directories (this session)
         self._used_base = 0  # ledger.used(SWEEP) when the session began
         self.paused: str | None = None  # why the session waits (unread_bound), if it does
+        metrics.SWEEP_UNREAD_BYTES.set_function(lambda: max(0, ledger.unread(SWEEP)))
 
     # -- the trigger (trio thread) -------------------------------------------------------
     def on_miss(self, prefix: str, ino: int, obj: ObjectVersion) -> None:
@@ -181,8 +185,13 @@ class Sweeper:
             self._read = 0
         self._queue_dir(prefix, cause)
         parent = _parent(prefix)
-        n = self._parents[parent] = self._parents.get(parent, 0) + 1
-        if n == self.spread_after:
+        swept = self._parents.pop(parent, set())
+        swept.add(prefix)
+        self._parents[parent] = swept
+        if len(self._parents) > self.max_dirs:
+            self._parents.popitem(last=False)
+        if len(swept) >= self.spread_after and parent not in self._spread_done:
+            self._spread_done.add(parent)
             self._spread.append(parent)
         self._wake.set()
 
@@ -200,8 +209,8 @@ class Sweeper:
         self.paused = None
         self._queue.clear()
         self._queued.clear()
-        self._parents.clear()
         self._spread.clear()
+        self._spread_done.clear()
         self._current = self._after = None
         self._read = 0
 
@@ -239,7 +248,6 @@ class Sweeper:
         fetcher = self._fetcher
         if self._inflight:
             self._inflight = {b: n for b, n in self._inflight.items() if fetcher.is_loading(b)}
-        metrics.SWEEP_UNREAD_BYTES.set(max(0, self._ledger.unread(SWEEP)))
         if not self.active:
             return
         if self._hint_active():
@@ -297,12 +305,14 @@ class Sweeper:
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
                 bid = self._fetcher.block_id(obj, 0)
-                loading = self._fetcher.is_loading(bid)
-                n = pf.want_object(obj, SWEEP)
+                if self._fetcher.is_loaded_or_loading(bid):
+                    self._after = entry.name
+                    continue  # being fetched, or just read (in memory)
+                n = pf.want(obj, 0, SWEEP)
                 if n is None:
                     return "window"  # memory budget full
                 self._after = entry.name
-                if n and not loading:
+                if n:  # (0: on disk already)
                     self._inflight[bid] = n
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
