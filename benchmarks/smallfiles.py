@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -180,14 +181,45 @@ def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
             proc.wait()
 
 
+@contextlib.contextmanager
+def inflight_sampler(url: str | None, every: float, out: dict[str, Any]) -> Iterator[None]:
+    """Sample the daemon's S3 fetches in flight every ``every`` seconds while the block runs
+    (each scrape costs the daemon some CPU: off unless asked); mean and max into ``out``."""
+    if url is None or every <= 0:
+        yield
+        return
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every):
+            with contextlib.suppress(OSError):
+                samples.append(scrape(url).get("cachefs_inflight_fetches", 0.0))
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        busy = [x for x in samples if x > 0]
+        if samples:
+            out["gets_in_flight"] = {"mean": round(sum(samples) / len(samples), 1),
+                                     "mean_busy": round(sum(busy) / len(busy), 1) if busy else 0.0,
+                                     "max": max(samples), "samples": len(samples)}
+
+
 def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
-            spy: Path | None = None, before_read: Any = None) -> dict[str, Any]:
+            spy: Path | None = None, before_read: Any = None,
+            sample_every: float = 0.0) -> dict[str, Any]:
     drop_caches()
     met0 = scrape(m.metrics_url) if m.metrics_url else {}
     cpu0 = proc_sample(m.pid).cpu_s if m.pid else 0.0  # type: ignore[union-attr]
     thr0 = thread_cpu(m.pid) if m.pid else {}
     csw0 = context_switches(m.pid) if m.pid else 0
-    with py_spy(m.pid, spy):
+    sampled: dict[str, Any] = {}
+    with py_spy(m.pid, spy), inflight_sampler(m.metrics_url, sample_every, sampled):
         if before_read is not None:
             before_read()
         seconds, total = read_pass(m.root, order, threads)
@@ -215,6 +247,16 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["s3_bytes_per_byte_read"] = round(s3b / nbytes, 3)
         read = met1.get("cachefs_read_bytes_total", 0) - met0.get("cachefs_read_bytes_total", 0)
         row["daemon_read_bytes_per_file"] = round(read / n)
+        issued = per_file(met0, met1, "cachefs_prefetch_issued_bytes_total", n)
+        used = per_file(met0, met1, "cachefs_prefetch_used_bytes_total", n)
+        if issued:  # bytes per file fetched ahead, by policy, and the share of them read
+            row["prefetch_bytes_per_file"] = {p: round(v) for p, v in issued.items()}
+            row["prefetch_used_share"] = {p: round(used.get(p, 0.0) / v, 3)
+                                          for p, v in issued.items()}
+        swept = met1.get("cachefs_sweep_files_total", 0) - met0.get("cachefs_sweep_files_total", 0)
+        if swept:
+            row["swept_files_per_file"] = round(swept / n, 3)
+    row.update(sampled)
     return row
 
 
@@ -241,7 +283,7 @@ def _renamed(cm: contextlib.AbstractContextManager[Mounted], system: str) -> Ite
 
 def run_system(system: str, passes: list[str], endpoint: str, work: Path, local: Path,
                items: list[tuple[str, int]], threads: int, seed: int, extra: list[str],
-               spy_dir: Path | None) -> list[dict[str, Any]]:
+               spy_dir: Path | None, sample_every: float = 0.0) -> list[dict[str, Any]]:
     keys = [k for k, _ in items]
     nbytes = sum(s for _, s in items)
     in_order = sorted(keys)
@@ -261,7 +303,8 @@ def run_system(system: str, passes: list[str], endpoint: str, work: Path, local:
             from cachefs.control.client import send_hint
             send_hint(str(m.root / k) for k in order)
 
-        row = measure(m, name, order, nbytes, threads, spy(name), send if hint else None)
+        row = measure(m, name, order, nbytes, threads, spy(name), send if hint else None,
+                      sample_every)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -326,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra argument for cachefs mount (repeatable)")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="record the daemon with py-spy during every pass (folded stacks in DIR)")
+    ap.add_argument("--sample-inflight", type=float, default=0.0, metavar="SECONDS",
+                    help="sample cachefs's S3 GETs in flight this often during each pass "
+                         "(scrapes cost the daemon CPU; off by default)")
     ap.add_argument("--quick", action="store_true", help="120 files, 2 folders, RTT 20 ms")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--workdir", type=Path)
@@ -357,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                      log_path=str(work / "wan.log")) as wan:
             for system in systems:
                 rows += run_system(system, passes, wan.endpoint, work, local, items, args.threads,
-                                   args.seed, args.cachefs_arg, args.py_spy)
+                                   args.seed, args.cachefs_arg, args.py_spy, args.sample_inflight)
     print(summary(rows, args.bandwidth_MBps))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

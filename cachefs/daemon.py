@@ -280,8 +280,11 @@ class Daemon:
         prefetcher = Prefetcher(fetcher, budget, ledger,
                                 kernel_reads_cached=lambda: passthrough.enabled)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
+        # Hinted and swept loads in flight: the background share of the S3 connections
+        # (more would only wait for one).
+        window = max(1, cfg.max_connections * 3 // 4)
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
-                               lookahead_bytes=max_readahead * 4)
+                               lookahead_bytes=max_readahead * 4, window=window)
         root = cfg.source.prefix
 
         def next_dir(prefix: str) -> str | None:
@@ -298,7 +301,7 @@ class Daemon:
                           max_file=cfg.block_size, ahead_bytes=max_readahead * 4,
                           margin=max_readahead, hinted=read_order.hinted,
                           hint_active=lambda: read_order.active,
-                          window=max(1, cfg.max_connections // 2))
+                          window=window)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
                         read_order=read_order, lookahead=lookahead, backing=passthrough,

@@ -11,10 +11,13 @@ read each in flight).
 Only blocks that are not in the disk cache are fetched (a cached block costs a
 demand read one local read; loading it into memory far ahead would only evict
 blocks needed sooner). Bounds: at most ``lookahead_bytes`` of hinted, uncached
-data ahead of the cursor is requested, and each block needs room in the fetcher's memory budget
-(``Prefetcher.want`` never waits; when it refuses, the loop sleeps until the
-next open or a short tick). Prefetched blocks land in the disk cache, so a
-reader that arrives later finds them there.
+data ahead of the cursor is requested, at most ``window`` blocks are being
+loaded at once (enough for the link's bandwidth-delay product; more would only
+queue for S3 connections, each queued load costing the trio thread its task
+and timers), and each block needs room in the fetcher's memory budget
+(``Prefetcher.want`` never waits; when it refuses, or the window is full, the
+loop sleeps until the next open or a short tick). Prefetched blocks land in the
+disk cache, so a reader that arrives later finds them there.
 
 Concurrency: one task (:meth:`ReadOrder.run`) owned by the daemon's nursery
 does all the work; :meth:`set_order` and :meth:`on_open` only update state
@@ -46,14 +49,16 @@ def metadata_resolver(metadata: Metadata) -> Resolver:
         return None if entry is None else ObjectVersion(key, entry.etag, entry.size)
     return resolve
 
-TICK = 0.05  # seconds between top-ups while the budget is full
+TICK = 0.02  # seconds between top-ups while the window or the budget is full
 
 
 class ReadOrder:
-    def __init__(self, prefetcher: Prefetcher, resolve: Resolver, *, lookahead_bytes: int) -> None:
+    def __init__(self, prefetcher: Prefetcher, resolve: Resolver, *, lookahead_bytes: int,
+                 window: int = 48) -> None:
         self._prefetcher = prefetcher
         self._resolve = resolve
         self.lookahead_bytes = lookahead_bytes
+        self.window = window
         self._order: list[str] = []
         self._position: dict[str, int] = {}
         self._cum: list[int] = [0]  # cumulative sizes of resolved files: _cum[i] = bytes before i
@@ -129,7 +134,8 @@ class ReadOrder:
                     self._cum.append(self._cum[-1])
                 self._next = self._cursor + 1
                 continue
-            if self._bytes_ahead() >= self.lookahead_bytes:
+            if (self._bytes_ahead() >= self.lookahead_bytes
+                    or self._prefetcher.loading(HINT) >= self.window):
                 return
             key = self._order[self._next]
             try:

@@ -130,6 +130,9 @@ class Prefetcher:
         self.fetcher = fetcher
         self.budget = budget
         self.ledger = ledger
+        # Loads started for the policies that keep a window of loads in flight (hint,
+        # sweep), until :meth:`loading` sees them ended.
+        self._loading: dict[str, set[bytes]] = {HINT: set(), SWEEP: set()}
         # True while opens of fully cached files are passed through to the kernel: then
         # a directory walk's cached files are read by the kernel, not by the daemon.
         self._kernel_reads_cached = kernel_reads_cached
@@ -165,7 +168,20 @@ class Prefetcher:
             return None
         self.ledger.issued(bid, length, policy)
         f.load_ahead(obj, index, bid, reserved=length)
+        loading = self._loading.get(policy)
+        if loading is not None:
+            loading.add(bid)
         return length
+
+    def loading(self, policy: str) -> int:
+        """Blocks ``policy`` (hint or sweep) asked for that are still being loaded (and
+        written back): what it has in flight."""
+        bids = self._loading[policy]
+        if bids:
+            is_loading = self.fetcher.is_loading
+            ended = [bid for bid in bids if not is_loading(bid)]
+            bids.difference_update(ended)
+        return len(bids)
 
     def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
         """:meth:`want` for every block of ``obj``; None as soon as the budget is full."""

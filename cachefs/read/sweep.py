@@ -52,7 +52,8 @@ is done (``done``) or by one of the reasons above, which resets R.
 Concurrency: trio thread only. :meth:`on_miss` only updates state and wakes
 the one task (:meth:`Sweeper.run`, owned by the daemon's nursery) that lists
 directories and issues fetches; that task never waits for a fetch (it looks at
-which of its loads are still registered with the fetcher every ``TICK``).
+how many of its loads are still registered with the fetcher every ``TICK``,
+:meth:`Prefetcher.loading`).
 """
 
 from __future__ import annotations
@@ -142,7 +143,6 @@ class Sweeper:
         self._spread_done: set[str] = set()  # parents spread from in this session
         self._current: str | None = None  # the directory being swept
         self._after: bytes | None = None  # the last name of it looked at
-        self._inflight: dict[bytes, int] = {}  # swept blocks still loading -> bytes
         self._read = 0  # bytes readers missed in swept directories (this session)
         self._used_base = 0  # ledger.used(SWEEP) when the session began
         self.paused: str | None = None  # why the session waits (unread_bound), if it does
@@ -227,14 +227,14 @@ class Sweeper:
 
     @property
     def inflight(self) -> int:
-        """Swept files still loading (as of the last look)."""
-        return len(self._inflight)
+        """Swept files still loading."""
+        return self._prefetcher.loading(SWEEP)
 
     # -- the task ----------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            with trio.move_on_after(TICK if self.active or self._inflight else 3600):
+            with trio.move_on_after(TICK if self.active else 3600):
                 await self._wake.wait()
             self._wake = trio.Event()
             try:
@@ -245,9 +245,6 @@ class Sweeper:
 
     async def step(self) -> None:
         """Issue what the session may issue now (the task calls it every tick)."""
-        fetcher = self._fetcher
-        if self._inflight:
-            self._inflight = {b: n for b, n in self._inflight.items() if fetcher.is_loading(b)}
         if not self.active:
             return
         if self._hint_active():
@@ -286,6 +283,7 @@ class Sweeper:
         assert self._current is not None
         prefix, pf = self._current, self._prefetcher
         limit = self._budget.limit * self.budget_share
+        inflight = pf.loading(SWEEP)
         entries = self._listings.iter_entries(prefix, self._after)
         looked = 0
         try:
@@ -296,7 +294,7 @@ class Sweeper:
                 if entry.is_dir or not 0 < entry.size <= self.max_file:
                     self._after = entry.name
                     continue
-                if len(self._inflight) >= self.window or self._budget.used + entry.size > limit:
+                if inflight >= self.window or self._budget.used + entry.size > limit:
                     return "window"
                 if self._ledger.unread(SWEEP) + entry.size > self.allowance():
                     return "unread_bound"
@@ -313,7 +311,7 @@ class Sweeper:
                     return "window"  # memory budget full
                 self._after = entry.name
                 if n:  # (0: on disk already)
-                    self._inflight[bid] = n
+                    inflight += 1
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
                     self.paused = None
