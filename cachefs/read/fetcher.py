@@ -240,6 +240,11 @@ class Fetcher:
     def is_loading(self, bid: bytes) -> bool:
         return bid in self._flights
 
+    def is_fetching(self, bid: bytes) -> bool:
+        """Being loaded and not there yet (waiting for a tier or S3; not writing back)."""
+        flight = self._flights.get(bid)
+        return flight is not None and not flight.event.is_set()
+
     def is_loaded_or_loading(self, bid: bytes) -> bool:
         """In memory or being loaded: nothing more to do for a prefetcher."""
         return bid in self.memory or bid in self._flights
