@@ -137,6 +137,14 @@ def context_switches(pid: int) -> int:
     return total
 
 
+def host_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # (guest time is counted in user already)
+    return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
 def read_pass(root: Path, order: list[str], threads: int) -> tuple[float, int]:
     def read(rel: str) -> int:
         with open(root / rel, "rb") as f:
@@ -219,14 +227,19 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     thr0 = thread_cpu(m.pid) if m.pid else {}
     csw0 = context_switches(m.pid) if m.pid else 0
     sampled: dict[str, Any] = {}
+    host0 = host_cpu()
     with py_spy(m.pid, spy), inflight_sampler(m.metrics_url, sample_every, sampled):
         if before_read is not None:
             before_read()
         seconds, total = read_pass(m.root, order, threads)
+    host1 = host_cpu()
     n = len(order)
     assert total == nbytes, f"{m.system} {name}: read {total} bytes, expected {nbytes}"
     row: dict[str, Any] = {"system": m.system, "pass": name, "files": n, "seconds": round(seconds, 3),
-                           "files_per_s": round(n / seconds, 1), "MB_per_s": round(total / seconds / 1e6, 2)}
+                           "files_per_s": round(n / seconds, 1), "MB_per_s": round(total / seconds / 1e6, 2),
+                           # the machine's busy share over the pass (every process, all cores):
+                           # near 1, the pass was bound by CPU, not by the link
+                           "host_cpu_busy": round((host1[0] - host0[0]) / max(1e-9, host1[1] - host0[1]), 2)}
     if m.pid:
         time.sleep(0.3)  # write-backs still running belong to the pass
         cpu1 = proc_sample(m.pid).cpu_s  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ Only blocks that are not in the disk cache are fetched (a cached block costs a
 demand read one local read; loading it into memory far ahead would only evict
 blocks needed sooner). Bounds: at most ``lookahead_bytes`` of hinted, uncached
 data ahead of the cursor is requested, at most ``window`` blocks are being
-loaded at once (enough for the link's bandwidth-delay product; more would only
+fetched at once (enough for the link's bandwidth-delay product; more would only
 queue for S3 connections, each queued load costing the trio thread its task
 and timers), and each block needs room in the fetcher's memory budget
 (``Prefetcher.want`` never waits; when it refuses, or the window is full, the

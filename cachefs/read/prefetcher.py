@@ -130,8 +130,8 @@ class Prefetcher:
         self.fetcher = fetcher
         self.budget = budget
         self.ledger = ledger
-        # Loads started for the policies that keep a window of loads in flight (hint,
-        # sweep), until :meth:`loading` sees them ended.
+        # Loads started for the policies that keep a window of GETs in flight (hint,
+        # sweep), until :meth:`loading` sees their data there.
         self._loading: dict[str, set[bytes]] = {HINT: set(), SWEEP: set()}
         # True while opens of fully cached files are passed through to the kernel: then
         # a directory walk's cached files are read by the kernel, not by the daemon.
@@ -174,12 +174,12 @@ class Prefetcher:
         return length
 
     def loading(self, policy: str) -> int:
-        """Blocks ``policy`` (hint or sweep) asked for that are still being loaded (and
-        written back): what it has in flight."""
+        """Blocks ``policy`` (hint or sweep) asked for that are still being fetched (not
+        yet there; writing back does not count): its GETs in flight."""
         bids = self._loading[policy]
         if bids:
-            is_loading = self.fetcher.is_loading
-            ended = [bid for bid in bids if not is_loading(bid)]
+            is_fetching = self.fetcher.is_fetching
+            ended = [bid for bid in bids if not is_fetching(bid)]
             bids.difference_update(ended)
         return len(bids)
 

@@ -52,7 +52,7 @@ is done (``done``) or by one of the reasons above, which resets R.
 Concurrency: trio thread only. :meth:`on_miss` only updates state and wakes
 the one task (:meth:`Sweeper.run`, owned by the daemon's nursery) that lists
 directories and issues fetches; that task never waits for a fetch (it looks at
-how many of its loads are still registered with the fetcher every ``TICK``,
+how many of its loads are still fetching every ``TICK``,
 :meth:`Prefetcher.loading`).
 """
 
@@ -227,7 +227,7 @@ class Sweeper:
 
     @property
     def inflight(self) -> int:
-        """Swept files still loading."""
+        """Swept files still being fetched."""
         return self._prefetcher.loading(SWEEP)
 
     # -- the task ----------------------------------------------------------------------------
