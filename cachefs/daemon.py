@@ -284,7 +284,8 @@ class Daemon:
         # (more would only wait for one).
         window = max(1, cfg.max_connections * 3 // 4)
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
-                               lookahead_bytes=max_readahead * 4, window=window)
+                               lookahead_bytes=max_readahead * 4, window=window,
+                               prepare=metadata.list_ahead)
         root = cfg.source.prefix
 
         def next_dir(prefix: str) -> str | None:

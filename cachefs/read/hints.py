@@ -19,6 +19,12 @@ and timers), and each block needs room in the fetcher's memory budget
 loop sleeps until the next open or a short tick). Prefetched blocks land in the
 disk cache, so a reader that arrives later finds them there.
 
+Resolving a hinted key needs its directory's listing. The directories of the
+next ``PREPARE_AHEAD`` windows of keys are asked for ahead (``prepare``, which
+starts a listing without waiting for it), so that a fresh mount lists the
+directories of an epoch's first files at once instead of one round trip after
+another.
+
 Concurrency: one task (:meth:`ReadOrder.run`) owned by the daemon's nursery
 does all the work; :meth:`set_order` and :meth:`on_open` only update state
 and wake it (trio thread only); :meth:`moves` only reads (any thread).
@@ -50,13 +56,17 @@ def metadata_resolver(metadata: Metadata) -> Resolver:
     return resolve
 
 TICK = 0.02  # seconds between top-ups while the window or the budget is full
+PREPARE_AHEAD = 4  # windows of keys whose directories are asked to be listed ahead
 
 
 class ReadOrder:
     def __init__(self, prefetcher: Prefetcher, resolve: Resolver, *, lookahead_bytes: int,
-                 window: int = 48) -> None:
+                 window: int = 48, prepare: Callable[[str], None] | None = None) -> None:
         self._prefetcher = prefetcher
         self._resolve = resolve
+        self._prepare = prepare  # start listing a directory now (never waits)
+        self._prepared_until = 0  # keys before this index had their directories asked for
+        self._prepared: set[str] = set()
         self.lookahead_bytes = lookahead_bytes
         self.window = window
         self._order: list[str] = []
@@ -77,6 +87,8 @@ class ReadOrder:
         self._cum = [0]
         self._cursor = -1
         self._next = 0
+        self._prepared_until = 0
+        self._prepared = set()
         self.generation += 1
         self._wake.set()
         return len(self._order)
@@ -137,6 +149,8 @@ class ReadOrder:
             if (self._bytes_ahead() >= self.lookahead_bytes
                     or self._prefetcher.loading(HINT) >= self.window):
                 return
+            if self._prepare is not None and self._next >= self._prepared_until:
+                self._prepare_dirs()
             key = self._order[self._next]
             try:
                 obj = await self._resolve(key)
@@ -156,3 +170,14 @@ class ReadOrder:
             if len(self._cum) == self._next + 1:
                 self._cum.append(self._cum[-1] + size)
             self._next += 1
+
+    def _prepare_dirs(self) -> None:
+        """Ask for the listings of the directories of the next keys (see the module doc)."""
+        assert self._prepare is not None
+        end = min(len(self._order), self._next + PREPARE_AHEAD * self.window)
+        for key in self._order[self._next:end]:
+            parent = key[:key.rfind("/") + 1]
+            if parent not in self._prepared:
+                self._prepared.add(parent)
+                self._prepare(parent)
+        self._prepared_until = end
