@@ -113,11 +113,12 @@ class World:
 
 
 def run(tmp_path: Path, fn: Callable[[World], Awaitable[Any]], *, capacity: int = 64 << 20,
-        budget: int = 16 << 20, policy: str = "keep") -> Any:
+        budget: int = 16 << 20, policy: str = "keep", store: MemoryStore | None = None) -> Any:
     env = LmdbEnv(tmp_path / "meta.lmdb")
 
     async def main() -> Any:
-        store = MemoryStore()
+        nonlocal store
+        store = store or MemoryStore()
         ledger = PrefetchLedger()
         cache = BlockCache(env, tmp_path, capacity=capacity, policy=policy)
         fetcher = Fetcher(Origin(store, max_connections=8, deadline=0), cache, block_size=BS,
