@@ -426,6 +426,7 @@ class Daemon:
             "shared": self.shared.describe() if self.shared is not None else None,
             "background_errors": metrics.by_label(metrics.BACKGROUND_ERRORS),
             "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
+            "sweep_stops": metrics.by_label(metrics.SWEEP_STOPS),
         })
 
     async def _watch_signals(self, origin: Origin) -> None:

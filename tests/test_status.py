@@ -70,3 +70,23 @@ def test_status_describes_the_tiers_and_the_shared_tier():
     assert sh["url"] == "s3://cache/p/" and sh["breaker"] == "open"
     assert (sh["hit_bytes"], sh["published_blocks"], sh["dropped_blocks"]) == (4096, 2, 5)
     assert sh["queue_blocks"] == 2 and sh["lease_outcomes"] == {"won": 3, "lost_served": 1}
+
+
+def test_status_shows_what_the_sweep_did(capsys, monkeypatch):
+    from cachefs.cli import status
+
+    info = {
+        "mountpoint": "/mnt/x", "source": "s3://b/", "pid": 1, "cache_dir": "/c",
+        "stats": {"cachefs_sweep_files_total": 1100.0, "cachefs_sweep_bytes_total": 121e6,
+                  "cachefs_sweep_unread_bytes": 4e6},
+        "sweep_stops": {"done": 1.0, "no_space": 0.0, "unread_bound": 2.0},
+    }
+    d = status.describe(info, now=0.0)
+    assert (d["sweep_files"], d["sweep_bytes"], d["sweep_unread_bytes"]) == (1100, 121_000_000,
+                                                                             4_000_000)
+    assert d["sweep_stops_by_reason"] == {"done": 1, "unread_bound": 2}
+    monkeypatch.setattr(status.registry, "cachefs_mounts", lambda: {"/mnt/x"})
+    monkeypatch.setattr(status.registry, "all_mounts", lambda: [info])
+    assert status.status_main(None, as_json=False) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  sweep"))
+    assert "1100 files" in line and "stopped: done 1, unread_bound 2" in line

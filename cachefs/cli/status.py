@@ -88,6 +88,10 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         "control_rejected": int(stats.get("cachefs_control_rejected_total", 0)),
         "control_rejected_by_reason": {k: int(v) for k, v in
                                        info.get("control_rejected", {}).items() if v},
+        "sweep_files": int(stats.get("cachefs_sweep_files_total", 0)),
+        "sweep_bytes": int(stats.get("cachefs_sweep_bytes_total", 0)),
+        "sweep_unread_bytes": int(stats.get("cachefs_sweep_unread_bytes", 0)),
+        "sweep_stops_by_reason": {k: int(v) for k, v in info.get("sweep_stops", {}).items() if v},
         "metrics_addr": info.get("metrics_addr"),
         "uptime_seconds": max(0.0, now - float(info.get("started_at", now))),
         "stats_age_seconds": max(0.0, now - float(info.get("updated_at", now))),
@@ -155,6 +159,12 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
                   f"({format_size(sh['published_bytes'])}), queue {sh['queue_blocks']} blocks "
                   f"({format_size(sh['queue_bytes'])}), {sh['dropped_blocks']} dropped; leases "
                   f"won {leases.get('won', 0)}, waited {leases.get('lost_served', 0)}")
+        if r["sweep_files"] or r["sweep_stops_by_reason"]:
+            stops = ", ".join(f"{k} {v}" for k, v in sorted(r["sweep_stops_by_reason"].items()))
+            print(f"  sweep   {r['sweep_files']} files ({format_size(r['sweep_bytes'])}) fetched "
+                  f"ahead of readers in no predictable order, "
+                  f"{format_size(r['sweep_unread_bytes'])} not read yet"
+                  + (f"; stopped: {stops}" if stops else ""))
         if r["passthrough_enabled"]:
             print(f"  kernel  reads {r['passthrough_files']} cached files directly (passthrough; "
                   f"{r['passthrough_opens']} opens so far)")
