@@ -332,3 +332,29 @@ def test_a_shuffled_epoch_is_swept_whole_under_a_small_unread_bound(tmp_path: Pa
         assert w.ledger.unread(SWEEP) == 0, "a shuffled epoch reads every swept file"
 
     run(tmp_path, body)
+
+
+def test_readers_moving_on_get_their_new_directory_swept_before_the_old_one(
+        tmp_path: Path) -> None:
+    async def body(w: World) -> None:
+        old = w.make_dir("train/c000/", 400)
+        new = w.make_dir("train/c001/", 200)
+        sw = w.sweeper(ahead_bytes=20 * SIZE)
+        for key in old[::37][:3]:  # a reader of a few files far apart
+            w.miss(sw, key)
+            await w.read(key)
+        await w.sweep(sw)
+        assert sw.paused == "unread_bound"
+        swept_old = sum(w.cached(k) for k in old)
+        # Readers now miss in another directory, far apart: it is swept first, by twice
+        # what they read there.
+        misses = [k for k in new[::13] if not w.cached(k)]
+        for key in misses:
+            w.miss(sw, key)
+            await w.read(key)
+            await w.sweep(sw)
+        assert sum(w.cached(k) for k in old) == swept_old, "the old directory waited"
+        swept_new = sum(w.cached(k) for k in new) - len(misses)
+        assert swept_new >= 2 * (len(misses) - 3) - 1, (swept_new, len(misses))
+
+    run(tmp_path, body)

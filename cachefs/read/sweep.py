@@ -47,7 +47,9 @@ Bounds: speculation never displaces anything and never runs far ahead of use.
   ``hint``).
 
 A sweep *session* lasts while directories are queued; it ends when the queue
-is done (``done``) or by one of the reasons above, which resets R.
+is done (``done``) or by one of the reasons above, which resets R. A directory
+whose sweep waits at the unread bound goes behind the others when readers
+start missing in a new one (they moved on).
 
 Concurrency: trio thread only. :meth:`on_miss` only updates state and wakes
 the one task (:meth:`Sweeper.run`, owned by the daemon's nursery) that lists
@@ -134,7 +136,7 @@ class Sweeper:
         self._wake = trio.Event()
         # The session (see the module docstring).
         self.active = False
-        self._queue: deque[str] = deque()
+        self._queue: deque[tuple[str, bytes | None]] = deque()  # (directory, last name looked at)
         self._queued: set[str] = set()  # every directory queued in this session
         # parent -> its sub-directories swept for their misses (in any session; least
         # recently added first)
@@ -183,7 +185,14 @@ class Sweeper:
             self.active = True
             self._used_base = self._ledger.used(SWEEP)
             self._read = 0
+        rotate = self.paused is not None and self._current is not None and prefix not in self._queued
         self._queue_dir(prefix, cause)
+        if rotate:
+            # Readers miss elsewhere while the sweep waits at its unread bound: they left the
+            # directory being swept (or never read much of it): it goes after the others.
+            assert self._current is not None
+            self._queue.append((self._current, self._after))
+            self._current = self._after = None
         parent = _parent(prefix)
         swept = self._parents.pop(parent, set())
         swept.add(prefix)
@@ -199,7 +208,7 @@ class Sweeper:
         if prefix in self._queued or len(self._queued) >= self.max_dirs:
             return
         self._queued.add(prefix)
-        self._queue.append(prefix)
+        self._queue.append((prefix, None))
         metrics.SWEEP_DIRECTORIES.labels(cause).inc()
 
     def _end(self, reason: str) -> None:
@@ -257,7 +266,7 @@ class Sweeper:
                 if not self._queue:
                     self._end("done")
                     return
-                prefix = self._queue.popleft()
+                prefix, after = self._queue.popleft()
                 try:
                     await self._listings.ensure(prefix)
                 except StoreError as exc:
@@ -265,7 +274,7 @@ class Sweeper:
                     continue
                 if not self.active:
                     return  # ended while listing
-                self._current, self._after = prefix, None
+                self._current, self._after = prefix, after
             stop = self._sweep_some()
             if stop == "no_space":
                 self._end("no_space")
