@@ -104,7 +104,7 @@ def test_a_sweep_never_evicts_a_nearly_full_cache(bucket: Any, mount_factory: An
 def test_a_subset_reader_stops_the_sweep_at_its_unread_bound(
         bucket: Any, mount_factory: Any) -> None:
     client, name = bucket
-    keys = _put_dir(client, name, "train/c000/", 400)  # 3.2 MB
+    keys = _put_dir(client, name, "train/c000/", 300)  # 2.4 MB
     m = mount_factory(f"s3://{name}", *ARGS)
     subset = _scattered(keys, 12)
     for key in subset:
