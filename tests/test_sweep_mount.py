@@ -92,8 +92,9 @@ def test_a_sweep_never_evicts_a_nearly_full_cache(bucket: Any, mount_factory: An
     swept = got["cachefs_sweep_files_total"]
     assert swept >= 30, f"{swept:.0f} files swept"
     assert got["cachefs_cache_evictions_total"] == 0, "the sweep evicted cached blocks"
-    # (plus one file: the cache's count of used bytes may lag one concurrent write behind)
-    assert got["cachefs_cache_used_bytes"] <= 768 * 1024 - MARGIN + FILE
+    # Most of the margin stays free (the cache's count of used bytes, which the sweep
+    # reads, can lag a few concurrent writes behind).
+    assert got["cachefs_cache_used_bytes"] <= 768 * 1024 - MARGIN // 2
     assert got["cachefs_cache_blocks"] >= len(old) + 6 + 30, "every file is still cached"
     gets = m.gets()
     for key in old:
