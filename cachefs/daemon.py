@@ -298,16 +298,10 @@ class Daemon:
 
         # Small files read in no predictable order: swept into free cache space, at most
         # the hint's lookahead (plus twice what readers read) ahead of use.
-        def dir_position(prefix: str) -> int | None:  # its inode number: its place in the parent
-            parent = prefix[:prefix.rstrip("/").rfind("/") + 1]
-            _, entry, _ = metadata.lookup_now(parent, prefix[len(parent):-1].encode(
-                "utf-8", "surrogateescape"))
-            return entry.ino if entry is not None and entry.is_dir else None
-
         sweeper = Sweeper(prefetcher, ledger, metadata, free_space=free_space,
                           max_file=cfg.block_size, ahead_bytes=max_readahead * 4,
                           margin=max_readahead, hinted=read_order.hinted,
-                          hint_active=lambda: read_order.active, dir_position=dir_position,
+                          hint_active=lambda: read_order.active,
                           window=window)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,

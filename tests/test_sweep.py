@@ -82,17 +82,11 @@ class World:
         self.listings.add(prefix, entries)
         return keys
 
-    def dir_position(self, prefix: str) -> int | None:
-        parent = prefix[:prefix.rstrip("/").rfind("/") + 1]
-        name = prefix[len(parent):-1].encode()
-        return next((e.ino for e in self.listings.dirs.get(parent, []) if e.name == name), None)
-
     def sweeper(self, **kw: Any) -> Sweeper:
         def free() -> int:
             return self.cache.capacity - self.cache.used - self.fetcher.budget.used
 
-        args: dict[str, Any] = dict(free_space=free, max_file=BS, ahead_bytes=1 << 30, margin=0,
-                                    dir_position=self.dir_position)
+        args: dict[str, Any] = dict(free_space=free, max_file=BS, ahead_bytes=1 << 30, margin=0)
         args.update(kw)
         return Sweeper(self.prefetcher, self.ledger, self.listings, **args)
 
@@ -362,26 +356,5 @@ def test_readers_moving_on_get_their_new_directory_swept_before_the_old_one(
         assert sum(w.cached(k) for k in old) == swept_old, "the old directory waited"
         swept_new = sum(w.cached(k) for k in new) - len(misses)
         assert swept_new >= 2 * (len(misses) - 3) - 1, (swept_new, len(misses))
-
-    run(tmp_path, body)
-
-
-def test_misses_in_far_apart_tiny_folders_sweep_the_parent_and_a_walk_in_order_does_not(
-        tmp_path: Path) -> None:
-    async def body(w: World) -> None:
-        # A sample per directory: too small for a directory's own misses to tell an order.
-        samples = [f"s{i:04d}" for i in range(60)]
-        w.make_dir("train/", 0, subdirs=tuple(samples))
-        keys = [k for s in samples for k in w.make_dir(f"train/{s}/", 2)]
-        sw = w.sweeper()
-        for key in keys[:40:2]:  # directory order: the first file of 20 folders, missed
-            w.miss(sw, key)
-        assert not sw.active
-        for i in (50, 27, 44, 31):  # far apart in the parent
-            w.miss(sw, keys[2 * i + 1])
-            assert await w.read(keys[2 * i + 1]) == "s3"
-        assert sw.active
-        await w.sweep(sw)
-        assert all(w.cached(k) for k in keys[40:]), "every sample folder swept"
 
     run(tmp_path, body)

@@ -18,12 +18,7 @@ after a few files), shuffled readers anywhere. ``min_misses`` scattered misses
 start a sweep of the directory; files the read-order hint names do not count
 (the hint predicts them). Once ``spread_after`` directories of one parent are
 swept, the parent's other sub-directories are queued too (class folders of one
-dataset tree: the shuffled sampler draws from all of them). The same test one
-level up catches folders too small to show it themselves (a sample per
-directory): ``spread_after`` misses in sub-directories of one parent that lie
-far apart in its listing (``dir_position``: a directory's inode number) queue
-all of the parent's sub-directories; a walk in directory order misses in
-neighbouring sub-directories only.
+dataset tree: the shuffled sampler draws from all of them).
 
 What it fetches. The queued directories one after the other, each in listing
 order, small files only, through :meth:`Prefetcher.want_object` with policy
@@ -116,7 +111,6 @@ class Sweeper:
                  free_space: Callable[[], int], max_file: int, ahead_bytes: int, margin: int,
                  hinted: Callable[[str], bool] = lambda key: False,
                  hint_active: Callable[[], bool] = lambda: False,
-                 dir_position: Callable[[str], int | None] = lambda prefix: None,
                  window: int = 32, read_factor: float = 2.0, budget_share: float = 0.5,
                  min_misses: int = 2, adjacency: int = 8, spread_after: int = 3,
                  max_dirs: int = 4096) -> None:
@@ -128,7 +122,6 @@ class Sweeper:
         self._free_space = free_space  # cache capacity - used - bytes in flight
         self._hinted = hinted
         self._hint_active = hint_active
-        self._dir_position = dir_position  # a directory's position in its parent, if known
         self.max_file = max_file
         self.ahead_bytes = ahead_bytes
         self.margin = margin
@@ -140,8 +133,6 @@ class Sweeper:
         self.spread_after = spread_after
         self.max_dirs = max_dirs
         self._dirs: OrderedDict[str, _Misses] = OrderedDict()  # least recently missed first
-        # parent -> misses in its sub-directories, by their positions in it
-        self._parent_misses: OrderedDict[str, _Misses] = OrderedDict()
         self._wake = trio.Event()
         # The session (see the module docstring).
         self.active = False
@@ -183,43 +174,17 @@ class Sweeper:
         if st.scattered >= self.min_misses:
             del self._dirs[prefix]  # (a refused start is tried again after as many misses)
             self._start(prefix, "misses")
-            return
-        pos = self._dir_position(prefix)
-        if pos is None:
-            return
-        parent = _parent(prefix)
-        pst = self._parent_misses.pop(parent, None)
-        if pst is None:
-            pst = _Misses(frontier=pos)
-        elif abs(pos - pst.frontier) > self.adjacency:
-            pst.scattered += 1
-        pst.frontier = max(pst.frontier, pos)
-        self._parent_misses[parent] = pst
-        if len(self._parent_misses) > self.max_dirs:
-            self._parent_misses.popitem(last=False)
-        if pst.scattered >= self.spread_after:
-            del self._parent_misses[parent]
-            if self._begin() and parent not in self._spread_done:
-                self._spread_done.add(parent)
-                self._spread.append(parent)
-                self._wake.set()
 
-    def _begin(self) -> bool:
-        """Start a session unless one runs; False when none may (a hint, no free space)."""
+    def _start(self, prefix: str, cause: str) -> None:
         if self._hint_active():
-            return False
+            return
         if not self.active:
             if self._free_space() - self.margin < self.max_file:
                 metrics.SWEEP_STOPS.labels("no_space").inc()
-                return False
+                return
             self.active = True
             self._used_base = self._ledger.used(SWEEP)
             self._read = 0
-        return True
-
-    def _start(self, prefix: str, cause: str) -> None:
-        if not self._begin():
-            return
         rotate = self.paused is not None and self._current is not None and prefix not in self._queued
         self._queue_dir(prefix, cause)
         if rotate:
