@@ -106,6 +106,12 @@ class Index:
 
     def __init__(self, env: LmdbEnv) -> None:
         self.env = env
+        #: Bumped after every commit that makes a listing current (a new version of a
+        #: directory: names may have changed inode or gone). What was read from the index
+        #: while it had one value may be reused from memory while it keeps it (read it
+        #: *before* the snapshot). Writers take ``_generation_lock``; readers just read.
+        self.generation = 0
+        self._generation_lock = threading.Lock()
         self.listings = env.db("listings")
         self.names = env.db("names")
         self.inodes = env.db("inodes")
@@ -194,6 +200,11 @@ class Index:
         return pid, name, (version, listed_at, prefix)
 
     # -- writes (worker threads) ------------------------------------------------------
+    def listings_changed(self) -> None:
+        """A commit made a listing current (call after the commit)."""
+        with self._generation_lock:
+            self.generation += 1
+
     def recover(self) -> int:
         """Delete the names of versions a previous daemon did not finish; returns how many."""
         with self.env.read() as txn:
@@ -330,6 +341,8 @@ class VersionWriter:
                     self.subdirs += subdirs
             if final:
                 self._make_current(txn)
+        if final:
+            index.listings_changed()
         return last_key
 
     def finish(self) -> None:
@@ -337,6 +350,7 @@ class VersionWriter:
             if self.version is None:  # an empty directory
                 self.version = self.index.next_version(txn)
             self._make_current(txn)
+        self.index.listings_changed()
 
     def _make_current(self, txn: Any) -> None:
         index = self.index
