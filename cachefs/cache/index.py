@@ -23,7 +23,9 @@ two prefixes colliding is as likely as 1 in 10^7 for a million directories.
 
 Who calls what: :class:`Index` reads run on any thread (LMDB snapshots);
 writes (:meth:`Index.write_entries`, :class:`VersionWriter`) only in worker
-threads. :mod:`cachefs.cache.metadata` decides what to list and when;
+threads. :attr:`Index.generation` changes after every commit that makes a
+listing current, so what was read while it had one value can be reused from
+memory while it keeps it. :mod:`cachefs.cache.metadata` decides what to list and when;
 :mod:`cachefs.cache.manifest` fills the index from a file.
 """
 

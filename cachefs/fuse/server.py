@@ -59,8 +59,8 @@ log = logging.getLogger(__name__)
 #: passthrough open verifying its file). Two keep one answering while the other waits;
 #: each further one costs CPU on every request: an idle worker sleeping in its read is
 #: woken for the next request while another holds the GIL, and the two then hand the
-#: GIL back and forth (measured on 1,200 warm files, 4 readers: 185-195 us of daemon CPU
-#: per file with 1 or 2 workers, 250-280 us with 4, at the same files/s or better).
+#: GIL back and forth (1,200 warm files, 4 readers, means of two runs: 183-212 us of
+#: daemon CPU per file with 1 or 2 workers, 222-235 us with 4; files/s no worse).
 DEFAULT_WORKERS = 2
 
 #: Requests answered without a handler, by the name their count carries; any other is
