@@ -248,8 +248,9 @@ OPTIONS: tuple[Option, ...] = (
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
     Option("max_connections", parse_int, 64, "Concurrent S3 requests at most.", metavar="N"),
-    Option("fuse_workers", parse_int, 4,
-           "Threads answering FUSE requests (lookups, opens, reads of cached blocks) at once.",
+    Option("fuse_workers", parse_int, 2,
+           "Threads answering FUSE requests (lookups, opens, reads of cached blocks); more "
+           "overlap more waits for the disk, at a CPU cost per request.",
            metavar="N"),
     Option("retry_deadline", parse_duration, "5m",
            "How long a read or listing keeps retrying S3 through outages, throttling and "

@@ -441,7 +441,9 @@ REGISTRY.register(LMDB_TRANSACTIONS)
 # created at daemon start (create_known_series); other values still appear on first
 # use. Keep them small: every combination is a series on every node.
 FUSE_OPS = ("lookup", "getattr", "statfs", "opendir", "readdir", "releasedir", "open", "read",
-            "release", "access", "getxattr", "listxattr")
+            "release", "access", "getxattr", "listxattr",
+            # answered without a handler (cachefs.fuse.server.SPECIAL_OPS), not timed
+            "ioctl", "forget", "interrupt", "other")
 FUSE_STATS = FuseRequestStats(FUSE_OPS)
 REGISTRY.register(FUSE_STATS)
 #: The errno an operator must notice (the one every StoreError and internal error ends in).

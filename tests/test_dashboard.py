@@ -202,9 +202,10 @@ def test_known_label_sets_cover_the_code_and_are_created() -> None:
     # The series created at daemon start (metrics.create_known_series) must name the
     # operations the code really uses, or the dashboard's error panels stay empty.
     source = "\n".join(p.read_text() for p in (REPO / "cachefs").rglob("*.py"))
+    from cachefs.fuse.server import SPECIAL_OPS
     from cachefs.fuse_ops import OP_NAMES
 
-    fuse_ops = set(OP_NAMES.values())
+    fuse_ops = set(OP_NAMES.values()) | set(SPECIAL_OPS.values()) | {"other"}
     s3_ops = set(re.findall(r'\b_(?:call|retry)\(\s*"(\w+)"', source)
                  + re.findall(r'\bS3_[A-Z]+\.labels\(\s*"(\w+)"', source))
     assert fuse_ops and s3_ops

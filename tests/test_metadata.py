@@ -724,3 +724,79 @@ def test_a_large_directory_is_listed_as_parallel_ranges(env: LmdbEnv) -> None:
         assert {e.ino for e in md.iter_entries("big/")} == inos
 
     run_with_metadata(env, store, body)
+
+
+def test_an_inode_looked_up_resolves_from_memory_until_a_listing_changes(
+        env: LmdbEnv, store: MemoryStore) -> None:
+    from cachefs import metrics
+
+    reads = metrics.LMDB_TRANSACTIONS.counters["read"]
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        known, f2, due = md.lookup_now("data/", b"f2")
+        assert known and f2 is not None and not due
+        before = reads.value
+        assert md.resolve_now(f2.ino) == (("data/", f2), None)  # the open after the lookup
+        assert reads.value == before  # no index read
+        # The object changes: once the new listing is current, the old inode is stale
+        # (ESTALE), whatever was remembered of it.
+        store.put("data/f2", b"new bytes")
+        md.invalidate("data/")
+        await md.settled("data/")
+        assert md.resolve_now(f2.ino) == (None, None)
+        _, new, _ = md.lookup_now("data/", b"f2")
+        assert new is not None and new.ino != f2.ino and new.size == 9
+        assert md.resolve_now(new.ino) == (("data/", new), None)
+
+    run_with_metadata(env, store, body)
+
+
+def test_remembered_inodes_are_bounded_and_never_outlive_a_listing_change_across_threads(
+        env: LmdbEnv) -> None:
+    # Several request workers look names up and resolve inodes while listings are
+    # replaced: the memory stays bounded, and once a listing that changed every object is
+    # current, no thread resolves an old inode.
+    store = MemoryStore(page_size=50)
+    for i in range(200):
+        store.put(f"d/f{i:03d}", b"v0")
+
+    async def body(md: Metadata) -> None:
+        md.recent_size = 64
+        await md.ensure("d/")
+        for version in range(1, 4):
+            old: list[int] = []
+            stop = threading.Event()
+            errors: list[str] = []
+
+            def worker(seed: int, stop: threading.Event = stop, old: list[int] = old,
+                       errors: list[str] = errors) -> None:
+                i = seed
+                while not stop.is_set():
+                    i = (i + 7) % 200
+                    _, e, _ = md.lookup_now("d/", f"f{i:03d}".encode())
+                    if e is not None:
+                        old.append(e.ino)
+                        md.resolve_now(e.ino)
+                    if len(md._recent) > md.recent_size:
+                        errors.append(f"{len(md._recent)} remembered")
+
+            threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+            for t in threads:
+                t.start()
+            await trio.sleep(0.05)
+            for i in range(200):
+                store.put(f"d/f{i:03d}", f"v{version}".encode() * version)
+            md.invalidate("d/")
+            await md.settled("d/")
+            stop.set()
+            for t in threads:
+                await trio.to_thread.run_sync(t.join)
+            assert not errors
+            current = {e.ino for e in md.iter_entries("d/")}
+            stale = [ino for ino in set(old) if ino not in current]
+            assert stale  # the threads did see old inodes
+            for ino in stale:
+                assert md.resolve_now(ino) == (None, None)
+
+    run_with_metadata(env, store, body)

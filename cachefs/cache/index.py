@@ -23,7 +23,9 @@ two prefixes colliding is as likely as 1 in 10^7 for a million directories.
 
 Who calls what: :class:`Index` reads run on any thread (LMDB snapshots);
 writes (:meth:`Index.write_entries`, :class:`VersionWriter`) only in worker
-threads. :mod:`cachefs.cache.metadata` decides what to list and when;
+threads. :attr:`Index.generation` changes after every commit that makes a
+listing current, so what was read while it had one value can be reused from
+memory while it keeps it. :mod:`cachefs.cache.metadata` decides what to list and when;
 :mod:`cachefs.cache.manifest` fills the index from a file.
 """
 
@@ -106,6 +108,12 @@ class Index:
 
     def __init__(self, env: LmdbEnv) -> None:
         self.env = env
+        #: Bumped after every commit that makes a listing current (a new version of a
+        #: directory: names may have changed inode or gone). What was read from the index
+        #: while it had one value may be reused from memory while it keeps it (read it
+        #: *before* the snapshot). Writers take ``_generation_lock``; readers just read.
+        self.generation = 0
+        self._generation_lock = threading.Lock()
         self.listings = env.db("listings")
         self.names = env.db("names")
         self.inodes = env.db("inodes")
@@ -194,6 +202,11 @@ class Index:
         return pid, name, (version, listed_at, prefix)
 
     # -- writes (worker threads) ------------------------------------------------------
+    def listings_changed(self) -> None:
+        """A commit made a listing current (call after the commit)."""
+        with self._generation_lock:
+            self.generation += 1
+
     def recover(self) -> int:
         """Delete the names of versions a previous daemon did not finish; returns how many."""
         with self.env.read() as txn:
@@ -330,6 +343,8 @@ class VersionWriter:
                     self.subdirs += subdirs
             if final:
                 self._make_current(txn)
+        if final:
+            index.listings_changed()
         return last_key
 
     def finish(self) -> None:
@@ -337,6 +352,7 @@ class VersionWriter:
             if self.version is None:  # an empty directory
                 self.version = self.index.next_version(txn)
             self._make_current(txn)
+        self.index.listings_changed()
 
     def _make_current(self, txn: Any) -> None:
         index = self.index

@@ -45,9 +45,14 @@ One listing per directory at a time (single flight); an invalidate() during a
 listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker) and ``list_ahead`` workers list them before
-the walker gets there. Reads of LMDB run on the trio thread (lock-free
-snapshots); writes in the listing threads, a transaction per batch of names
-(LMDB lets one writer in at a time; the others wait in their threads).
+the walker gets there. Reads of LMDB run on the trio thread and the FUSE request
+workers (lock-free snapshots); writes in the listing threads, a transaction per
+batch of names (LMDB lets one writer in at a time; the others wait in their
+threads). The request workers' lookups remember the entries they found, by inode,
+in a bounded table (``_recent``, under its own lock) so the open that follows
+needs no snapshot; a remembered entry is used only while the index's
+``generation`` (bumped after every commit that makes a listing current) is the
+one it was read at.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -78,6 +84,9 @@ from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 #: Names of a parent's listing next_dir() looks at past a directory (files between it
 #: and the next directory are skipped).
 NEXT_DIR_SCAN = 4096
+#: Entries of recent lookups kept in memory by inode, so the open (or getattr) that
+#: follows a lookup of a name needs no index read (see Metadata.resolve_now).
+RECENT_INODES = 4096
 
 __all__ = ["Entry", "Metadata", "View", "entries_from_listing", "invalid_name_reason",
            "split_points", "watermark"]
@@ -207,6 +216,13 @@ class Metadata:
         self._inflight: dict[str, _Listing] = {}
         self._inflight_ids: dict[bytes, _Listing] = {}
         self._index = Index(env)
+        # inode -> (index generation, prefix, entry, listed at) of recent lookups in complete
+        # listings, oldest first; any thread, under _recent_lock. An entry is used only while
+        # the generation it was read at is current: no listing has been made current since,
+        # so the index would answer the same (refresh due or not is decided afresh).
+        self._recent: dict[int, tuple[int, str, Entry, float]] = {}
+        self._recent_lock = threading.Lock()
+        self.recent_size = RECENT_INODES
         self._nursery: trio.Nursery | None = None
         self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
         self._ahead_lot = trio.lowlevel.ParkingLot()
@@ -316,9 +332,12 @@ class Metadata:
     def lookup_now(self, prefix: str, name: bytes) -> tuple[bool, Entry | None, bool]:
         """(known, entry, refresh due): ``known`` False when lookup() would wait for a
         listing (then ask it on the trio thread). Any thread."""
+        generation = self._index.generation  # before the snapshot (see _recent)
         found = self._index.lookup(prefix, name)  # the listing and the name: one snapshot
         if found is not None:
             row, entry = found
+            if entry is not None:
+                self._remember(entry.ino, (generation, prefix, entry, row[1]))
             return True, entry, self._due(prefix, row[1])
         v, due = self.view_now(prefix)  # a first listing in progress, or none
         if v is not None and (v.limit is None or name < v.limit):
@@ -327,8 +346,22 @@ class Metadata:
             return True, None, False  # a manifest mount: not there
         return False, None, due
 
+    def _remember(self, ino: int, item: tuple[int, str, Entry, float]) -> None:
+        with self._recent_lock:
+            recent = self._recent
+            recent.pop(ino, None)
+            recent[ino] = item
+            if len(recent) > self.recent_size:
+                del recent[next(iter(recent))]
+
     def resolve_now(self, ino: int) -> tuple[tuple[str, Entry] | None, str | None]:
-        """(what resolve() returns, the prefix whose refresh is due or None). Any thread."""
+        """(what resolve() returns, the prefix whose refresh is due or None). Any thread.
+        The inode of a recent lookup is answered from memory (see ``_recent``)."""
+        hit = self._recent.get(ino)
+        if hit is not None and hit[0] == self._index.generation:
+            _, known_prefix, known, listed_at = hit
+            return ((known_prefix, known),
+                    known_prefix if self._due(known_prefix, listed_at) else None)
         found = self._index.resolve(ino)
         if found is None:
             return None, None
