@@ -297,9 +297,11 @@ class Daemon:
             return cache.capacity - cache.used - budget.used
 
         # Small files read in no predictable order: swept into free cache space, at most
-        # the hint's lookahead (plus twice what readers read) ahead of use.
+        # twice the readahead bound (plus twice what readers read) ahead of use. Not the
+        # hint's 4x: a sweep is a guess, and a reader of a few random files must not pull
+        # a quarter GiB across regions (benchmarks/RESULTS.md, "How far a sweep runs ahead").
         sweeper = Sweeper(prefetcher, ledger, metadata, free_space=free_space,
-                          max_file=cfg.block_size, ahead_bytes=max_readahead * 4,
+                          max_file=cfg.block_size, ahead_bytes=max_readahead * 2,
                           margin=max_readahead, hinted=read_order.hinted,
                           hint_active=lambda: read_order.active,
                           window=window)

@@ -12,10 +12,10 @@ from typing import Any
 
 FILE = 8_000
 # 64 KiB blocks; a memory budget of 1 MiB leaves 768 KiB for fetches, so a readahead
-# window (and the sweep's free-space margin) of 128 KiB, and a sweep may be 512 KiB
-# (the hint's lookahead) plus twice what readers read ahead of them.
+# window (and the sweep's free-space margin) of 128 KiB, and a sweep may be 256 KiB
+# (twice the readahead bound) plus twice what readers read ahead of them.
 ARGS = ("--block-size", "64K", "--memory-budget", "1M")
-AHEAD = 512 * 1024
+AHEAD = 256 * 1024
 MARGIN = 128 * 1024
 
 
@@ -57,8 +57,10 @@ def _scattered(keys: list[str], n: int) -> list[str]:
 def test_a_shuffled_reader_of_a_folder_gets_most_files_from_the_sweep(
         bucket: Any, mount_factory: Any) -> None:
     client, name = bucket
-    keys = _put_dir(client, name, "train/c000/", 60)  # 480 KB: all within the sweep's reach
-    m = mount_factory(f"s3://{name}", *ARGS)
+    keys = _put_dir(client, name, "train/c000/", 60)  # 480 KB
+    # A 4 MiB budget: a readahead bound of 512 KiB, so the whole folder is within the
+    # sweep's reach (twice that) before the reader takes more than its first six files.
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--memory-budget", "4M")
     first = _scattered(keys, 6)
     for key in first:  # scattered misses start the sweep
         _read(m, key)
