@@ -305,8 +305,8 @@ class FileSystem:
         obj = ObjectVersion(node.path, node.etag, node.size)
         # Prefetches start on the trio thread; the open does not wait for them, and only
         # an open that moves a hinted order or a walk in order costs a hand-over.
-        if self.read_order.moves(node.path):
-            self.post(self.read_order.on_open, node.path)
+        if self.read_order.opened(node.path):
+            self.post(self.read_order.wake)
         due = self.lookahead.observe(node.parent_prefix, node.name, node.ino, reader)
         if due:
             self.post(self.lookahead.issue, due)
