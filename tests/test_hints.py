@@ -9,6 +9,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+import trio
+
+from cachefs.read import hints
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.hints import PREPARE_AHEAD, ReadOrder
 from cachefs.read.prefetcher import HINT
@@ -94,5 +98,34 @@ def test_opens_move_the_cursor_on_any_thread_and_wake_the_loop_only_when_it_wait
         assert isinstance(w.store, GatedStore)
         w.store.gate.set()
         await w.fetcher.drain()
+
+    run(tmp_path, body, store=GatedStore())
+
+
+def test_the_end_of_a_hinted_load_tops_the_window_up_without_a_timer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hints, "TICK", 3600.0)  # only a load's end may wake the loop
+
+    async def body(w: World) -> None:
+        keys = [k for c in range(3) for k in w.make_dir(f"train/c{c:03d}/", 10)]
+
+        async def resolve(key: str) -> ObjectVersion | None:
+            return w.files[key][0]
+
+        ro = ReadOrder(w.prefetcher, resolve, lookahead_bytes=1 << 30, window=4)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(ro.run)
+            ro.set_order(keys)
+            with trio.fail_after(10):
+                while w.prefetcher.loading(HINT) < 4:
+                    await trio.sleep(0.01)
+                assert isinstance(w.store, GatedStore)
+                w.store.gate.set()  # every GET answers; no reader opens anything
+                while ro.pending:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        await w.fetcher.drain()
+        assert w.prefetcher.loading(HINT) == 0
+        assert all(w.fetcher.is_cached(obj, 0) for obj, _ in w.files.values())
 
     run(tmp_path, body, store=GatedStore())

@@ -165,13 +165,14 @@ Joined = Callable[[bytes | None, BaseException | None], None]
 class _Flight:
     """One load of one block, shared by everyone who wants it while it runs."""
 
-    __slots__ = ("data", "disk_ahead", "error", "event", "joined", "not_on_disk", "prefetch",
-                 "settled", "source")
+    __slots__ = ("data", "disk_ahead", "error", "event", "fetched", "joined", "not_on_disk",
+                 "prefetch", "settled", "source")
 
     def __init__(self, prefetch: bool) -> None:
         # Readers joined from request workers (Fetcher.join_now), told when ``event`` is
         # set; None from then on. Changed only under Fetcher._join_lock.
         self.joined: list[Joined] | None = []
+        self.fetched: Callable[[bytes], None] | None = None  # told the bid when event is set
         self.disk_ahead = False  # a speculative load of a block on local disk
         self.not_on_disk = False  # its starter just found it not on local disk
         self.source = "disk"
@@ -436,8 +437,11 @@ class Fetcher:
         return flight.data, flight.source
 
     # -- loads started ahead of readers (by cachefs.read.prefetcher) --------------------------
-    def load_ahead(self, obj: ObjectVersion, index: int, bid: bytes, *, reserved: int) -> None:
+    def load_ahead(self, obj: ObjectVersion, index: int, bid: bytes, *, reserved: int,
+                   fetched: Callable[[bytes], None] | None = None) -> None:
         """Start a speculative load of a block that is neither in memory nor in flight.
+        ``fetched(bid)`` is called (trio thread) once the load has its bytes or error
+        (the moment :meth:`is_fetching` turns False), if the load is started.
         ``reserved`` bytes of the memory budget are handed to the load (it releases them).
         A load of a block on local disk (``reserved`` 0) is skipped when
         :attr:`max_disk_ahead` such loads are in flight. ``reserved`` > 0 states that the
@@ -448,9 +452,12 @@ class Fetcher:
             if self._disk_ahead >= self.max_disk_ahead:
                 return
             self._disk_ahead += 1
-            self._start_load(obj, index, bid, prefetch=True, reserved=0).disk_ahead = True
-            return
-        self._start_load(obj, index, bid, prefetch=True, reserved=reserved).not_on_disk = True
+            flight = self._start_load(obj, index, bid, prefetch=True, reserved=0)
+            flight.disk_ahead = True
+        else:
+            flight = self._start_load(obj, index, bid, prefetch=True, reserved=reserved)
+            flight.not_on_disk = True
+        flight.fetched = fetched
 
     async def wait_loaded(self, bid: bytes) -> bool:
         """Wait until the load of ``bid`` in flight (if any) has ended, written back to
@@ -524,6 +531,11 @@ class Fetcher:
                     flight.settled.set()
                 flight.event.set()
                 self._tell_joined(flight)
+                if flight.fetched is not None:
+                    try:
+                        flight.fetched(bid)
+                    except Exception:  # (a policy's bug must not end the load)
+                        log.exception("telling a prefetch policy that a load ended failed")
             if write_back:
                 # The flight stays registered until the block is on disk: evicted from
                 # memory meanwhile, it must still not be fetched a second time.

@@ -28,9 +28,10 @@ another.
 The cursor is moved by the opens themselves, on the FUSE request workers
 (:meth:`ReadOrder.opened`); the loop is woken for an open only while it waits
 for readers (the byte bound is reached). While it waits for loads to end (the
-window is full, the usual state of a cold pass) it tops up every ``TICK``
-instead: an open per file handed to the trio thread cost it a wake-up per file
-(~50 us of CPU each) for a loop that had nothing to start.
+window is full, the usual state of a cold pass) the end of each hinted load
+wakes it (:meth:`Prefetcher.on_fetched`, on the trio thread, which is awake
+then anyway): an open per file handed to the trio thread cost it a wake-up per
+file (~50 us of CPU each) for a loop that had nothing to start.
 
 Concurrency: one task (:meth:`ReadOrder.run`) owned by the daemon's nursery
 does all the work; :meth:`set_order`, :meth:`on_open` and :meth:`wake` only
@@ -67,7 +68,7 @@ def metadata_resolver(metadata: Metadata) -> Resolver:
         return None if entry is None else ObjectVersion(key, entry.etag, entry.size)
     return resolve
 
-TICK = 0.01  # seconds between top-ups while the window or the budget is full
+TICK = 0.02  # seconds between top-ups while the budget is full (or readers lag)
 PREPARE_AHEAD = 4  # windows of keys whose directories are asked to be listed ahead
 
 
@@ -89,6 +90,7 @@ class ReadOrder:
         self._wake = trio.Event()
         self._cursor_lock = threading.Lock()
         self._waits_for_readers = False  # the loop stopped at the byte bound
+        prefetcher.on_fetched(HINT, self.wake)  # a slot of the window is free
         self.generation = 0
 
     # -- inputs (trio thread) ---------------------------------------------------------
@@ -180,7 +182,7 @@ class ReadOrder:
                 self._waits_for_readers = True  # (an open that moves the cursor wakes it)
                 return
             if self._prefetcher.loading(HINT) >= self.window:
-                return  # (loads end by themselves: the next tick tops up)
+                return  # (the end of one of them wakes the loop: Prefetcher.on_fetched)
             if self._prepare is not None and self._next >= self._prepared_until:
                 self._prepare_dirs()
             key = self._order[self._next]
