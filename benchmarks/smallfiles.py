@@ -293,6 +293,8 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["fuse_per_file"] = per_file(met0, met1, "cachefs_fuse_requests_total", n)
         row["lmdb_txn_per_file"] = per_file(met0, met1, "cachefs_lmdb_transactions_total", n)
         row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
+        row["fuse_handed_over_per_file"] = per_file(met0, met1, "cachefs_fuse_handed_over_total",
+                                                     n)
         gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
         row["s3_gets_per_file"] = round(gets / n, 3)
         s3b = met1.get("cachefs_s3_bytes_total", 0) - met0.get("cachefs_s3_bytes_total", 0)

@@ -81,6 +81,10 @@ SPECIAL_OPS = {abi.FORGET: "forget", abi.BATCH_FORGET: "forget", abi.IOCTL: "ioc
 Reply = bytes | Sequence[bytes | memoryview] | None
 
 
+_DEFERRED = metrics.FUSE_HANDED_OVER.labels("deferred")
+_JOINED = metrics.FUSE_HANDED_OVER.labels("joined")
+
+
 class Deferred(Exception):
     """Raised by an inline handler: the request needs the trio thread (its async handler).
 
@@ -252,6 +256,7 @@ class RequestServer:
                     log.exception("a request's follow-up work failed")
 
     def _defer(self, req: Request, handler: AsyncHandler) -> None:
+        _DEFERRED.inc()
         if isinstance(req.body, memoryview):
             req.body = bytes(req.body)  # the worker's buffer is reused for the next request
         token = self._token
@@ -271,7 +276,10 @@ class RequestServer:
                                                  bool], stats: metrics.RequestShard) -> bool:
         """Try ``join`` for ``req`` (worker thread); True when the request is taken care of."""
         try:
-            return join(functools.partial(self._joined, req))
+            if join(functools.partial(self._joined, req)):
+                _JOINED.inc()
+                return True
+            return False
         except Exception as exc:  # a bug: this request fails, never the worker
             self._reply_error(req, self._handlers.error_code(self._table[req.opcode][0], exc),
                               stats)
