@@ -15,9 +15,10 @@ data ahead of the cursor is requested, at most ``window`` blocks are being
 fetched at once (enough for the link's bandwidth-delay product; more would only
 queue for S3 connections, each queued load costing the trio thread its task
 and timers), and each block needs room in the fetcher's memory budget
-(``Prefetcher.want`` never waits; when it refuses, or the window is full, the
-loop sleeps until the next open or a short tick). Prefetched blocks land in the
-disk cache, so a reader that arrives later finds them there.
+(``Prefetcher.want`` never waits; when it refuses, the loop sleeps until a short
+tick; when the window is full, until one of its loads lands; see below).
+Prefetched blocks land in the disk cache, so a reader that arrives later finds
+them there.
 
 Resolving a hinted key needs its directory's listing. The directories of the
 next ``PREPARE_AHEAD`` windows of keys are asked for ahead (``prepare``, which
