@@ -51,10 +51,10 @@ Tasks and ownership:
   trio thread takes it (leaving None) right after the load's bytes or error
   are there, then answers each joined reader; so a reader is answered exactly
   once, either by the load it joined or -- when it came too late -- by its own
-  read of the memory tier or the trio path. A join never starts a load. No LMDB transaction is
-  held across an ``await`` here or below (the disk tier looks blocks up in
-  synchronous helpers), so a load waiting for a disk thread holds no index
-  reader slot.
+  read of the memory tier or the trio path. A join never starts a load.
+  No LMDB transaction is held across an ``await`` here or below (the disk tier
+  looks blocks up in synchronous helpers), so a load waiting for a disk thread
+  holds no index reader slot.
 
 Invariant: a block id names one object version (key, ETag), so bytes of two
 versions are never mixed; a version that changed on S3 raises ObjectChanged.

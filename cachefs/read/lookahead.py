@@ -253,7 +253,8 @@ class DirectoryLookahead:
                     # (else its listing is not here yet: tried again at the next open)
         return issued
 
-    def _request(self, prefix: str, after: bytes, want: int) -> tuple[list[tuple[bytes, int]], bool]:
+    def _request(self, prefix: str, after: bytes,
+                 want: int) -> tuple[list[tuple[bytes, int]], bool]:
         """Request up to ``want`` files of ``prefix`` after name ``after`` (without the
         lock). Returns the (name, inode) of each file requested, in order, and whether the
         directory's last file is among them."""
