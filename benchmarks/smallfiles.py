@@ -122,6 +122,37 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def thread_group(name: str) -> str:
+    """The group a thread of the daemon counts in: "trio" (the main thread, which runs
+    trio), "workers" (the FUSE request workers and other plain Python threads), "s3"
+    (trio's worker threads: S3 requests and cache writes)."""
+    if name == "main":
+        return "trio"
+    if name.startswith(("Trio thread", "cachefs-s3")):
+        return "s3"
+    return "workers"
+
+
+def group_switches(pid: int) -> dict[str, int]:
+    """Voluntary context switches of the live threads of a process, by :func:`thread_group`
+    (a thread's voluntary switches count its sleeps: each wake-up of the trio thread, each
+    wait for a lock or the GIL)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name = "main" if tid == str(pid) else stat[stat.index("(") + 1:stat.rindex(")")]
+            for line in status.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    g = thread_group(name)
+                    out[g] = out.get(g, 0) + int(line.split()[1])
+    return out
+
+
 def context_switches(pid: int) -> int:
     """Context switches (voluntary + involuntary) of every live thread of a process so far:
     each hand-over between threads (a thread hop, a contended GIL) costs two or more."""
@@ -226,6 +257,7 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     cpu0 = proc_sample(m.pid).cpu_s if m.pid else 0.0  # type: ignore[union-attr]
     thr0 = thread_cpu(m.pid) if m.pid else {}
     csw0 = context_switches(m.pid) if m.pid else 0
+    gsw0 = group_switches(m.pid) if m.pid else {}
     sampled: dict[str, Any] = {}
     host0 = host_cpu()
     with py_spy(m.pid, spy), inflight_sampler(m.metrics_url, sample_every, sampled):
@@ -249,11 +281,20 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["cpu_us_per_file"] = round((cpu1 - cpu0) / n * 1e6, 1)
         row["thread_cpu_us_per_file"] = {k: round((v - thr0.get(k, 0.0)) / n * 1e6, 1)
                                          for k, v in thr1.items() if v - thr0.get(k, 0.0) > 0}
+        groups: dict[str, float] = {}
+        for k, v in row["thread_cpu_us_per_file"].items():
+            g = thread_group(k.rsplit(".", 1)[0])
+            groups[g] = round(groups.get(g, 0.0) + v, 1)
+        row["cpu_us_per_file_by_group"] = groups
+        row["voluntary_switches_per_file_by_group"] = {
+            g: round((v - gsw0.get(g, 0)) / n, 2) for g, v in group_switches(m.pid).items()}
     if m.metrics_url:
         met1 = scrape(m.metrics_url)
         row["fuse_per_file"] = per_file(met0, met1, "cachefs_fuse_requests_total", n)
         row["lmdb_txn_per_file"] = per_file(met0, met1, "cachefs_lmdb_transactions_total", n)
         row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
+        row["fuse_handed_over_per_file"] = per_file(met0, met1, "cachefs_fuse_handed_over_total",
+                                                     n)
         gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
         row["s3_gets_per_file"] = round(gets / n, 3)
         s3b = met1.get("cachefs_s3_bytes_total", 0) - met0.get("cachefs_s3_bytes_total", 0)

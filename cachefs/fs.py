@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import threading
@@ -71,9 +72,19 @@ class BackingFiles(Protocol):
         ...
 
 
+#: Told on the trio thread how a joined read ended: (bytes, None) or (None, error).
+ReadDone = Callable[[bytes | None, BaseException | None], None]
+
+
 class NeedsWait(Exception):
     """A ``*_now`` method cannot answer without waiting on the trio thread (a listing
-    not there yet, a block to fetch): ask the async method instead."""
+    not there yet, a block to fetch): ask the async method instead. ``join``, when
+    given, may attach the request to a fetch under way first (see
+    :meth:`FileSystem.join_read`)."""
+
+    def __init__(self, join: Callable[[ReadDone], bool] | None = None) -> None:
+        super().__init__()
+        self.join = join
 
 
 class FsError(Exception):
@@ -305,8 +316,8 @@ class FileSystem:
         obj = ObjectVersion(node.path, node.etag, node.size)
         # Prefetches start on the trio thread; the open does not wait for them, and only
         # an open that moves a hinted order or a walk in order costs a hand-over.
-        if self.read_order.moves(node.path):
-            self.post(self.read_order.on_open, node.path)
+        if self.read_order.opened(node.path):
+            self.post(self.read_order.wake)
         due = self.lookahead.observe(node.parent_prefix, node.name, node.ino, reader)
         if due:
             self.post(self.lookahead.issue, due)
@@ -331,8 +342,30 @@ class FileSystem:
             raise NeedsWait  # the sequential prefetcher must see this read (trio thread)
         data = f.read_now(obj, offset, size)
         if data is None:
-            raise NeedsWait
+            raise NeedsWait(functools.partial(self.join_read, handle, offset, size))
         return data
+
+    def join_read(self, handle: FileHandle, offset: int, size: int, done: ReadDone) -> bool:
+        """Attach a read that :meth:`read_now` could not answer to the fetch under way of
+        its block (a one-block file; any thread, never waits): ``done`` is called on the
+        trio thread with the bytes or the error (ObjectChanged and NoSuchKey handled as
+        :meth:`read` handles them), and True is returned; False when there is no such
+        fetch (then :meth:`read` answers). The read needs nothing else of the trio
+        thread: the sweep only counts reads of blocks not being loaded, and one block
+        has no blocks after it to read ahead."""
+        prefix = handle.node.parent_prefix
+        key = handle.obj.key
+
+        def joined(data: bytes | None, error: BaseException | None) -> None:  # trio thread
+            if isinstance(error, ObjectChanged):
+                self.metadata.invalidate(prefix)
+            elif isinstance(error, NoSuchKey):
+                log.warning("%s is listed (or in the manifest) but no longer in the bucket: "
+                            "ENOENT", key)
+                self.metadata.invalidate(prefix)
+            done(data, error)
+
+        return self.fetcher.join_now(handle.obj, offset, size, joined)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles.get(fh)

@@ -20,6 +20,7 @@ mount also carries the ``ro`` option, so the kernel usually answers first).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -200,10 +201,20 @@ class Operations(Handlers):
         fh, offset, size, _ = abi.READ_IN.unpack_from(req.body)
         try:
             data = self.fs.read_now(fh, offset, size)
-        except NeedsWait:
-            raise Deferred from None
+        except NeedsWait as wait:
+            # A read of a block being fetched joins that fetch (answered when it lands).
+            join = wait.join
+            raise Deferred(None if join is None else
+                           lambda done: join(functools.partial(self._joined_read, done))
+                           ) from None
         self._read_bytes.inc(len(data))
         return data
+
+    def _joined_read(self, done: Callable[[Reply, BaseException | None], None],
+                     data: bytes | None, error: BaseException | None) -> None:
+        if data is not None:
+            self._read_bytes.inc(len(data))
+        done(data, error)
 
     async def read_async(self, req: Request) -> Reply:
         fh, offset, size, _ = abi.READ_IN.unpack_from(req.body)

@@ -98,6 +98,10 @@ THREAD_HOPS = Counter(
 # --- file system -----------------------------------------------------------
 READ_BYTES = Counter(
     "cachefs_read_bytes", "Bytes returned to readers through the mount", registry=REGISTRY)
+FUSE_HANDED_OVER = Counter(
+    "cachefs_fuse_handed_over", "FUSE requests a request worker could not answer itself, by "
+    "how: 'deferred' to the trio thread (a wake-up and a task), or 'joined' to a fetch under "
+    "way (answered when it lands)", ["how"], registry=REGISTRY)
 FUSE_ERRORS = Counter(
     "cachefs_fuse_errors", "FUSE requests answered with an error", ["op", "errno"],
     registry=REGISTRY)

@@ -313,6 +313,77 @@ def test_a_signal_to_a_reader_waiting_on_s3_never_fails_its_read(proxied, waits_
     assert_daemon_healthy(m)
 
 
+@pytest.mark.parametrize("outcome", ["answered", "changed"])
+def test_reads_of_a_file_being_fetched_join_its_one_get(bucket, s3_endpoint, mount_factory,
+                                                        outcome: str):
+    # READs of a one-block file whose GET is under way (here: retried while S3 throttles)
+    # join that GET on the request workers, without a hand-over to the trio thread: each
+    # is answered once the GET ends -- with its exact bytes, S3 having passed one GET, or,
+    # when the object was replaced meanwhile, with ESTALE (never bytes of the new
+    # version) -- and the mount goes on.
+    client, name = bucket
+    data = random.Random(7).randbytes(512 * 1024)
+    client.put_object(Bucket=name, Key="one.bin", Body=data)
+    held = threading.Event()
+    held.set()
+    passed = {"n": 0}
+
+    def plan(method: str, path: str, n: int) -> str:
+        if method == "GET" and path.split("?")[0].endswith("/one.bin"):
+            if held.is_set():
+                return "503"
+            passed["n"] += 1
+        return "pass"
+
+    with FaultProxy(s3_endpoint) as proxy:
+        m: Mount = mount_factory(f"s3://{name}", "--block-size", "1M", start=False)
+        m.endpoint = proxy.url
+        m.start()
+        os.listdir(m.path)  # listed: the reads below wait only on the GET
+        proxy.plan = plan
+        joins = m.metric('cachefs_fuse_handed_over_total{how="joined"}')
+        results: dict[int, bytes | int] = {}
+
+        def read(offset: int) -> None:
+            try:
+                fd = os.open(m.path / "one.bin", os.O_RDONLY)
+                try:
+                    # No readahead: each reader's READ covers its own pages only (else the
+                    # first READ's readahead locks them all and the others wait for it).
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    results[offset] = os.pread(fd, 64 * 1024, offset)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                results[offset] = exc.errno or 0
+
+        offsets = [i * 128 * 1024 for i in range(4)]
+        threads = [threading.Thread(target=read, args=(off,)) for off in offsets]
+        threads[0].start()  # its READ starts the GET
+        deadline = time.monotonic() + 10
+        while proxy.faults["503"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy.faults["503"] >= 2, "the GET never reached S3"
+        for t in threads[1:]:
+            t.start()
+        time.sleep(0.5)  # the other readers' READs arrive and join the GET
+        if outcome == "changed":
+            client.put_object(Bucket=name, Key="one.bin", Body=b"new" * 1000)
+        held.clear()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        if outcome == "answered":
+            assert results == {off: data[off:off + 64 * 1024] for off in offsets}
+            assert passed["n"] == 1, "one GET"
+        else:
+            # (a READ the kernel sends after the failed GET asks again, and fails alike)
+            assert results == dict.fromkeys(offsets, errno.ESTALE)
+        assert m.metric('cachefs_fuse_handed_over_total{how="joined"}') > joins, \
+            "no READ joined the GET on its worker"
+        assert_daemon_healthy(m)
+
+
 # -- stalls, resets, truncation ---------------------------------------------------------------
 def test_small_read_behind_a_stalled_answer_completes_through_a_hedge(bucket, s3_endpoint,
                                                                        mount_factory):

@@ -794,3 +794,86 @@ def test_no_write_from_a_get_thread_once_the_fetcher_has_stopped(
     assert writes == ["done"]  # the running write finished before the fetcher ended
     sinks[0](data)  # a GET thread finishing after the stop: refused
     assert writes == ["done"] and not late
+
+
+# -- reads joined from request workers to a load under way ------------------------------------------
+@pytest.mark.parametrize("fault", [None, "denied", "changed"])
+def test_workers_joining_a_load_under_way_share_its_one_get_and_are_answered_once(
+        rig: Rig, mem: MemoryStore, fault: str | None) -> None:
+    # A FUSE request worker answers a READ of a one-block file whose GET is running by
+    # joining that GET (Fetcher.join_now): many workers and a trio-side reader at once
+    # make one GET; each joined reader is answered exactly once, on the trio thread, with
+    # its slice of the bytes or with the load's error; none starts a load of its own.
+    data = payload(BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+
+    def gate(op: str, key: str) -> None:
+        if op == "get":
+            time.sleep(0.1)
+            if fault == "denied":
+                raise AccessDenied("access denied to s3://bucket/k")
+            if fault == "changed":
+                raise ObjectChanged("s3://bucket/k changed")
+
+    mem.fault = gate
+
+    async def body(f: Fetcher) -> None:
+        trio_thread = threading.get_ident()
+        answers: dict[int, list[tuple[bytes | None, BaseException | None, int]]] = {}
+        joined: list[bool] = []
+
+        def worker(i: int) -> None:
+            def done(got: bytes | None, error: BaseException | None) -> None:
+                answers.setdefault(i, []).append((got, error, threading.get_ident()))
+            joined.append(f.join_now(obj, i, BS - 2 * i, done))
+
+        async def trio_reader() -> None:
+            with contextlib.suppress(AccessDenied, ObjectChanged):
+                await f.read(obj, 0, BS)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio_reader)
+            await trio.sleep(0.02)  # the load is under way
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                await trio.to_thread.run_sync(t.join)
+        await f.drain()
+        assert joined == [True] * 8
+        assert sorted(answers) == list(range(8))
+        for i, got in answers.items():
+            assert len(got) == 1, "answered exactly once"
+            data_i, error, thread = got[0]
+            assert thread == trio_thread
+            if fault is None:
+                assert data_i == data[i:BS - i] and error is None
+            else:
+                assert data_i is None and isinstance(
+                    error, AccessDenied if fault == "denied" else ObjectChanged)
+        assert mem.calls["get"] == 1
+        # Once the load has ended nothing is joined: the worker reads memory or disk.
+        assert not f.join_now(obj, 0, BS, lambda *_: None)
+
+    rig.run(body)
+
+
+def test_a_join_never_starts_a_load_nor_joins_a_multi_block_object(
+        rig: Rig, mem: MemoryStore) -> None:
+    mem.put("small", payload(BS))
+    mem.put("big", payload(3 * BS, seed=2))
+    small, big = version(mem, "small"), version(mem, "big")
+    slow_gets(mem, 0.05)
+
+    async def body(f: Fetcher) -> None:
+        assert not f.join_now(small, 0, BS, lambda *_: None), "nothing under way: no join"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f.read, big, 0, 10)
+            await trio.sleep(0.01)
+            # (reads of a larger object go through the trio path: its sequential
+            # prefetcher must see them)
+            assert not f.join_now(big, 0, 10, lambda *_: None)
+        assert mem.calls["get"] == 1
+
+    rig.run(body)

@@ -251,3 +251,41 @@ def test_shuffled_readers_are_not_carried_into_the_next_directory() -> None:
         for i, (d, n) in enumerate(files):
             la.on_open(d, n, INO[n], reader=7000 + i % 8)
     assert len(f.prefetched) < 0.01 * 10 * len(files), len(f.prefetched)
+
+
+def test_opens_on_workers_do_not_wait_for_the_requests_of_issue() -> None:
+    """issue() (trio thread) walks the listing and starts loads without the walks' lock: an
+    open observed on a request worker meanwhile is recorded at once, and the files it
+    requested are accounted on the walk afterwards (none twice, the walk keeps going)."""
+    inside, release = threading.Event(), threading.Event()
+
+    class SlowPrefetcher(FakePrefetcher):
+        def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
+            inside.set()
+            assert release.wait(10), "the test's worker never ran"
+            return super().want_object(obj, policy)
+
+    f = SlowPrefetcher()
+    la = DirectoryLookahead(f, iter_after)  # type: ignore[arg-type]
+    due: list[tuple[str, int]] = []
+    i = 0
+    while not due:  # a reader walks in order until its walk is due to request files
+        due = la.observe(DIR, NAMES[i], INO[NAMES[i]])
+        i += 1
+    issuer = threading.Thread(target=la.issue, args=(due,))
+    issuer.start()
+    assert inside.wait(10)
+    observed = threading.Thread(target=la.observe, args=(DIR, NAMES[i], INO[NAMES[i]]))
+    observed.start()
+    observed.join(5)
+    blocked = observed.is_alive()
+    release.set()
+    issuer.join(10)
+    observed.join(10)
+    assert not blocked, "an open waited for issue() to finish its requests"
+    assert f.prefetched and len(set(f.prefetched)) == len(f.prefetched)
+    keys = [DIR + n.decode() for n in NAMES]
+    assert keys.index(f.prefetched[0]) == i  # requested from just after the walk
+    for j in range(i + 1, i + 40):  # the walk goes on in order and keeps requesting
+        la.on_open(DIR, NAMES[j], INO[NAMES[j]])
+    assert keys.index(f.prefetched[-1]) > i + 40

@@ -15,7 +15,12 @@ calls per request and no task switch. Handlers come from
   request goes to the operation's *async* handler, run as a task of this
   server's nursery on the trio thread, which writes the reply when it has it.
   The worker goes on with the next request meanwhile. Operations without an
-  inline handler (directories) always take that path.
+  inline handler (directories) always take that path;
+* a :class:`Deferred` may carry a ``join``: the worker first asks it to attach
+  the request to work already under way (a READ of a block being fetched joins
+  that fetch); the reply is then written on the trio thread when that work
+  ends, by a plain call (:meth:`RequestServer._joined`): no hand-over to the
+  trio thread and no task for the request itself.
 
 Per request the server counts ``cachefs_fuse_requests_total{op}`` and
 ``cachefs_fuse_request_duration_seconds{op}``; a handler's exception becomes
@@ -33,13 +38,16 @@ it before closing the index).
 Concurrency: workers share nothing but the handlers' objects (each handler
 documents what it touches); the trio side is reached only through
 :meth:`RequestServer.post` (thread-safe, in order, batched per wake-up of the
-trio thread) and the deferred path.
+trio thread), the deferred path and joins (whose answers are written on the
+trio thread, and dropped once :meth:`RequestServer.run` has ended: its
+descriptors may be closed by then).
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import os
 import threading
@@ -69,12 +77,27 @@ SPECIAL_OPS = {abi.FORGET: "forget", abi.BATCH_FORGET: "forget", abi.IOCTL: "ioc
                abi.INTERRUPT: "interrupt"}
 
 
-class Deferred(Exception):
-    """Raised by an inline handler: the request needs the trio thread (its async handler)."""
-
-
 #: A reply: bytes, or a sequence of buffers written as one message (no joining copy).
 Reply = bytes | Sequence[bytes | memoryview] | None
+
+
+_DEFERRED = metrics.FUSE_HANDED_OVER.labels("deferred")
+_JOINED = metrics.FUSE_HANDED_OVER.labels("joined")
+
+
+class Deferred(Exception):
+    """Raised by an inline handler: the request needs the trio thread (its async handler).
+
+    ``join``, when given, is tried first, on the worker: ``join(done)`` either arranges
+    for ``done(reply, None)`` or ``done(None, error)`` to be called once, on the trio
+    thread, and returns True (the request is answered then, without a task or a hand-over
+    of its own: a READ of a block being fetched waits for that fetch), or returns False
+    (nothing arranged: the async handler answers as usual)."""
+
+    def __init__(self, join: Callable[[Callable[[Reply, BaseException | None], None]], bool]
+                 | None = None) -> None:
+        super().__init__()
+        self.join = join
 
 
 class Request:
@@ -233,6 +256,7 @@ class RequestServer:
                     log.exception("a request's follow-up work failed")
 
     def _defer(self, req: Request, handler: AsyncHandler) -> None:
+        _DEFERRED.inc()
         if isinstance(req.body, memoryview):
             req.body = bytes(req.body)  # the worker's buffer is reused for the next request
         token = self._token
@@ -247,6 +271,31 @@ class RequestServer:
             _write(req.fd, req.unique, -errno.EIO, None)
             return
         self._nursery.start_soon(self._serve_deferred, req, handler)
+
+    def _join(self, req: Request, join: Callable[[Callable[[Reply, BaseException | None], None]],
+                                                 bool], stats: metrics.RequestShard) -> bool:
+        """Try ``join`` for ``req`` (worker thread); True when the request is taken care of."""
+        try:
+            if join(functools.partial(self._joined, req)):
+                _JOINED.inc()
+                return True
+            return False
+        except Exception as exc:  # a bug: this request fails, never the worker
+            self._reply_error(req, self._handlers.error_code(self._table[req.opcode][0], exc),
+                              stats)
+            return True
+
+    def _joined(self, req: Request, reply: Reply, error: BaseException | None) -> None:
+        """The answer to a request its handler joined to work under way (trio thread; see
+        :class:`Deferred`). Dropped once the server has stopped: the descriptors may be
+        closed, and their numbers given to other files."""
+        if self._nursery is None:
+            return
+        if error is not None:
+            name = self._table[req.opcode][0]
+            self._reply_error(req, self._handlers.error_code(name, error), self._trio_stats)
+        else:
+            self._reply(req, reply, self._trio_stats)
 
     async def _serve_deferred(self, req: Request, handler: AsyncHandler) -> None:
         name = self._table[req.opcode][0]
@@ -326,9 +375,10 @@ class RequestServer:
                         _write(fd, unique, -errno.EIO, None)
                         continue
                     reply = inline(req)
-                except Deferred:
+                except Deferred as wait:
                     assert deferred is not None
-                    self._defer(req, deferred)
+                    if wait.join is None or not self._join(req, wait.join, stats):
+                        self._defer(req, deferred)
                     continue
                 except Exception as exc:
                     self._reply_error(req, self._handlers.error_code(name, exc), stats)

@@ -43,11 +43,18 @@ Tasks and ownership:
   writes already running: a worker thread abandoned by a cancelled GET never
   writes to the cache once the daemon is closing it.
 * Everything here runs on the trio thread, except those writes (which touch
-  only the disk tier, the gate and their own block); ``_flights`` and the
-  memory tier are only touched on the trio thread. No LMDB transaction is
-  held across an ``await`` here or below (the disk tier looks blocks up in
-  synchronous helpers), so a load waiting for a disk thread holds no index
-  reader slot.
+  only the disk tier, the gate and their own block), :meth:`Fetcher.read_now`
+  and :meth:`Fetcher.join_now` (FUSE request workers); ``_flights`` is only
+  changed on the trio thread (the workers read it: one dictionary lookup).
+  A flight's ``joined`` list (readers joined from workers) is changed only
+  under ``_join_lock``: a worker appends to it while the load runs, and the
+  trio thread takes it (leaving None) right after the load's bytes or error
+  are there, then answers each joined reader; so a reader is answered exactly
+  once, either by the load it joined or -- when it came too late -- by its own
+  read of the memory tier or the trio path. A join never starts a load.
+  No LMDB transaction is held across an ``await`` here or below (the disk tier
+  looks blocks up in synchronous helpers), so a load waiting for a disk thread
+  holds no index reader slot.
 
 Invariant: a block id names one object version (key, ETag), so bytes of two
 versions are never mixed; a version that changed on S3 raises ObjectChanged.
@@ -151,13 +158,21 @@ class _SinkGate:
         return self._idle.wait(timeout)
 
 
+#: Called on the trio thread with (bytes, None) or (None, error): a reader joined to a load.
+Joined = Callable[[bytes | None, BaseException | None], None]
+
+
 class _Flight:
     """One load of one block, shared by everyone who wants it while it runs."""
 
-    __slots__ = ("data", "disk_ahead", "error", "event", "not_on_disk", "prefetch", "settled",
-                 "source")
+    __slots__ = ("data", "disk_ahead", "error", "event", "fetched", "joined", "not_on_disk",
+                 "prefetch", "settled", "source")
 
     def __init__(self, prefetch: bool) -> None:
+        # Readers joined from request workers (Fetcher.join_now), told when ``event`` is
+        # set; None from then on. Changed only under Fetcher._join_lock.
+        self.joined: list[Joined] | None = []
+        self.fetched: Callable[[bytes], None] | None = None  # told the bid when event is set
         self.disk_ahead = False  # a speculative load of a block on local disk
         self.not_on_disk = False  # its starter just found it not on local disk
         self.source = "disk"
@@ -192,6 +207,7 @@ class Fetcher:
         self._idle = trio.Event()
         self._idle.set()
         self._sinks = _SinkGate()
+        self._join_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -330,6 +346,58 @@ class Fetcher:
             parts.append(data if lo == 0 and hi == len(data) else data[lo:hi])
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def join_now(self, obj: ObjectVersion, offset: int, size: int, done: Joined) -> bool:
+        """Join the load under way of the one block of a one-block object: when
+        ``[offset, offset+size)`` of ``obj`` (which must not be empty) lies in a block
+        whose load is fetching now, arrange for ``done(bytes, None)`` or
+        ``done(None, error)`` to be called once, on the trio thread, when the load has
+        its bytes or its error, and return True; else return False (nothing arranged:
+        ask :meth:`read_now` or :meth:`read`). Never starts a load (single flight) and
+        never waits. Any thread: a FUSE request worker answers a READ of a block being
+        fetched this way, without handing it to the trio thread (see ``_join_lock``)."""
+        if obj.size > self.block_size or offset >= obj.size:
+            return False  # (more than one block: the sequential prefetcher must see reads)
+        bid = block_id_at(self.object_id(obj), 0)
+        flight = self._flights.get(bid)  # (one dictionary read: atomic under the GIL)
+        if flight is None:
+            return False
+        end = min(offset + size, obj.size)
+
+        def answer(data: bytes | None, error: BaseException | None) -> None:  # trio thread
+            metrics.SINGLE_FLIGHT_JOINS.inc()
+            if data is None:
+                done(None, error)
+                return
+            n = end - offset
+            source = flight.source
+            if source in ("memory", "disk"):
+                metrics.CACHE_HIT_REQUESTS.inc()
+                metrics.CACHE_HIT_BYTES.inc(n)
+            else:
+                metrics.CACHE_MISS_REQUESTS.inc()
+                metrics.CACHE_MISS_BYTES.inc(n)
+            (_TIER_READ_BYTES.get(source) or metrics.TIER_READ_BYTES.labels(source)).inc(n)
+            done(data if offset == 0 and end == len(data) else data[offset:end], None)
+
+        with self._join_lock:
+            if flight.joined is None:
+                return False  # ended meanwhile: its bytes are in memory (or it failed)
+            flight.joined.append(answer)
+        if self._notes is not None:
+            self._notes.note_read(bid)
+        return True
+
+    def _tell_joined(self, flight: _Flight) -> None:
+        """The load has its bytes or its error: answer the readers joined to it (trio
+        thread; after ``flight.event`` is set)."""
+        with self._join_lock:
+            joined, flight.joined = flight.joined, None
+        for answer in joined or ():
+            try:
+                answer(flight.data, flight.error)
+            except Exception:  # a reader's answer must not end the load (nor the fetcher)
+                log.exception("answering a read joined to a fetch failed")
+
     async def _block_for_read(self, obj: ObjectVersion, index: int, n: int) -> bytes:
         data, source = await self.get_block(obj, index)
         if source in ("memory", "disk"):
@@ -369,8 +437,11 @@ class Fetcher:
         return flight.data, flight.source
 
     # -- loads started ahead of readers (by cachefs.read.prefetcher) --------------------------
-    def load_ahead(self, obj: ObjectVersion, index: int, bid: bytes, *, reserved: int) -> None:
+    def load_ahead(self, obj: ObjectVersion, index: int, bid: bytes, *, reserved: int,
+                   fetched: Callable[[bytes], None] | None = None) -> None:
         """Start a speculative load of a block that is neither in memory nor in flight.
+        ``fetched(bid)`` is called (trio thread) once the load has its bytes or error
+        (the moment :meth:`is_fetching` turns False), if the load is started.
         ``reserved`` bytes of the memory budget are handed to the load (it releases them).
         A load of a block on local disk (``reserved`` 0) is skipped when
         :attr:`max_disk_ahead` such loads are in flight. ``reserved`` > 0 states that the
@@ -381,9 +452,12 @@ class Fetcher:
             if self._disk_ahead >= self.max_disk_ahead:
                 return
             self._disk_ahead += 1
-            self._start_load(obj, index, bid, prefetch=True, reserved=0).disk_ahead = True
-            return
-        self._start_load(obj, index, bid, prefetch=True, reserved=reserved).not_on_disk = True
+            flight = self._start_load(obj, index, bid, prefetch=True, reserved=0)
+            flight.disk_ahead = True
+        else:
+            flight = self._start_load(obj, index, bid, prefetch=True, reserved=reserved)
+            flight.not_on_disk = True
+        flight.fetched = fetched
 
     async def wait_loaded(self, bid: bytes) -> bool:
         """Wait until the load of ``bid`` in flight (if any) has ended, written back to
@@ -456,6 +530,12 @@ class Fetcher:
                     del self._flights[bid]
                     flight.settled.set()
                 flight.event.set()
+                self._tell_joined(flight)
+                if flight.fetched is not None:
+                    try:
+                        flight.fetched(bid)
+                    except Exception:  # (a policy's bug must not end the load)
+                        log.exception("telling a prefetch policy that a load ended failed")
             if write_back:
                 # The flight stays registered until the block is on disk: evicted from
                 # memory meanwhile, it must still not be fetched a second time.

@@ -15,9 +15,10 @@ data ahead of the cursor is requested, at most ``window`` blocks are being
 fetched at once (enough for the link's bandwidth-delay product; more would only
 queue for S3 connections, each queued load costing the trio thread its task
 and timers), and each block needs room in the fetcher's memory budget
-(``Prefetcher.want`` never waits; when it refuses, or the window is full, the
-loop sleeps until the next open or a short tick). Prefetched blocks land in the
-disk cache, so a reader that arrives later finds them there.
+(``Prefetcher.want`` never waits; when it refuses, the loop sleeps until a short
+tick; when the window is full, until one of its loads lands; see below).
+Prefetched blocks land in the disk cache, so a reader that arrives later finds
+them there.
 
 Resolving a hinted key needs its directory's listing. The directories of the
 next ``PREPARE_AHEAD`` windows of keys are asked for ahead (``prepare``, which
@@ -25,14 +26,27 @@ starts a listing without waiting for it), so that a fresh mount lists the
 directories of an epoch's first files at once instead of one round trip after
 another.
 
+The cursor is moved by the opens themselves, on the FUSE request workers
+(:meth:`ReadOrder.opened`); the loop is woken for an open only while it waits
+for readers (the byte bound is reached). While it waits for loads to end (the
+window is full, the usual state of a cold pass) the end of each hinted load
+wakes it (:meth:`Prefetcher.on_fetched`, on the trio thread, which is awake
+then anyway): an open per file handed to the trio thread cost it a wake-up per
+file (~50 us of CPU each) for a loop that had nothing to start.
+
 Concurrency: one task (:meth:`ReadOrder.run`) owned by the daemon's nursery
-does all the work; :meth:`set_order` and :meth:`on_open` only update state
-and wake it (trio thread only); :meth:`moves` only reads (any thread).
+does all the work; :meth:`set_order`, :meth:`on_open` and :meth:`wake` only
+update state and wake it (trio thread only). :meth:`opened` (any thread) moves
+the cursor under ``_cursor_lock``, which :meth:`set_order` also takes to
+replace the order (a worker never moves the cursor of a new order by a
+position in the old one); the loop reads the cursor without it (one int).
+:meth:`hinted` only reads (any thread).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
@@ -55,7 +69,7 @@ def metadata_resolver(metadata: Metadata) -> Resolver:
         return None if entry is None else ObjectVersion(key, entry.etag, entry.size)
     return resolve
 
-TICK = 0.02  # seconds between top-ups while the window or the budget is full
+TICK = 0.02  # seconds between top-ups while the budget is full (or readers lag)
 PREPARE_AHEAD = 4  # windows of keys whose directories are asked to be listed ahead
 
 
@@ -75,17 +89,23 @@ class ReadOrder:
         self._cursor = -1  # index of the furthest hinted file opened
         self._next = 0  # next file to prefetch
         self._wake = trio.Event()
+        self._cursor_lock = threading.Lock()
+        self._waits_for_readers = False  # the loop stopped at the byte bound
+        prefetcher.on_fetched(HINT, self.wake)  # a slot of the window is free
         self.generation = 0
 
     # -- inputs (trio thread) ---------------------------------------------------------
     def set_order(self, keys: Sequence[str]) -> int:
         """Replace the expected read order (object keys). Returns how many were taken."""
-        self._order = list(keys)
-        self._position = {}
-        for i, key in enumerate(self._order):
-            self._position.setdefault(key, i)
+        order = list(keys)
+        position: dict[str, int] = {}
+        for i, key in enumerate(order):
+            position.setdefault(key, i)
+        with self._cursor_lock:
+            self._order = order
+            self._position = position
+            self._cursor = -1
         self._cum = [0]
-        self._cursor = -1
         self._next = 0
         self._prepared_until = 0
         self._prepared = set()
@@ -93,11 +113,23 @@ class ReadOrder:
         self._wake.set()
         return len(self._order)
 
-    def moves(self, key: str) -> bool:
-        """Whether an open of ``key`` would move the cursor (any thread: a dictionary
-        lookup; the FUSE workers ask before handing the open to :meth:`on_open`)."""
+    def opened(self, key: str) -> bool:
+        """A reader opened ``key``: move the cursor if it is further along the order (any
+        thread). Returns whether the loop waits for readers and must be woken
+        (:meth:`wake`, on the trio thread)."""
         pos = self._position.get(key)
-        return pos is not None and pos > self._cursor
+        if pos is None or pos <= self._cursor:
+            return False
+        with self._cursor_lock:
+            pos = self._position.get(key)  # (the order may have been replaced)
+            if pos is None or pos <= self._cursor:
+                return False
+            self._cursor = pos
+        return self._waits_for_readers
+
+    def wake(self) -> None:
+        """Wake the loop (trio thread)."""
+        self._wake.set()
 
     def hinted(self, key: str) -> bool:
         """Whether ``key`` is in the current order (any thread: a dictionary lookup)."""
@@ -109,10 +141,10 @@ class ReadOrder:
         return self._cursor < len(self._order) - 1
 
     def on_open(self, key: str) -> None:
-        """A reader opened ``key``: move the cursor if it is further along the order."""
-        pos = self._position.get(key)
-        if pos is not None and pos > self._cursor:
-            self._cursor = pos
+        """:meth:`opened`, waking the loop whenever the cursor moved (trio thread)."""
+        cursor = self._cursor
+        self.opened(key)
+        if self._cursor != cursor:
             self._wake.set()
 
     @property
@@ -139,6 +171,7 @@ class ReadOrder:
 
     async def _top_up(self) -> None:
         generation = self.generation
+        self._waits_for_readers = False
         while self._next < len(self._order) and generation == self.generation:
             if self._next <= self._cursor:
                 # Readers overtook the prefetcher: skip what they already opened.
@@ -146,9 +179,11 @@ class ReadOrder:
                     self._cum.append(self._cum[-1])
                 self._next = self._cursor + 1
                 continue
-            if (self._bytes_ahead() >= self.lookahead_bytes
-                    or self._prefetcher.loading(HINT) >= self.window):
+            if self._bytes_ahead() >= self.lookahead_bytes:
+                self._waits_for_readers = True  # (an open that moves the cursor wakes it)
                 return
+            if self._prefetcher.loading(HINT) >= self.window:
+                return  # (the end of one of them wakes the loop: Prefetcher.on_fetched)
             if self._prepare is not None and self._next >= self._prepared_until:
                 self._prepare_dirs()
             key = self._order[self._next]

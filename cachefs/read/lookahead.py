@@ -48,6 +48,13 @@ workers (any thread) and only updates walks, under ``_lock``; when a walk is
 due to request files it returns it, and :meth:`DirectoryLookahead.issue` (trio
 thread: it starts fetches through ``Prefetcher.want``, which never waits) does
 the requesting. :meth:`on_open` does both, for callers on the trio thread.
+``issue`` holds ``_lock`` only to read a walk's position and to record what it
+requested: the listing walk and the loads it starts (up to a quarter of a
+window of files) run without it, so an open on a worker never waits for them.
+Only ``issue`` (one thread, never re-entered) requests files, so a walk's
+requests never overlap; readers moving the walk meanwhile are accounted for when
+the result is recorded (:func:`_advance`). The flags ``asked_next`` and
+``carried`` are written only by ``issue``.
 """
 
 from __future__ import annotations
@@ -222,59 +229,66 @@ class DirectoryLookahead:
                 want = self._wanted(key, walk)
                 if want <= 0 or walk.issued_until is None:
                     continue
-                prefix = key[0]
-                n = 0 if walk.end else self._request(prefix, walk, walk.issued_until, want)
-                issued += n
-                if self._next_dir is None:
-                    walk.carried = walk.end
-                elif not walk.asked_next or walk.end:
-                    walk.asked_next = True
-                    nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
-                    if walk.end:
-                        if nxt is None:
-                            walk.carried = True  # the parent's last directory
-                        elif n < want and self._carry(nxt, want - n, walk):
-                            walk.carried = True
-                        # (else its listing is not here yet: tried again at the next open)
+                after, end = walk.issued_until, walk.end
+            # The listing walk and the loads it starts run without the lock: the workers'
+            # observe() must not wait for them (see the module docstring).
+            prefix = key[0]
+            n = 0
+            if not end:
+                picked, end = self._request(prefix, after, want)
+                n = len(picked)
+                with self._lock:
+                    _advance(walk, picked, end)
+            issued += n
+            if self._next_dir is None:
+                walk.carried = end
+            elif not walk.asked_next or end:
+                walk.asked_next = True
+                nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
+                if end:
+                    if nxt is None:
+                        walk.carried = True  # the parent's last directory
+                    elif n < want and self._carry(nxt, want - n, walk):
+                        walk.carried = True
+                    # (else its listing is not here yet: tried again at the next open)
         return issued
 
-    def _request(self, prefix: str, walk: _Walk, after: bytes, want: int) -> int:
-        """Request up to ``want`` files of ``prefix`` after name ``after`` for ``walk``
-        (under ``_lock``); sets ``walk.end`` when the directory's last file is among
-        them. Returns how many were requested."""
+    def _request(self, prefix: str, after: bytes,
+                 want: int) -> tuple[list[tuple[bytes, int]], bool]:
+        """Request up to ``want`` files of ``prefix`` after name ``after`` (without the
+        lock). Returns the (name, inode) of each file requested, in order, and whether the
+        directory's last file is among them."""
         entries = self._iter_after(prefix, after)
-        n = 0
+        picked: list[tuple[bytes, int]] = []
+        end = True  # unless the loop stops before the last entry
         try:
-            walk.end = True  # unless the loop stops before the last entry
             for entry in entries:
                 if entry.is_dir:
                     continue
-                if n >= want:
-                    walk.end = False
+                if len(picked) >= want:
+                    end = False
                     break
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
                 if self._prefetcher.want_object(obj, DIRECTORY) is None:
-                    walk.end = False
+                    end = False
                     break  # memory budget full
-                walk.issued_until, walk.issued_ino = entry.name, entry.ino
-                walk.ahead += 1
-                n += 1
+                picked.append((entry.name, entry.ino))
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
-        return n
+        return picked, end
 
     def _carry(self, prefix: str, want: int, prev: _Walk) -> int:
         """A walk in order ended its directory: request ``want`` files of the next
         directory ``prefix`` and give it a trusted shared walk positioned before its
-        first file (under ``_lock``). Nothing when it is not listed yet or already has
-        a walk."""
+        first file. Nothing when it is not listed yet or already has a walk."""
         key = (prefix, 0)
-        if key in self._walks:
-            prev.carried = True
-            return 0  # its readers are there already (or it was carried into before)
+        with self._lock:
+            if key in self._walks:
+                prev.carried = True
+                return 0  # its readers are there already (or it was carried into before)
         entries = self._iter_after(prefix, b"")
         try:
             first = next((e for e in entries if not e.is_dir), None)
@@ -288,14 +302,30 @@ class DirectoryLookahead:
         walk.opened = _MASK  # trusted: as if the positions before its first file were read
         walk.lo = walk.hi - SPAN + 1
         walk.issued_until, walk.issued_ino = b"", walk.hi
-        n = self._request(prefix, walk, b"", want)
-        if n:
-            self._walks[key] = walk
-            if len(self._walks) > self.max_walks:
-                self._walks.pop(next(iter(self._walks)))
-        return n
+        picked, end = self._request(prefix, b"", want)
+        if picked:
+            with self._lock:
+                _advance(walk, picked, end)
+                # A reader that opened a file there meanwhile has started the directory's
+                # own walk: it is kept (the files are requested all the same).
+                if key not in self._walks:
+                    self._walks[key] = walk
+                    if len(self._walks) > self.max_walks:
+                        self._walks.pop(next(iter(self._walks)))
+        return len(picked)
 
     def on_open(self, prefix: str, name: bytes, ino: int, reader: int = 0) -> int:
         """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
         due = self.observe(prefix, name, ino, reader)
         return self.issue(due) if due else 0
+
+
+def _advance(walk: _Walk, picked: list[tuple[bytes, int]], end: bool) -> None:
+    """Record on ``walk`` the files :meth:`DirectoryLookahead._request` requested for it
+    (under the lock). Its readers may have moved on while they were requested (observe()
+    runs meanwhile): files they already passed are not counted ahead, and a walk whose
+    readers passed every one of them keeps its own position."""
+    if picked and picked[-1][1] > walk.issued_ino:
+        walk.issued_until, walk.issued_ino = picked[-1]
+        walk.ahead += sum(1 for _, ino in picked if ino > walk.hi)
+    walk.end = end
