@@ -412,7 +412,9 @@ class FastCounter:
 
     @property
     def value(self) -> int:
-        return int(self._it.__reduce__()[1][0])  # the next value next() would return
+        # repr is "count(N)", N the value next() would return (``__reduce__`` would
+        # say the same but is deprecated from Python 3.12).
+        return int(repr(self._it)[6:-1])
 
 
 class _FastCounters:
