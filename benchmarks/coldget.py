@@ -1,0 +1,172 @@
+"""CPU per cold small file in the S3 worker threads: GET, whole-object check, cache write.
+
+What one of cachefs's S3 worker threads does for a cold single-block file
+(cachefs/s3/origin.py ``Origin.get(sink=...)``): a signed whole-object GET on a
+kept-alive connection (:class:`cachefs.s3.ranges.RangeClient`), the check
+against the ETag's MD5 or a stated checksum (:func:`cachefs.s3.integrity.check_whole`)
+and the write to the disk cache (:meth:`cachefs.cache.blocks.BlockCache.put_now`:
+object file + LMDB index entry). ``--threads`` threads do this for
+``--files`` objects of 80-140 KB on a SeaweedFS server, optionally through
+the WAN emulator (``--rtt-ms``; a separate process, so the CPU measured is the
+client's alone). Run::
+
+    python -m benchmarks.coldget [--files 1200] [--threads 32] [--rtt-ms 70] [--rounds 3]
+
+It prints, per file: this process's CPU (user + system, from getrusage), the
+threads' CPU in each phase (thread CPU clocks), recv calls and their bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import random
+import resource
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.origin import ACCESS_KEY, REGION, SECRET_KEY, SeaweedOrigin
+
+BUCKET = "coldget"
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class _Counting:
+    """Counts socket.recv_into/recv calls (wraps the methods for the run)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def install(self) -> Any:
+        orig_into = socket.socket.recv_into
+        counter = self
+
+        def recv_into(sock: socket.socket, *args: Any, **kw: Any) -> int:
+            counter.calls += 1  # racy +=, close enough for a count
+            return orig_into(sock, *args, **kw)
+
+        socket.socket.recv_into = recv_into  # type: ignore[method-assign]
+        return orig_into
+
+
+def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
+        count_recv: bool) -> dict[str, float]:
+    import botocore.credentials
+
+    from cachefs.cache.blocks import BlockCache, block_id
+    from cachefs.cache.lmdbenv import LmdbEnv
+    from cachefs.s3 import integrity
+    from cachefs.s3.ranges import RangeClient
+    from cachefs.s3.store import Exchange
+
+    client = RangeClient(BUCKET, endpoint_url=endpoint, region=REGION,
+                         credentials=botocore.credentials.Credentials(ACCESS_KEY, SECRET_KEY),
+                         anonymous=False, max_connections=threads, connect_timeout=5,
+                         read_timeout=30)
+    env = LmdbEnv(root / "index")
+    cache = BlockCache(env, root / "cache", capacity=1 << 40, policy="keep")
+    work: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+    phases = {"get": 0.0, "check": 0.0, "write": 0.0}
+    lock = threading.Lock()
+    counter = _Counting()
+    orig = counter.install() if count_recv else None
+
+    def worker() -> None:
+        mine = {"get": 0.0, "check": 0.0, "write": 0.0}
+        while (item := work.get()) is not None:
+            key, etag = item
+            t0 = time.thread_time()
+            body = client.get(key, etag, 0, sizes[key], whole=True, exchange=Exchange(30))
+            t1 = time.thread_time()
+            integrity.check_whole(body.data, where=key, stated=body.checksum, etag=etag,
+                                  etag_md5=body.etag_md5)
+            t2 = time.thread_time()
+            cache.put_now(block_id(BUCKET, key, etag, 1 << 20, 0), body.data)
+            t3 = time.thread_time()
+            mine["get"] += t1 - t0
+            mine["check"] += t2 - t1
+            mine["write"] += t3 - t2
+        with lock:
+            for k, v in mine.items():
+                phases[k] += v
+
+    # warm the connections (not measured)
+    for key, etag in keys[:threads]:
+        client.get(key, etag, 0, sizes[key], whole=True)
+    counter.calls = 0
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    c0, w0 = _cpu(), time.monotonic()
+    for t in pool:
+        t.start()
+    for item in keys:
+        work.put(item)
+    for _ in pool:
+        work.put(None)
+    for t in pool:
+        t.join()
+    cpu, wall = _cpu() - c0, time.monotonic() - w0
+    if orig is not None:
+        socket.socket.recv_into = orig  # type: ignore[method-assign]
+    env.close()
+    n = len(keys)
+    out = {"cpu_us": cpu / n * 1e6, "files_s": n / wall, "recv": counter.calls / n}
+    out.update({f"{k}_us": v / n * 1e6 for k, v in phases.items()})
+    return out
+
+
+sizes: dict[str, int] = {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=1200)
+    parser.add_argument("--threads", type=int, default=32)
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="0: no WAN emulator")
+    parser.add_argument("--bandwidth-MBps", type=float, default=48.0)
+    parser.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--count-recv", action="store_true",
+                        help="count recv_into calls (adds a little CPU)")
+    args = parser.parse_args()
+    rng = random.Random(1)
+    with tempfile.TemporaryDirectory() as tmp, SeaweedOrigin(Path(tmp) / "weed",
+                                                            bucket=BUCKET) as origin:
+        s3 = origin.client()
+        keys = []
+        for i in range(args.files):
+            key = f"f/{i:05d}.jpg"
+            n = rng.randint(80_000, 140_000)
+            s3.put_object(Bucket=BUCKET, Key=key, Body=os.urandom(n))
+            sizes[key] = n
+            keys.append((key, s3.head_object(Bucket=BUCKET, Key=key)["ETag"].strip('"')))
+        link = None
+        endpoint = origin.endpoint
+        if args.rtt_ms:
+            from benchmarks.wan import WanLink
+            link = WanLink(origin.s3_port, args.rtt_ms, args.bandwidth_MBps,
+                           args.conn_bandwidth_MBps).start()
+            endpoint = link.endpoint
+        try:
+            for r in range(args.rounds):
+                root = Path(tmp) / f"round{r}"
+                root.mkdir()
+                out = run(endpoint, keys, args.threads, root, args.count_recv)
+                print(f"round {r}: " + "  ".join(f"{k} {v:.1f}" for k, v in out.items()),
+                      flush=True)
+        finally:
+            if link is not None:
+                link.stop()
+
+
+if __name__ == "__main__":
+    main()
