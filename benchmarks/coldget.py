@@ -11,19 +11,25 @@ the WAN emulator (``--rtt-ms``; a separate process, so the CPU measured is the
 client's alone). Run::
 
     python -m benchmarks.coldget [--files 1200] [--threads 32] [--rtt-ms 70] [--rounds 3]
+    python -m benchmarks.coldget --compare OTHER_CHECKOUT,. ...   # interleaved rounds
 
-It prints, per file: this process's CPU (user + system, from getrusage), the
-threads' CPU in each phase (thread CPU clocks), recv calls and their bytes.
+It prints, per file: this process's CPU (user + system, from getrusage), files/s,
+recv calls (``--count-recv``), and the threads' CPU in each phase (thread CPU
+clocks): the GET, the check, the cache write, and the write's parts: the object
+file (create, write, close) and the index entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import random
 import resource
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -41,22 +47,26 @@ def _cpu() -> float:
 
 
 class _Counting:
-    """Counts socket.recv_into/recv calls (wraps the methods for the run)."""
+    """Counts socket.recv and socket.recv_into calls (wraps the methods for the run)."""
 
     def __init__(self) -> None:
         self.calls = 0
-        self.lock = threading.Lock()
+        self.saved: dict[str, Any] = {}
 
-    def install(self) -> Any:
-        orig_into = socket.socket.recv_into
+    def install(self) -> None:
         counter = self
+        for name in ("recv", "recv_into"):
+            orig = self.saved[name] = getattr(socket.socket, name)
 
-        def recv_into(sock: socket.socket, *args: Any, **kw: Any) -> int:
-            counter.calls += 1  # racy +=, close enough for a count
-            return orig_into(sock, *args, **kw)
+            def counted(sock: socket.socket, *args: Any, _orig: Any = orig, **kw: Any) -> Any:
+                counter.calls += 1  # a racy +=, close enough for a count
+                return _orig(sock, *args, **kw)
 
-        socket.socket.recv_into = recv_into  # type: ignore[method-assign]
-        return orig_into
+            setattr(socket.socket, name, counted)
+
+    def remove(self) -> None:
+        for name, orig in self.saved.items():
+            setattr(socket.socket, name, orig)
 
 
 def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
@@ -76,13 +86,28 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
     env = LmdbEnv(root / "index")
     cache = BlockCache(env, root / "cache", capacity=1 << 40, policy="keep")
     work: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
-    phases = {"get": 0.0, "check": 0.0, "write": 0.0}
+    phases = {"get": 0.0, "check": 0.0, "write": 0.0, "file": 0.0, "index": 0.0}
     lock = threading.Lock()
+    local = threading.local()
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                local.mine[name] += time.thread_time() - t0
+        return call
+
+    # the write's two parts: the object file (create, write, close) and the index entry
+    cache.files.write_at = timed("file", cache.files.write_at)  # type: ignore[method-assign]
+    cache.index.put = timed("index", cache.index.put)  # type: ignore[method-assign]
     counter = _Counting()
-    orig = counter.install() if count_recv else None
+    if count_recv:
+        counter.install()
 
     def worker() -> None:
-        mine = {"get": 0.0, "check": 0.0, "write": 0.0}
+        mine = local.mine = dict.fromkeys(phases, 0.0)
         while (item := work.get()) is not None:
             key, etag = item
             t0 = time.thread_time()
@@ -100,9 +125,13 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
             for k, v in mine.items():
                 phases[k] += v
 
-    # warm the connections (not measured)
-    for key, etag in keys[:threads]:
-        client.get(key, etag, 0, sizes[key], whole=True)
+    # open the connections first (not measured)
+    warm = [threading.Thread(target=client.get, args=(key, etag, 0, sizes[key]),
+                             kwargs={"whole": True}) for key, etag in keys[:threads]]
+    for t in warm:
+        t.start()
+    for t in warm:
+        t.join()
     counter.calls = 0
     pool = [threading.Thread(target=worker) for _ in range(threads)]
     c0, w0 = _cpu(), time.monotonic()
@@ -115,8 +144,7 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
     for t in pool:
         t.join()
     cpu, wall = _cpu() - c0, time.monotonic() - w0
-    if orig is not None:
-        socket.socket.recv_into = orig  # type: ignore[method-assign]
+    counter.remove()
     env.close()
     n = len(keys)
     out = {"cpu_us": cpu / n * 1e6, "files_s": n / wall, "recv": counter.calls / n}
@@ -125,6 +153,14 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
 
 
 sizes: dict[str, int] = {}
+
+
+def _client_rounds(args: argparse.Namespace, endpoint: str, keys: list[tuple[str, str]],
+                   tmp: str) -> None:
+    for r in range(args.rounds):
+        root = Path(tempfile.mkdtemp(dir=tmp, prefix=f"round{r}-"))
+        out = run(endpoint, keys, args.threads, root, args.count_recv)
+        print(f"round {r}: " + "  ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
 
 
 def main() -> None:
@@ -136,8 +172,18 @@ def main() -> None:
     parser.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count-recv", action="store_true",
-                        help="count recv_into calls (adds a little CPU)")
+                        help="count recv calls (adds a little CPU)")
+    parser.add_argument("--compare", metavar="DIR,DIR",
+                        help="interleave runs of the cachefs checkouts in these directories "
+                             "(each a repository root), one round each in turn")
+    parser.add_argument("--client", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client:  # one checkout's rounds against a running origin (--compare)
+        spec = json.loads(Path(args.client).read_text())
+        sizes.update(spec["sizes"])
+        _client_rounds(args, spec["endpoint"], [tuple(k) for k in spec["keys"]],
+                       spec["tmp"])
+        return
     rng = random.Random(1)
     with tempfile.TemporaryDirectory() as tmp, SeaweedOrigin(Path(tmp) / "weed",
                                                             bucket=BUCKET) as origin:
@@ -157,12 +203,23 @@ def main() -> None:
                            args.conn_bandwidth_MBps).start()
             endpoint = link.endpoint
         try:
-            for r in range(args.rounds):
-                root = Path(tmp) / f"round{r}"
-                root.mkdir()
-                out = run(endpoint, keys, args.threads, root, args.count_recv)
-                print(f"round {r}: " + "  ".join(f"{k} {v:.1f}" for k, v in out.items()),
-                      flush=True)
+            if not args.compare:
+                _client_rounds(args, endpoint, keys, tmp)
+                return
+            spec = Path(tmp) / "spec.json"
+            spec.write_text(json.dumps({"endpoint": endpoint, "keys": keys, "sizes": sizes,
+                                        "tmp": tmp}))
+            dirs = args.compare.split(",")
+            for _ in range(args.rounds):
+                for d in dirs:
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--client", str(spec),
+                           "--rounds", "1", "--threads", str(args.threads)]
+                    if args.count_recv:
+                        cmd.append("--count-recv")
+                    env = dict(os.environ, PYTHONPATH=str(Path(d).resolve()))
+                    out = subprocess.run(cmd, env=env, cwd=d, capture_output=True, text=True)
+                    line = (out.stdout.strip().splitlines() or [out.stderr[-300:]])[-1]
+                    print(f"{d}: {line.replace('round 0: ', '')}", flush=True)
         finally:
             if link is not None:
                 link.stop()

@@ -51,7 +51,8 @@ from cachefs.errors import StoreError
 
 _MAX_LINE = 65536
 _MAX_HEADERS = 100
-_HEAD_READ = 16384  # one recv() for the status line and headers (S3's are < 1 KiB)
+_HEAD_READ = 16384
+_LOWAT_MIN = 16384  # bodies shorter than this are not worth two setsockopt() calls  # one recv() for the status line and headers (S3's are < 1 KiB)
 #: Longest single wait of a blocking recv() on a plain socket, in seconds: progress
 #: reports of a slow body are at most this old, and the idle timeout may overrun by it.
 SLICE = 0.25
@@ -162,12 +163,19 @@ class SocketReader:
         parts = [buf[pos:]] if have else []
         self._buf, self._pos = b"", 0
         need = n - have
-        while need:
-            data = self._recv(need, self._flags)
-            if not data:
-                break  # the stream ended: a short read, for the caller to judge
-            parts.append(data)
-            need -= len(data)
+        lowat = self._plain and need > _LOWAT_MIN
+        if lowat:  # no wake-up per segment (see the module doc)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, need)
+        try:
+            while need:
+                data = self._recv(need, self._flags)
+                if not data:
+                    break  # the stream ended: a short read, for the caller to judge
+                parts.append(data)
+                need -= len(data)
+        finally:
+            if lowat:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
