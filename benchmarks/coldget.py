@@ -14,7 +14,7 @@ client's alone). Run::
     python -m benchmarks.coldget --compare OTHER_CHECKOUT,. ...   # interleaved rounds
 
 It prints, per file: this process's CPU (user + system, from getrusage), files/s,
-recv calls (``--count-recv``), and the threads' CPU in each phase (thread CPU
+recv calls (``--count-recv``), page faults, context switches, and the threads' CPU in each phase (thread CPU
 clocks): the GET, the check, the cache write, and the write's parts: the object
 file (create, write, close) and the index entry.
 """
@@ -44,6 +44,12 @@ BUCKET = "coldget"
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _counts() -> tuple[int, int]:
+    """(page faults, context switches) of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt + r.ru_majflt, r.ru_nvcsw + r.ru_nivcsw
 
 
 class _Counting:
@@ -134,7 +140,7 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
         t.join()
     counter.calls = 0
     pool = [threading.Thread(target=worker) for _ in range(threads)]
-    c0, w0 = _cpu(), time.monotonic()
+    c0, w0, n0 = _cpu(), time.monotonic(), _counts()
     for t in pool:
         t.start()
     for item in keys:
@@ -143,11 +149,12 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
         work.put(None)
     for t in pool:
         t.join()
-    cpu, wall = _cpu() - c0, time.monotonic() - w0
+    cpu, wall, n1 = _cpu() - c0, time.monotonic() - w0, _counts()
     counter.remove()
     env.close()
     n = len(keys)
-    out = {"cpu_us": cpu / n * 1e6, "files_s": n / wall, "recv": counter.calls / n}
+    out = {"cpu_us": cpu / n * 1e6, "files_s": n / wall, "recv": counter.calls / n,
+           "faults": (n1[0] - n0[0]) / n, "switches": (n1[1] - n0[1]) / n}
     out.update({f"{k}_us": v / n * 1e6 for k, v in phases.items()})
     return out
 
