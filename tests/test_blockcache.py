@@ -127,6 +127,22 @@ def test_put_get_round_trip(make_cache) -> None:  # type: ignore[no-untyped-def]
     assert c.cache.used == BLOCK + 10 and c.cache.block_count == 2
 
 
+def test_put_now_of_a_block_stored_meanwhile_keeps_it(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """put_now does not ask the index first (its caller just found the block missing): the
+    second answer of a hedged GET stores the same bytes again, and nothing changes."""
+    c = make_cache()
+    reads = metrics.LMDB_TRANSACTIONS.counters["read"]
+    before = reads.value
+    assert c.cache.put_now(bid(0), data(0))
+    assert reads.value == before  # no read transaction of its own
+    assert c.cache.put_now(bid(0), data(0))  # stored meanwhile: admitted, counted once
+    assert c.cache.used == BLOCK and c.cache.block_count == 1
+    assert c.get(bid(0)) == data(0) and c.stored(bid(0)) == data(0)
+    full = make_cache(capacity=BLOCK)  # keep policy, full: a block stored already stays
+    assert full.cache.put_now(bid(0), data(0)) and full.cache.put_now(bid(0), data(0))
+    assert full.get(bid(0)) == data(0) and full.cache.used == BLOCK
+
+
 def test_flipped_byte_is_detected_counted_and_dropped(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     assert c.put(bid(0), data(0))

@@ -148,6 +148,30 @@ def test_https_through_a_connect_proxy_with_a_private_ca(bucket, s3_endpoint, tm
         assert ("CONNECT", f"127.0.0.1:{port}") in fwd.seen
 
 
+def test_https_bodies_of_many_tls_records_and_an_abort(bucket, s3_endpoint, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """TLS sockets cannot wait for a whole body in one recv: they take the record-by-record
+    path, with Python's socket timeout as the idle timeout, and an abort still ends them."""
+    data = bytes(range(256)) * 1200  # 307,200 bytes: ~19 TLS records
+    etag = put(bucket, "big.bin", data)
+    cert, key = self_signed_cert(str(tmp_path))
+    monkeypatch.setenv("AWS_CA_BUNDLE", cert)
+    with FaultProxy(s3_endpoint, tls=(cert, key)) as tls_front:
+        store = S3Store(bucket[1], endpoint_url=tls_front.url)
+        for _ in range(2):  # a new connection, then a kept-alive one
+            body = store.get("big.bin", etag, 0, len(data), whole=True)
+            assert body.data == data and body.etag_md5
+        assert store.get_range("big.bin", etag, 1000, 200_000) == data[1000:200_000]
+        tls_front.plan = lambda method, path, n: "stall_body"
+        exchange = Exchange(idle_timeout=60)
+        threading.Timer(0.5, exchange.abort).start()
+        t0 = time.monotonic()
+        with pytest.raises(TransientStoreError) as info:
+            store.get("big.bin", etag, 0, len(data), exchange=exchange)
+        assert time.monotonic() - t0 < 10  # not the 60 s idle timeout
+        assert info.value.reason == "stopping"
+
+
 def test_unusable_proxy_url_is_one_clear_error(bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     from cachefs.errors import ConfigError
 

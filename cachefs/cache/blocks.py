@@ -350,10 +350,17 @@ class BlockCache:
 
     def put_now(self, bid: bytes, data: bytes) -> bool:
         """:meth:`put` on the calling worker thread (the thread that fetched the block:
-        no hop of its own). False when not admitted; never raises for disk trouble."""
-        if self.contains(bid):
-            return True
+        no hop of its own). False when not admitted; never raises for disk trouble.
+
+        Unlike :meth:`put` it does not first ask the index whether the block is there
+        (a read transaction per cold file): its caller has just fetched the block
+        because it was missing. If it was stored meanwhile (the other answer of a
+        hedged GET), the same verified bytes of the same object version are written
+        over themselves and the index, which checks again in its write transaction,
+        keeps its entry."""
         if self.policy == "keep" and self._used + len(data) > self.capacity:
+            if self.contains(bid):  # (only a full cache asks)
+                return True
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
         return self.put_sync(bid, data)

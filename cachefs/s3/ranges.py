@@ -15,11 +15,13 @@ parsed by :mod:`cachefs.s3.listxml`); HEAD and the mount probe stay on boto3
 
 One call is one attempt: retries, deadlines and hedging belong to
 :mod:`cachefs.s3.origin`. Each request reports its progress to an
-:class:`~cachefs.s3.store.Exchange` (every recv() that returns bytes), so a
+:class:`~cachefs.s3.store.Exchange` (every recv() that returns bytes, at least
+every :data:`cachefs.s3.http1.SLICE` seconds while a body arrives), so a
 stalled answer can be told from a slow one, and the exchange can abort it
-from another thread (the socket is shut down). The socket timeout is the
-exchange's idle timeout: the longest silence between bytes, never a bound on
-a whole (large, progressing) body.
+from another thread (the socket is shut down, which wakes a waiting recv()).
+The exchange's idle timeout is the longest silence between bytes
+(:func:`cachefs.s3.http1.set_idle_timeout`), never a bound on a whole (large,
+progressing) body.
 
 Thread-safety: a :class:`RangeClient` is shared by worker threads; each
 request takes an idle connection from a LIFO pool (or opens one) and returns
@@ -33,12 +35,12 @@ instance-role credentials are picked up.
 from __future__ import annotations
 
 import http.client
-import io
 import queue
 import re
 import socket
 import time
 import urllib.parse
+import weakref
 from typing import Any
 
 from cachefs import metrics
@@ -62,29 +64,6 @@ _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
 _REQUESTS = {op: metrics.S3_REQUESTS.labels(op) for op in ("get", "list", "head")}
 _LATENCY = {op: metrics.S3_LATENCY.labels(op) for op in ("get", "list", "head")}
 _REGION_RE = re.compile(rb"<Region>([^<]+)</Region>")
-
-
-class _ProgressReader(io.RawIOBase):
-    """A socket's raw reader (``socket.SocketIO``) reporting each arrival to an Exchange."""
-
-    def __init__(self, raw: Any, exchange: Exchange) -> None:
-        super().__init__()
-        self._raw = raw
-        self._exchange = exchange
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int | None:
-        n: int | None = self._raw.readinto(b)
-        if n:
-            self._exchange.received()
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.close()  # lets the socket close once the connection lets go too
-        super().close()
 
 
 class _Answer:
@@ -137,6 +116,9 @@ class RangeClient:
                                    ca_bundle=ca_bundle)
         self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
             maxsize=max_connections)
+        # The idle timeout each open socket is set up for (http1.set_idle_timeout).
+        self._idle: weakref.WeakKeyDictionary[socket.socket, float] = \
+            weakref.WeakKeyDictionary()
 
     # -- connections ------------------------------------------------------------
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
@@ -196,17 +178,14 @@ class RangeClient:
                 sock = conn.sock
                 exchange.attach(sock)
                 assert sock is not None
-                sock.settimeout(exchange.idle_timeout)
+                idle = exchange.idle_timeout
+                if self._idle.get(sock) != idle:  # (set once per connection and timeout)
+                    http1.set_idle_timeout(sock, idle)
+                    self._idle[sock] = idle
                 exchange.sending()
                 http1.send(sock, method, target, headers)
-                # The socket's own unbuffered reader keeps the socket open while the
-                # answer is read, even if the connection is closed meanwhile.
-                fp = io.BufferedReader(_ProgressReader(sock.makefile("rb", buffering=0),
-                                                       exchange))
-                try:
-                    status, got, body, will_close = http1.read_answer(fp, method, _WANTED)
-                finally:
-                    fp.close()
+                status, got, body, will_close = http1.read_answer(
+                    http1.SocketReader(sock, exchange, idle), method, _WANTED)
                 answer = _Answer(status, got, body)
                 reusable = not will_close
             except StoreError as exc:
