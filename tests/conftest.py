@@ -7,6 +7,7 @@ lazy-unmount in teardown.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -14,11 +15,12 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing-secret"
@@ -211,3 +213,20 @@ def mount_factory(tmp_path: Path, s3_endpoint: str) -> Iterator[Any]:
         finally:
             if is_mounted(m.path):
                 subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=False)
+
+
+@contextlib.asynccontextmanager
+async def running(*services: Any) -> AsyncIterator[None]:
+    """Run each service's ``run`` (a Fetcher, a shared tier) in a nursery around the
+    block. When the block ends normally each service is drained (``drain()``: its
+    writes have landed, so the block's outcome can be checked on disk), then all are
+    cancelled; an exception in the block cancels them without draining."""
+    async with trio.open_nursery() as nursery:
+        for service in services:
+            await nursery.start(service.run)
+        try:
+            yield
+            for service in services:
+                await service.drain()
+        finally:
+            nursery.cancel_scope.cancel()

@@ -24,6 +24,7 @@ from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, Prefetcher, Pre
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Backoff, Origin
 from cachefs.s3.store import ObjectStore
+from tests.conftest import running
 
 BS = 64  # tiny blocks: many block boundaries with little data
 
@@ -56,13 +57,8 @@ class Rig:
                         backoff=self.backoff)
         fetcher = Fetcher(origin, cache, block_size=BS, budget=MemoryBudget(self.budget_limit),
                           hot_capacity=self.hot)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(fetcher.run)
-            try:
-                yield fetcher
-                await fetcher.drain()
-            finally:
-                nursery.cancel_scope.cancel()
+        async with running(fetcher):
+            yield fetcher
 
     def run(self, fn: Callable[[Fetcher], Awaitable[Any]]) -> Any:
         async def main() -> Any:

@@ -23,6 +23,7 @@ from cachefs.read.prefetcher import HINT, SEQUENTIAL, WARM, Prefetcher, Prefetch
 from cachefs.read.tiers import BlockRef
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Origin
+from tests.conftest import running
 
 BS = 64
 
@@ -72,14 +73,8 @@ def run(tmp_path: Path, store: MemoryStore, fn: Callable[[Fetcher, Prefetcher], 
                           budget=MemoryBudget(budget), hot_capacity=0, notes=ledger,
                           lower_tiers=lower or [])
         prefetcher = Prefetcher(fetcher, fetcher.budget, ledger)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(fetcher.run)
-            try:
-                result = await fn(fetcher, prefetcher)
-                await fetcher.drain()
-                return result
-            finally:
-                nursery.cancel_scope.cancel()
+        async with running(fetcher):
+            return await fn(fetcher, prefetcher)
     try:
         return trio.run(main)
     finally:

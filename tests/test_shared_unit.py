@@ -28,6 +28,7 @@ from cachefs.read.shared import (
 )
 from cachefs.read.tiers import BlockRef
 from cachefs.s3.objects import Response
+from tests.conftest import running
 
 BS = 1024
 OBJ = ObjectVersion("train/x.bin", "etag1", 3 * BS + 100)
@@ -532,16 +533,8 @@ def _fetcher_over(tmp_path: Any, origin_store: Any, shared: SharedTier,
                         backoff=Backoff(base=0.001, cap=0.001))
         fetcher = Fetcher(origin, cache, block_size=BS, budget=MemoryBudget(1 << 20),
                           hot_capacity=0, lower_tiers=[shared])
-        async with trio.open_nursery() as nursery:
-            await nursery.start(fetcher.run)
-            await nursery.start(shared.run)
-            try:
-                result = await fn(fetcher)
-                await fetcher.drain()
-                await shared.drain()
-                return result
-            finally:
-                nursery.cancel_scope.cancel()
+        async with running(fetcher, shared):
+            return await fn(fetcher)
     try:
         return trio.run(main)
     finally:

@@ -24,6 +24,7 @@ from cachefs.read.prefetcher import SWEEP, Prefetcher, PrefetchLedger
 from cachefs.read.sweep import Sweeper
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Origin
+from tests.conftest import running
 
 BS = 64 * 1024
 SIZE = 10_000  # every file
@@ -125,14 +126,8 @@ def run(tmp_path: Path, fn: Callable[[World], Awaitable[Any]], *, capacity: int 
                           budget=MemoryBudget(budget), hot_capacity=0, notes=ledger)
         prefetcher = Prefetcher(fetcher, fetcher.budget, ledger)
         world = World(store, fetcher, prefetcher, ledger, cache, Listings())
-        async with trio.open_nursery() as nursery:
-            await nursery.start(fetcher.run)
-            try:
-                result = await fn(world)
-                await fetcher.drain()
-                return result
-            finally:
-                nursery.cancel_scope.cancel()
+        async with running(fetcher):
+            return await fn(world)
     try:
         return trio.run(main)
     finally:
