@@ -295,6 +295,9 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
         row["fuse_handed_over_per_file"] = per_file(met0, met1, "cachefs_fuse_handed_over_total",
                                                      n)
+        prepared = per_file(met0, met1, "cachefs_passthrough_prepared_total", n)
+        if prepared:  # files verified ahead of their open, by outcome
+            row["passthrough_prepared_per_file"] = prepared
         # mean time from a request's read off the device to its answer, per operation
         counts = per_file(met0, met1, "cachefs_fuse_request_duration_seconds_count", 1)
         sums = per_file(met0, met1, "cachefs_fuse_request_duration_seconds_sum", 1)
