@@ -31,6 +31,15 @@ Contracts:
   while it has passed-through handles, every new open shares their file. An
   inode is one object version (see :mod:`cachefs.fs`), so that file always
   holds the version the new handle opened.
+* Verification need not wait for the open: files the directory lookahead
+  predicts (:meth:`Passthrough.predicted`), and files opened before they were
+  cached once their last handle closes (the next epoch's open), are verified
+  and registered ahead by :data:`PREPARE_THREADS` preparing threads
+  (:meth:`Passthrough.prepare`, same pin, same checks, same descriptor) and left
+  idle: their next open takes the backing without reading the disk. Only
+  objects up to :data:`PREPARE_MAX_BYTES` are, from a queue of at most
+  :data:`PREPARE_QUEUE` (further predictions are dropped: those opens verify
+  themselves). The idle bounds above bound what this pins.
 * An object whose file is gone by the time it is opened (evicted since the
   index was consulted) is a miss for that open only: the daemon serves it. If
   the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not granted at
@@ -38,11 +47,16 @@ Contracts:
   through the daemon as before; other refusals decline that open only.
 
 Concurrency: opens and releases run on the FUSE request workers, several at a
-time. ``_lock`` guards ``_backings``, ``_active``, ``_direct`` and ``_idle``
-(held for dictionary work and the close ioctl only, never while a file is
-verified). Verification and the backing ioctl run on the opening worker
-itself (it may wait on the disk); concurrent opens of one object wait for the
-first one's verification (one registration per object at a time).
+time; predictions arrive on the trio thread (they only queue). ``_lock`` guards
+``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
+dictionary work and the close ioctl only, never while a file is verified);
+``_queue_cond`` guards the preparing threads' queue (never held with
+``_lock``). Verification and the backing ioctl run on the opening worker or a
+preparing thread (either may wait on the disk); whoever puts an object's entry
+in ``_backings`` first verifies it, and opens of that object meanwhile wait for
+its outcome (one registration per object at a time). The preparing threads
+belong to :meth:`Passthrough.run` (a task of the daemon's nursery), which
+joins them before it returns, so none outlives the cache index.
 """
 
 from __future__ import annotations
