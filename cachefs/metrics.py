@@ -469,8 +469,8 @@ S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "o_direct", "refused", "unverified")
 #: cachefs.passthrough.Passthrough.prepare (and "dropped": the queue was full)
-PASSTHROUGH_PREPARE_OUTCOMES = ("registered", "known", "declined", "not_cached", "unverified",
-                                "refused", "dropped")
+PASSTHROUGH_PREPARE_OUTCOMES = ("registered", "known", "declined", "full", "not_cached",
+                                "unverified", "refused", "dropped")
 #: cachefs.read.prefetcher.POLICIES
 PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm", "sweep")
 #: cachefs.read.sweep

@@ -33,7 +33,8 @@ Contracts:
   holds the version the new handle opened.
 * Verification need not wait for the open: files the directory lookahead
   predicts (:meth:`Passthrough.predicted`), and files opened before they were
-  cached once their last handle closes (the next epoch's open), are verified
+  cached once their last handle closes (for the next epoch's open, and only while
+  the idle bounds have room for them without closing another), are verified
   and registered ahead by :data:`PREPARE_THREADS` preparing threads
   (:meth:`Passthrough.prepare`, same pin, same checks, same descriptor) and left
   idle: their next open takes the backing without reading the disk. Only
@@ -163,7 +164,8 @@ class Passthrough:
         self.max_idle = max_idle
         self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
-        self._queue: deque[ObjectVersion] = deque()
+        # (object, whether it may only take free room among the idle backings)
+        self._queue: deque[tuple[ObjectVersion, bool]] = deque()
         self._queue_cond = threading.Condition(threading.Lock())
         self._stopping = False
         metrics.PASSTHROUGH_ENABLED.set(0)
@@ -210,17 +212,18 @@ class Passthrough:
             return  # registered already (the previous epoch's open) or being verified
         if any(self.fetcher.is_loading(bid) for bid in bids):
             return  # being fetched: not on disk yet (registered once its readers close it)
-        self._enqueue(obj)
+        self._enqueue(obj, False)
 
-    def _enqueue(self, obj: ObjectVersion) -> None:
-        """Queue ``obj`` for a preparing thread (any thread; never waits)."""
+    def _enqueue(self, obj: ObjectVersion, spare: bool) -> None:
+        """Queue ``obj`` for a preparing thread (any thread; never waits); ``spare``: see
+        :meth:`prepare`."""
         if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
             return
         with self._queue_cond:
             if self._stopping or len(self._queue) >= PREPARE_QUEUE:
                 metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
                 return
-            self._queue.append(obj)
+            self._queue.append((obj, spare))
             if len(self._queue) == 1:
                 # (predictions come in batches: one wake-up per batch, not per file)
                 self._queue_cond.notify()
@@ -232,31 +235,38 @@ class Passthrough:
                     self._queue_cond.wait()
                 if self._stopping:
                     return
-                obj = self._queue.popleft()
+                obj, spare = self._queue.popleft()
                 if self._queue:
                     self._queue_cond.notify()  # another thread takes the next one meanwhile
             try:
-                metrics.PASSTHROUGH_PREPARED.labels(self.prepare(obj)).inc()
+                metrics.PASSTHROUGH_PREPARED.labels(self.prepare(obj, spare=spare)).inc()
             except Exception:  # a bug must not end the thread: the opens verify themselves
                 log.exception("verifying %s ahead of its open failed", obj.key)
 
-    def prepare(self, obj: ObjectVersion) -> str:
+    def prepare(self, obj: ObjectVersion, *, spare: bool = False) -> str:
         """Verify and register ``obj``'s file now, before any open of it (a preparing
         thread; waits on the disk). The backing is left idle: the next open of the object
-        uses it, and it is closed like any idle backing if none comes. Returns the
-        outcome: "registered", "known" (registered or being verified already),
-        "declined" (not fully cached, too large, passthrough off) or why the attempt
-        failed ("not_cached", "unverified", "refused")."""
+        uses it, and it is closed like any idle backing if none comes. ``spare``: only if
+        the idle backings have room for it without closing one (a file read in this epoch
+        is wanted again only in the next one: with more files than the idle bounds hold,
+        registering each would close the earlier ones, each verified for nothing).
+        Returns the outcome: "registered", "known" (registered or being verified
+        already), "declined" (not fully cached, too large, passthrough off), "full" (no
+        spare room) or why the attempt failed ("not_cached", "unverified", "refused")."""
         oid = self.fetcher.object_id(obj)
         with self._lock:
             if oid in self._backings:
                 return "known"
+            if spare and not self._idle_room(obj.size):
+                return "full"
         bids = self.fetcher.block_ids(obj)
         if self._decline_reason(obj, bids) is not None:
             return "declined"
         with self._lock:
             if oid in self._backings:
                 return "known"
+            if spare and not self._idle_room(obj.size):
+                return "full"
             backing = _Backing(oid, obj.size, threading.Event())
             self._backings[oid] = backing
         outcome: str | OSError = "unverified"
@@ -359,7 +369,7 @@ class Passthrough:
             # The object was not fully cached when opened and its readers are gone:
             # register its file now (if it is cached by now), so that the next open, the
             # next epoch's, needs neither verification nor the daemon's reads.
-            self._enqueue(fetched)
+            self._enqueue(fetched, True)
 
     # -- under _lock ------------------------------------------------------------------------
     def _release_backing(self, ino: int, backing_id: int) -> None:
@@ -385,6 +395,10 @@ class Passthrough:
         self._active[ino] = (oid, n + 1)
         metrics.PASSTHROUGH_OPENS.inc()
         return backing.backing_id
+
+    def _idle_room(self, size: int) -> bool:
+        return (len(self._idle) < self.max_idle
+                and self._idle_bytes + size <= self.max_idle_bytes)
 
     def _idle_or_keep(self, backing: _Backing) -> None:
         if backing.opens > 0 or backing.oid in self._idle:

@@ -198,6 +198,10 @@ def test_idle_backings_are_bounded_and_a_new_version_is_served(bucket, mount_fac
             # Written to the cache after they were read: an open before that is served
             # by the daemon (not cached whole yet), so wait for all four blocks.
             _wait_for(m, "cachefs_cache_blocks", 4)
+            # a was registered once closed; b would not fit beside it in the idle bound
+            _wait_for(m, 'cachefs_passthrough_prepared_total{outcome="full"}', 1)
+            assert m.metric('cachefs_passthrough_prepared_total{outcome="registered"}') == 1
+            assert m.metric('cachefs_passthrough_prepared_total{outcome="full"}') == 1
     _wait_for(m, "cachefs_open_file_handles", 0)
     assert m.metric("cachefs_passthrough_opens_total") == 2
     assert m.metric("cachefs_passthrough_backing_files") == 1, "a's idle registration was dropped"
