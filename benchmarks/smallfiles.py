@@ -295,6 +295,14 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
         row["fuse_handed_over_per_file"] = per_file(met0, met1, "cachefs_fuse_handed_over_total",
                                                      n)
+        prepared = per_file(met0, met1, "cachefs_passthrough_prepared_total", n)
+        if prepared:  # files verified ahead of their open, by outcome
+            row["passthrough_prepared_per_file"] = prepared
+        # mean time from a request's read off the device to its answer, per operation
+        counts = per_file(met0, met1, "cachefs_fuse_request_duration_seconds_count", 1)
+        sums = per_file(met0, met1, "cachefs_fuse_request_duration_seconds_sum", 1)
+        row["fuse_mean_us"] = {op: round(sums.get(op, 0.0) / c * 1e6, 1)
+                               for op, c in counts.items() if c}
         gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
         row["s3_gets_per_file"] = round(gets / n, 3)
         s3b = met1.get("cachefs_s3_bytes_total", 0) - met0.get("cachefs_s3_bytes_total", 0)

@@ -291,7 +291,8 @@ class Daemon:
         def next_dir(prefix: str) -> str | None:
             return metadata.next_dir(prefix, root)
 
-        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir)
+        lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir,
+                                       on_predicted=passthrough.predicted)
 
         def free_space() -> int:  # (what is in flight will be written to the cache next)
             return cache.capacity - cache.used - budget.used
@@ -371,6 +372,7 @@ class Daemon:
             await nursery.start(read_order.run)
             await nursery.start(sweeper.run)
             await nursery.start(control.serve)
+            await nursery.start(passthrough.run)
             async with trio.open_nursery() as fuse_nursery:
                 await fuse_nursery.start(server.run)
                 # The kernel applies the file system's INIT reply to the mount's readahead,

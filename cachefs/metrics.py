@@ -121,6 +121,10 @@ PASSTHROUGH_OPENS = Counter(
 PASSTHROUGH_DECLINED = Counter(
     "cachefs_passthrough_declined", "Opens served by the daemon instead, by reason",
     ["reason"], registry=REGISTRY)
+PASSTHROUGH_PREPARED = Counter(
+    "cachefs_passthrough_prepared", "Files predicted to be opened next, verified and "
+    "registered ahead of their open (registered) or not, by outcome", ["outcome"],
+    registry=REGISTRY)
 PASSTHROUGH_BACKINGS = Gauge(
     "cachefs_passthrough_backing_files", "Cache files the kernel currently reads directly",
     registry=REGISTRY)
@@ -464,6 +468,9 @@ S3_CHECKS = ("crc64nvme", "crc32c", "crc32", "sha256", "sha1", "etag_md5")
 S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "o_direct", "refused", "unverified")
+#: cachefs.passthrough.Passthrough.prepare (and "dropped": the queue was full)
+PASSTHROUGH_PREPARE_OUTCOMES = ("registered", "known", "declined", "full", "not_cached",
+                                "unverified", "refused", "dropped")
 #: cachefs.read.prefetcher.POLICIES
 PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm", "sweep")
 #: cachefs.read.sweep
@@ -496,6 +503,8 @@ def create_known_series() -> None:
         SKIPPED_KEYS.labels(reason)
     for reason in PASSTHROUGH_DECLINE_REASONS:
         PASSTHROUGH_DECLINED.labels(reason)
+    for outcome in PASSTHROUGH_PREPARE_OUTCOMES:
+        PASSTHROUGH_PREPARED.labels(outcome)
     for policy in PREFETCH_POLICIES:
         PREFETCH_ISSUED_BYTES.labels(policy)
         PREFETCH_USED_BYTES.labels(policy)

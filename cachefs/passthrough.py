@@ -31,6 +31,16 @@ Contracts:
   while it has passed-through handles, every new open shares their file. An
   inode is one object version (see :mod:`cachefs.fs`), so that file always
   holds the version the new handle opened.
+* Verification need not wait for the open: files the directory lookahead
+  predicts (:meth:`Passthrough.predicted`), and files opened before they were
+  cached once their last handle closes (for the next epoch's open, and only while
+  the idle bounds have room for them without closing another), are verified
+  and registered ahead by :data:`PREPARE_THREADS` preparing threads
+  (:meth:`Passthrough.prepare`, same pin, same checks, same descriptor) and left
+  idle: their next open takes the backing without reading the disk. Only
+  objects up to :data:`PREPARE_MAX_BYTES` are, from a queue of at most
+  :data:`PREPARE_QUEUE` (further predictions are dropped: those opens verify
+  themselves). The idle bounds above bound what this pins.
 * An object whose file is gone by the time it is opened (evicted since the
   index was consulted) is a miss for that open only: the daemon serves it. If
   the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not granted at
@@ -38,11 +48,16 @@ Contracts:
   through the daemon as before; other refusals decline that open only.
 
 Concurrency: opens and releases run on the FUSE request workers, several at a
-time. ``_lock`` guards ``_backings``, ``_active``, ``_direct`` and ``_idle``
-(held for dictionary work and the close ioctl only, never while a file is
-verified). Verification and the backing ioctl run on the opening worker
-itself (it may wait on the disk); concurrent opens of one object wait for the
-first one's verification (one registration per object at a time).
+time; predictions arrive on the trio thread (they only queue). ``_lock`` guards
+``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
+dictionary work and the close ioctl only, never while a file is verified);
+``_queue_cond`` guards the preparing threads' queue (never held with
+``_lock``). Verification and the backing ioctl run on the opening worker or a
+preparing thread (either may wait on the disk); whoever puts an object's entry
+in ``_backings`` first verifies it, and opens of that object meanwhile wait for
+its outcome (one registration per object at a time). The preparing threads
+belong to :meth:`Passthrough.run` (a task of the daemon's nursery), which
+joins them before it returns, so none outlives the cache index.
 """
 
 from __future__ import annotations
@@ -52,10 +67,13 @@ import errno
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Protocol
 
+import trio
+
 from cachefs import failpoints, metrics
+from cachefs.cache.blockid import split_block_id
 from cachefs.cache.blocks import BlockCache
 from cachefs.errors import ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
@@ -68,6 +86,17 @@ log = logging.getLogger(__name__)
 MAX_OBJECT_BYTES = 1 << 30
 #: Idle backings kept registered (each holds one open file in the kernel).
 MAX_IDLE_BACKINGS = 4096
+#: Files predicted to be opened next (directory lookahead) are verified and registered
+#: ahead of their open by this many threads, so that the open finds its backing ready
+#: and answers without reading the disk. Each waits on the disk most of the time (a
+#: cache file's inode and bytes after the page cache was dropped).
+PREPARE_THREADS = 2
+#: Predictions waiting for those threads; beyond this they are dropped (the open then
+#: verifies its file itself, as without them).
+PREPARE_QUEUE = 256
+#: Only objects up to this size are verified ahead: a wrong prediction costs one read
+#: of the file.
+PREPARE_MAX_BYTES = 8 << 20
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
                           errno.ENOSYS, errno.EINVAL})
@@ -124,6 +153,9 @@ class Passthrough:
         self._backings: dict[bytes, _Backing] = {}  # by object id
         self._active: dict[int, tuple[bytes, int]] = {}  # inode -> (object id, handles)
         self._direct: dict[int, int] = {}  # handles served by the daemon, per inode
+        # Inodes among those whose object was not fully cached when opened (registered
+        # ahead of the next open once their handles are closed; see release)
+        self._fetched: dict[int, ObjectVersion] = {}
         # Backings with no open handle, least recently used first. They stay registered
         # (and their objects pinned) so the next open of the object needs no verification
         # and no thread hop; bounded in number and in pinned bytes (a quarter of the cache).
@@ -131,6 +163,11 @@ class Passthrough:
         self._idle_bytes = 0
         self.max_idle = max_idle
         self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
+        # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
+        # (object, whether it may only take free room among the idle backings)
+        self._queue: deque[tuple[ObjectVersion, bool]] = deque()
+        self._queue_cond = threading.Condition(threading.Lock())
+        self._stopping = False
         metrics.PASSTHROUGH_ENABLED.set(0)
 
     def attach_device(self, device: BackingDevice | None) -> None:
@@ -139,6 +176,116 @@ class Passthrough:
         self._device = device
         self.enabled = self.wanted and device is not None
         metrics.PASSTHROUGH_ENABLED.set(1 if self.enabled else 0)
+
+    async def run(self, *, threads: int = PREPARE_THREADS,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the threads that verify predicted files ahead of their open (see
+        :meth:`predicted`) until cancelled; they are stopped and joined before this
+        returns (each finishes the file it is verifying first), so none touches the
+        cache index after its owner's nursery ends."""
+        workers = [threading.Thread(target=self._prepare_loop, daemon=True,
+                                    name=f"cachefs-verify-{i}") for i in range(threads)]
+        for t in workers:
+            t.start()
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with self._queue_cond:
+                self._stopping = True
+                self._queue.clear()
+                self._queue_cond.notify_all()
+            with trio.CancelScope(shield=True):
+                for t in workers:
+                    await trio.to_thread.run_sync(t.join)
+
+    def predicted(self, obj: ObjectVersion) -> None:
+        """``obj`` is expected to be opened soon (trio thread: directory lookahead; never
+        waits, it only queues). When it is fully cached and not registered yet, a
+        preparing thread verifies and registers its file, leaving the backing idle for
+        the open to use."""
+        if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
+            return
+        bids = self.fetcher.block_ids(obj)
+        # (read without _lock: a stale answer only costs the preparing thread a look)
+        if bids and split_block_id(bids[0])[0] in self._backings:
+            return  # registered already (the previous epoch's open) or being verified
+        if any(self.fetcher.is_loading(bid) for bid in bids):
+            return  # being fetched: not on disk yet (registered once its readers close it)
+        self._enqueue(obj, False)
+
+    def _enqueue(self, obj: ObjectVersion, spare: bool) -> None:
+        """Queue ``obj`` for a preparing thread (any thread; never waits); ``spare``: see
+        :meth:`prepare`."""
+        if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
+            return
+        with self._queue_cond:
+            if self._stopping or len(self._queue) >= PREPARE_QUEUE:
+                metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
+                return
+            self._queue.append((obj, spare))
+            if len(self._queue) == 1:
+                # (predictions come in batches: one wake-up per batch, not per file)
+                self._queue_cond.notify()
+
+    def _prepare_loop(self) -> None:
+        while True:
+            with self._queue_cond:
+                while not self._queue and not self._stopping:
+                    self._queue_cond.wait()
+                if self._stopping:
+                    return
+                obj, spare = self._queue.popleft()
+                if self._queue:
+                    self._queue_cond.notify()  # another thread takes the next one meanwhile
+            try:
+                metrics.PASSTHROUGH_PREPARED.labels(self.prepare(obj, spare=spare)).inc()
+            except Exception:  # a bug must not end the thread: the opens verify themselves
+                log.exception("verifying %s ahead of its open failed", obj.key)
+
+    def prepare(self, obj: ObjectVersion, *, spare: bool = False) -> str:
+        """Verify and register ``obj``'s file now, before any open of it (a preparing
+        thread; waits on the disk). The backing is left idle: the next open of the object
+        uses it, and it is closed like any idle backing if none comes. ``spare``: only if
+        the idle backings have room for it without closing one (a file read in this epoch
+        is wanted again only in the next one: with more files than the idle bounds hold,
+        registering each would close the earlier ones, each verified for nothing).
+        Returns the outcome: "registered", "known" (registered or being verified
+        already), "declined" (not fully cached, too large, passthrough off), "full" (no
+        spare room) or why the attempt failed ("not_cached", "unverified", "refused")."""
+        oid = self.fetcher.object_id(obj)
+        with self._lock:
+            if oid in self._backings:
+                return "known"
+            if spare and not self._idle_room(obj.size):
+                return "full"
+        bids = self.fetcher.block_ids(obj)
+        if self._decline_reason(obj, bids) is not None:
+            return "declined"
+        with self._lock:
+            if oid in self._backings:
+                return "known"
+            if spare and not self._idle_room(obj.size):
+                return "full"
+            backing = _Backing(oid, obj.size, threading.Event())
+            self._backings[oid] = backing
+        outcome: str | OSError = "unverified"
+        try:
+            backing.backing_id, outcome = self._attach(oid, bids)
+        finally:
+            with self._lock:
+                if backing.backing_id:
+                    metrics.PASSTHROUGH_BACKINGS.inc()
+                    self._idle_or_keep(backing)  # (unless an open waiting on it took it)
+                else:
+                    del self._backings[oid]
+                backing.ready.set()
+        if backing.backing_id:
+            return "registered"
+        if isinstance(outcome, OSError):
+            self._switch_off(outcome)
+            return "refused"
+        return outcome
 
     def open(self, ino: int, obj: ObjectVersion, *, o_direct: bool = False) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads it), or 0 (the
@@ -173,7 +320,7 @@ class Passthrough:
         reason = self._decline_reason(obj, bids)
         if reason is not None:
             with self._lock:
-                return self._direct_open(ino, reason)
+                return self._direct_open(ino, reason, obj)
         with self._lock:
             if oid in self._backings or ino in self._active or self._direct.get(ino):
                 pass  # another open got here first: decide afresh below
@@ -203,7 +350,7 @@ class Passthrough:
             self._switch_off(outcome)
             outcome = "refused"
         with self._lock:
-            return self._direct_open(ino, outcome)
+            return self._direct_open(ino, outcome, obj)
 
     def release(self, ino: int, backing_id: int) -> None:
         """The handle opened with answer ``backing_id`` is closed (any thread)."""
@@ -212,23 +359,33 @@ class Passthrough:
                 n = self._direct.get(ino, 0) - 1
                 if n > 0:
                     self._direct[ino] = n
-                else:
-                    self._direct.pop(ino, None)
-                return
-            active = self._active.get(ino)
-            backing = self._backings.get(active[0]) if active else None
-            if active is None or backing is None or backing.backing_id != backing_id:
-                log.warning("release of unknown passthrough backing %d (inode %d)",
-                            backing_id, ino)
-                return
-            if active[1] > 1:
-                self._active[ino] = (active[0], active[1] - 1)
+                    return
+                self._direct.pop(ino, None)
+                fetched = self._fetched.pop(ino, None)
             else:
-                del self._active[ino]
-            backing.opens -= 1
-            self._idle_or_keep(backing)
+                fetched = None
+                self._release_backing(ino, backing_id)
+        if fetched is not None:
+            # The object was not fully cached when opened and its readers are gone:
+            # register its file now (if it is cached by now), so that the next open, the
+            # next epoch's, needs neither verification nor the daemon's reads.
+            self._enqueue(fetched, True)
 
     # -- under _lock ------------------------------------------------------------------------
+    def _release_backing(self, ino: int, backing_id: int) -> None:
+        active = self._active.get(ino)
+        backing = self._backings.get(active[0]) if active else None
+        if active is None or backing is None or backing.backing_id != backing_id:
+            log.warning("release of unknown passthrough backing %d (inode %d)",
+                        backing_id, ino)
+            return
+        if active[1] > 1:
+            self._active[ino] = (active[0], active[1] - 1)
+        else:
+            del self._active[ino]
+        backing.opens -= 1
+        self._idle_or_keep(backing)
+
     def _use(self, ino: int, backing: _Backing) -> int:
         if backing.opens == 0 and backing.oid in self._idle:
             del self._idle[backing.oid]
@@ -238,6 +395,10 @@ class Passthrough:
         self._active[ino] = (oid, n + 1)
         metrics.PASSTHROUGH_OPENS.inc()
         return backing.backing_id
+
+    def _idle_room(self, size: int) -> bool:
+        return (len(self._idle) < self.max_idle
+                and self._idle_bytes + size <= self.max_idle_bytes)
 
     def _idle_or_keep(self, backing: _Backing) -> None:
         if backing.opens > 0 or backing.oid in self._idle:
@@ -264,8 +425,12 @@ class Passthrough:
         self.cache.unpin(oid)
 
     # -- internals -------------------------------------------------------------------------
-    def _direct_open(self, ino: int, reason: str) -> int:
+    def _direct_open(self, ino: int, reason: str, obj: ObjectVersion | None = None) -> int:
         self._direct[ino] = self._direct.get(ino, 0) + 1
+        if reason == "not_cached" and obj is not None:
+            # Its blocks are being fetched for this handle: once its handles are closed,
+            # the file is verified and registered ahead of the next open (see release).
+            self._fetched[ino] = obj
         if reason != "off":
             metrics.PASSTHROUGH_DECLINED.labels(reason).inc()
         return 0

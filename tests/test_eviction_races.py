@@ -440,6 +440,104 @@ def test_a_file_gone_before_a_passthrough_open_is_a_miss_for_that_open(bucket, m
     assert s["cachefs_cache_corrupt_blocks_total"] == 0
 
 
+# -- files verified ahead of their open (a preparing thread) ----------------------------------
+REGISTERED = 'cachefs_passthrough_prepared_total{outcome="registered"}'
+
+
+def _read_cold_then_hold(m: Any, path: Path, body: bytes, holds: DaemonHolds, point: str) -> None:
+    """Read ``path`` cold (served by the daemon); its close queues it for registration,
+    which is held at ``point``."""
+    holds.hold(point)
+    assert _read_file(path) == body
+    holds.wait(point)
+
+
+@pytest.mark.fuse
+@needs_passthrough
+def test_opens_during_a_registration_ahead_share_its_backing(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
+    """Opens of an object whose file a preparing thread is verifying wait for it and
+    share its one backing (one registration per object at a time)."""
+    files = _objects(bucket, {"a.bin": MNT_BLOCK + 5})  # (idle, it stays registered)
+    m = _mount(mount_factory, bucket, 8)
+    _read_cold_then_hold(m, m.path / "a.bin", files["a.bin"], holds, "attach.verified")
+    _drop_page_cache()
+    threads = [_in_thread(lambda: _read_file(m.path / "a.bin")) for _ in range(3)]
+    time.sleep(0.3)  # (the opens are waiting for the registration)
+    assert all(t.is_alive() for t, _ in threads)
+    holds.release("attach.verified")
+    for t, got in threads:
+        t.join()
+        assert got == [files["a.bin"]]
+    s = m.metrics()
+    assert s["cachefs_passthrough_opens_total"] == 3
+    assert s["cachefs_passthrough_backing_files"] == 1
+    assert s[REGISTERED] == 1
+    assert s["cachefs_cache_hit_bytes_total"] == len(files["a.bin"]), "verified more than once"
+
+
+@pytest.mark.fuse
+@needs_passthrough
+@pytest.mark.parametrize("point", ["attach.start", "attach.verified"])
+def test_an_eviction_during_a_registration_ahead_never_serves_a_wrong_byte(bucket, mount_factory, holds, point) -> None:  # type: ignore[no-untyped-def]
+    """An eviction of the object a preparing thread is about to verify (not pinned yet:
+    the registration fails, the next open is served) or has verified (pinned: its bytes
+    stay, the kernel reads them)."""
+    others = [f"b{i}.bin" for i in range(4)]
+    files = _objects(bucket, {"a.bin": MNT_BLOCK, **{k: MNT_BLOCK for k in others}})
+    m = _mount(mount_factory, bucket, 4)  # (idle registrations may pin one block)
+    _read_cold_then_hold(m, m.path / "a.bin", files["a.bin"], holds, point)
+    for key in others:  # their puts evict the least recently used block: a's
+        # (O_DIRECT: served by the daemon, so that no open of theirs meets the failpoint)
+        fd = os.open(m.path / key, os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert _read_fd(fd) == files[key]
+        finally:
+            os.close(fd)
+    _wait(m, lambda s: _evictions_or_rejects(s) >= 1)
+    holds.release(point)
+    _wait(m, lambda s: sum(v for k, v in s.items()
+                           if k.startswith("cachefs_passthrough_prepared_total")) >= 1)
+    _wait(m, lambda s: s["cachefs_open_file_handles"] == 0)
+    s = m.metrics()
+    if point == "attach.start":
+        assert s['cachefs_passthrough_prepared_total{outcome="not_cached"}'] >= 1
+    else:
+        assert s[REGISTERED] >= 1  # a, pinned before the eviction chose: its bytes stay
+    _drop_page_cache()
+    for key, body in files.items():
+        assert _read_file(m.path / key) == body
+    s = m.metrics()
+    assert s["cachefs_passthrough_enabled"] == 1
+    assert s["cachefs_cache_corrupt_blocks_total"] == 0
+    if point == "attach.verified":
+        assert s["cachefs_passthrough_opens_total"] >= 1
+
+
+@pytest.mark.fuse
+@needs_passthrough
+def test_an_opener_killed_while_a_registration_ahead_is_held(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
+    """A reader killed while its open waits for a preparing thread leaves no handle and
+    no pin behind that would keep the backing busy."""
+    import subprocess
+    import sys
+    files = _objects(bucket, {"a.bin": MNT_BLOCK})
+    m = _mount(mount_factory, bucket, 8)
+    _read_cold_then_hold(m, m.path / "a.bin", files["a.bin"], holds, "attach.verified")
+    proc = subprocess.Popen([sys.executable, "-c",
+                             f"open({str(m.path / 'a.bin')!r}, 'rb').read()"])
+    time.sleep(0.5)  # its open is waiting for the registration
+    assert proc.poll() is None
+    proc.kill()  # (it ends once its open is answered: the kernel waits for an answer
+    # to a request the daemon has read)
+    holds.release("attach.verified")
+    proc.wait(30)
+    _wait(m, lambda s: s.get(REGISTERED, 0) == 1)
+    _wait(m, lambda s: s["cachefs_open_file_handles"] == 0)
+    assert _read_file(m.path / "a.bin") == files["a.bin"]
+    _wait(m, lambda s: s["cachefs_open_file_handles"] == 0)
+    assert m.metric("cachefs_passthrough_backing_files") == 1
+
+
 # -- the issue's load, bounded ----------------------------------------------------------------
 @pytest.mark.fuse
 @pytest.mark.slow

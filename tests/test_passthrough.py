@@ -249,3 +249,73 @@ def test_o_direct_opens_of_a_cached_file_read_like_cold_ones(shard, mount_factor
     assert _read(path) == data
     assert _counter(m, "cachefs_passthrough_opens_total") == 1  # again, once it is closed
     m.stop()
+
+
+def test_a_file_read_before_it_was_cached_is_registered_once_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The next epoch's open of a file read cold finds its backing ready: verified and
+    registered by a preparing thread once the cold handle closed, not by that open."""
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data  # not cached when opened: served by the daemon
+    _wait_for(m, 'cachefs_passthrough_prepared_total{outcome="registered"}', 1)
+    assert m.metric('cachefs_passthrough_prepared_total{outcome="registered"}') == 1
+    assert m.metric("cachefs_passthrough_backing_files") == 1
+    assert m.metric("cachefs_passthrough_opens_total") == 0
+    hits = m.metric("cachefs_cache_hit_bytes_total")
+    assert hits == len(data), "the preparing thread verified every block"
+    read_before = m.metric("cachefs_read_bytes_total")
+    _drop_page_cache()
+    assert _read(path) == data
+    assert m.metric("cachefs_passthrough_opens_total") == 1
+    assert m.metric("cachefs_cache_hit_bytes_total") == hits, "verified again at the open"
+    assert m.metric("cachefs_read_bytes_total") == read_before, "reads reached the daemon"
+
+
+def test_files_a_walk_will_open_are_registered_ahead(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A new daemon over a warm cache: files the directory lookahead predicts are
+    verified and registered before their open, and every byte read is the object's."""
+    client, name = bucket
+    files = {f"walk/f{i:03d}.bin": _payload(200 + i, 20_000 + i) for i in range(40)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    for key in sorted(files):
+        assert _read(m.path / key) == files[key]
+    _wait_for(m, "cachefs_cache_blocks", len(files))
+    m.stop()
+    m.start()  # nothing registered: each file is verified once more before use
+    _drop_page_cache()
+    for key in sorted(files):
+        assert _read(m.path / key) == files[key]
+    _wait_for(m, "cachefs_open_file_handles", 0)
+    s = m.metrics()
+    assert s['cachefs_passthrough_prepared_total{outcome="registered"}'] > 0, \
+        "no file was registered ahead of its open"
+    assert s["cachefs_passthrough_opens_total"] == len(files)
+    assert s["cachefs_cache_hit_bytes_total"] == sum(len(b) for b in files.values()), \
+        "a file was verified twice (ahead and at its open)"
+    assert m.gets() == 0
+
+
+def test_a_close_registers_a_file_only_into_spare_idle_room(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """Registering files read in this epoch for the next one never closes an idle
+    registration to make room: the second file does not fit beside the first."""
+    client, name = bucket
+    a, b = _payload(4, 50_000), _payload(5, 50_000)
+    client.put_object(Bucket=name, Key="a.bin", Body=a)
+    client.put_object(Bucket=name, Key="b.bin", Body=b)
+    # Idle registrations may pin a quarter of the cache: 64 KiB here, one of these files.
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "256K")
+    assert _read(m.path / "a.bin") == a
+    _wait_for(m, 'cachefs_passthrough_prepared_total{outcome="registered"}', 1)
+    assert _read(m.path / "b.bin") == b
+    _wait_for(m, 'cachefs_passthrough_prepared_total{outcome="full"}', 1)
+    s = m.metrics()
+    assert s['cachefs_passthrough_prepared_total{outcome="registered"}'] == 1
+    assert s['cachefs_passthrough_prepared_total{outcome="full"}'] == 1
+    assert s["cachefs_passthrough_backing_files"] == 1
+    before = m.metric("cachefs_cache_hit_bytes_total")
+    assert _read(m.path / "a.bin") == a  # its registration is still there: no verification
+    assert m.metric("cachefs_cache_hit_bytes_total") == before
+    assert m.metric("cachefs_passthrough_opens_total") == 1

@@ -107,8 +107,12 @@ class DirectoryLookahead:
                  iter_after: Callable[[str, bytes], Iterator[Entry]], *,
                  next_dir: Callable[[str], str | None] | None = None,
                  max_files: int = 256, min_opens: int = 4, density: float = 0.75,
-                 max_walks: int = 4096, adjacency: int = 8) -> None:
+                 max_walks: int = 4096, adjacency: int = 8,
+                 on_predicted: Callable[[ObjectVersion], None] | None = None) -> None:
         self._prefetcher = prefetcher
+        # Told of every file requested ahead (trio thread: it must only take note, never
+        # wait; passthrough verifies the fully cached ones ahead of their open)
+        self._on_predicted = on_predicted
         self._iter_after = iter_after
         # directory -> the next directory of its parent's listing, or None (trio thread;
         # may start that directory's listing)
@@ -274,6 +278,8 @@ class DirectoryLookahead:
                     end = False
                     break  # memory budget full
                 picked.append((entry.name, entry.ino))
+                if self._on_predicted is not None:
+                    self._on_predicted(obj)
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
