@@ -269,23 +269,7 @@ class Passthrough:
                 return "full"
             backing = _Backing(oid, obj.size, threading.Event())
             self._backings[oid] = backing
-        outcome: str | OSError = "unverified"
-        try:
-            backing.backing_id, outcome = self._attach(oid, bids)
-        finally:
-            with self._lock:
-                if backing.backing_id:
-                    metrics.PASSTHROUGH_BACKINGS.inc()
-                    self._idle_or_keep(backing)  # (unless an open waiting on it took it)
-                else:
-                    del self._backings[oid]
-                backing.ready.set()
-        if backing.backing_id:
-            return "registered"
-        if isinstance(outcome, OSError):
-            self._switch_off(outcome)
-            return "refused"
-        return outcome
+        return self._register(backing, bids, idle=True)
 
     def open(self, ino: int, obj: ObjectVersion, *, o_direct: bool = False) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads it), or 0 (the
@@ -329,16 +313,7 @@ class Passthrough:
                 self._backings[oid] = backing
         if backing is None:
             return self.open(ino, obj)
-        outcome: str | OSError = "unverified"
-        try:
-            backing.backing_id, outcome = self._attach(oid, bids)
-        finally:
-            with self._lock:
-                if backing.backing_id:
-                    metrics.PASSTHROUGH_BACKINGS.inc()
-                else:
-                    del self._backings[oid]
-                backing.ready.set()
+        outcome = self._register(backing, bids, idle=False)
         if backing.backing_id:
             self.ledger.mark_used(bids)
             with self._lock:
@@ -346,9 +321,6 @@ class Passthrough:
                     return self._use(ino, backing)
                 self._idle_or_keep(backing)  # the inode changed mode while we verified
             return self.open(ino, obj)
-        if isinstance(outcome, OSError):
-            self._switch_off(outcome)
-            outcome = "refused"
         with self._lock:
             return self._direct_open(ino, outcome, obj)
 
@@ -444,6 +416,32 @@ class Passthrough:
         if not self.cache.contains_all(bids):
             return "not_cached"
         return None
+
+    def _register(self, backing: _Backing, bids: list[bytes], *, idle: bool) -> str:
+        """Verify and register ``backing``'s file (this thread; waits on the disk; the
+        caller has put ``backing`` in ``_backings``), then publish the outcome to the opens
+        waiting on ``backing.ready``: registered (counted, and left idle when ``idle``
+        unless a waiting open took it) or removed from ``_backings``. Returns
+        "registered" or why not ("not_cached", "unverified", or "refused" once passthrough
+        is switched off for the mount)."""
+        outcome: str | OSError = "unverified"
+        try:
+            backing.backing_id, outcome = self._attach(backing.oid, bids)
+        finally:
+            with self._lock:
+                if backing.backing_id:
+                    metrics.PASSTHROUGH_BACKINGS.inc()
+                    if idle:
+                        self._idle_or_keep(backing)
+                else:
+                    del self._backings[backing.oid]
+                backing.ready.set()
+        if backing.backing_id:
+            return "registered"
+        if isinstance(outcome, OSError):
+            self._switch_off(outcome)
+            return "refused"
+        return outcome
 
     def _attach(self, oid: bytes, bids: list[bytes]) -> tuple[int, str | OSError]:
         """Pin, open, verify and register the object's file with the kernel (the
