@@ -189,12 +189,18 @@ class Operations(Handlers):
         flags = abi.OPEN_IN.unpack_from(req.body)[0]
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
+        o_direct = bool(flags & os.O_DIRECT)
         fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid,
-                                                     o_direct=bool(flags & os.O_DIRECT))
+                                                     o_direct=o_direct)
         self._opened.inc()
         if backing_id:
-            # The kernel reads the cache file itself; it refuses keep_cache with it.
-            return abi.open_out(fh, abi.FOPEN_PASSTHROUGH, backing_id)
+            # The kernel reads the cache file itself; it refuses keep_cache with it. An
+            # O_DIRECT handle is passed through only because its inode is (the kernel
+            # refuses it otherwise): direct I/O, which overrides passthrough, brings its
+            # reads to the daemon, since the kernel would read the cache file O_DIRECT too
+            # and fail EINVAL on any unaligned buffer.
+            flags = abi.FOPEN_PASSTHROUGH | (abi.FOPEN_DIRECT_IO if o_direct else 0)
+            return abi.open_out(fh, flags, backing_id)
         return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
 
     def read(self, req: Request) -> Reply:

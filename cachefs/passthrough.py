@@ -51,7 +51,7 @@ Concurrency: opens and releases run on the FUSE request workers, several at a
 time; predictions arrive on the trio thread (they only queue). ``_lock`` guards
 ``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
 dictionary work and the close ioctl only, never while a file is verified);
-``_queue_cond`` guards the preparing threads' queue (never held with
+``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
 ``_lock``). Verification and the backing ioctl run on the opening worker or a
 preparing thread (either may wait on the disk); whoever puts an object's entry
 in ``_backings`` first verifies it, and opens of that object meanwhile wait for
@@ -67,6 +67,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Protocol
 
@@ -97,6 +98,11 @@ PREPARE_QUEUE = 256
 #: Only objects up to this size are verified ahead: a wrong prediction costs one read
 #: of the file.
 PREPARE_MAX_BYTES = 8 << 20
+#: A file closed while some of its blocks were still being written to the cache
+#: (reads are answered before their blocks are on disk) is looked at again this many
+#: times, this many seconds apart, before its registration is given up.
+LANDING_TRIES = 40
+LANDING_DELAY = 0.05
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
                           errno.ENOSYS, errno.EINVAL})
@@ -166,6 +172,9 @@ class Passthrough:
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
         # (object, whether it may only take free room among the idle backings)
         self._queue: deque[tuple[ObjectVersion, bool]] = deque()
+        # Objects to look at again once their blocks have landed on disk: (when, object,
+        # spare, tries so far); one fixed delay, so in order of when. Counted in the bound.
+        self._landing: deque[tuple[float, ObjectVersion, bool, int]] = deque()
         self._queue_cond = threading.Condition(threading.Lock())
         self._stopping = False
         metrics.PASSTHROUGH_ENABLED.set(0)
@@ -194,6 +203,7 @@ class Passthrough:
             with self._queue_cond:
                 self._stopping = True
                 self._queue.clear()
+                self._landing.clear()
                 self._queue_cond.notify_all()
             with trio.CancelScope(shield=True):
                 for t in workers:
@@ -220,7 +230,7 @@ class Passthrough:
         if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
             return
         with self._queue_cond:
-            if self._stopping or len(self._queue) >= PREPARE_QUEUE:
+            if self._stopping or len(self._queue) + len(self._landing) >= PREPARE_QUEUE:
                 metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
                 return
             self._queue.append((obj, spare))
@@ -231,15 +241,32 @@ class Passthrough:
     def _prepare_loop(self) -> None:
         while True:
             with self._queue_cond:
-                while not self._queue and not self._stopping:
-                    self._queue_cond.wait()
-                if self._stopping:
-                    return
-                obj, spare = self._queue.popleft()
+                while True:
+                    if self._stopping:
+                        return
+                    wait: float | None = None
+                    if self._landing:
+                        wait = self._landing[0][0] - time.monotonic()
+                        if wait <= 0:
+                            _, obj, spare, tries = self._landing.popleft()
+                            break
+                    if self._queue:
+                        obj, spare = self._queue.popleft()
+                        tries = 0
+                        break
+                    self._queue_cond.wait(wait)
                 if self._queue:
                     self._queue_cond.notify()  # another thread takes the next one meanwhile
             try:
-                metrics.PASSTHROUGH_PREPARED.labels(self.prepare(obj, spare=spare)).inc()
+                outcome = self.prepare(obj, spare=spare)
+                if outcome == "landing":
+                    if tries < LANDING_TRIES:
+                        with self._queue_cond:
+                            self._landing.append((time.monotonic() + LANDING_DELAY, obj,
+                                                  spare, tries + 1))
+                        continue
+                    outcome = "declined"
+                metrics.PASSTHROUGH_PREPARED.labels(outcome).inc()
             except Exception:  # a bug must not end the thread: the opens verify themselves
                 log.exception("verifying %s ahead of its open failed", obj.key)
 
@@ -251,7 +278,9 @@ class Passthrough:
         is wanted again only in the next one: with more files than the idle bounds hold,
         registering each would close the earlier ones, each verified for nothing).
         Returns the outcome: "registered", "known" (registered or being verified
-        already), "declined" (not fully cached, too large, passthrough off), "full" (no
+        already), "landing" (some blocks are still being written to the cache: the
+        preparing thread looks again later), "declined" (not fully cached, too large,
+        passthrough off), "full" (no
         spare room) or why the attempt failed ("not_cached", "unverified", "refused")."""
         oid = self.fetcher.object_id(obj)
         with self._lock:
@@ -260,7 +289,10 @@ class Passthrough:
             if spare and not self._idle_room(obj.size):
                 return "full"
         bids = self.fetcher.block_ids(obj)
-        if self._decline_reason(obj, bids) is not None:
+        reason = self._decline_reason(obj, bids)
+        if reason is not None:
+            if reason == "not_cached" and any(self.fetcher.is_loading(b) for b in bids):
+                return "landing"  # being written to the cache: look again soon
             return "declined"
         with self._lock:
             if oid in self._backings:
@@ -277,7 +309,9 @@ class Passthrough:
         the same answer. Any thread; may wait on the disk (verification) or for another
         open's verification of the same object. An ``o_direct`` open is served by the
         daemon unless the inode is passed through already: the kernel would open the
-        cache file O_DIRECT too, and unaligned reads would fail EINVAL."""
+        cache file O_DIRECT too, and unaligned reads would fail EINVAL. (If it is, the
+        kernel refuses the inode a handle without the backing; the FUSE layer then marks
+        the passed-through handle direct I/O, which brings its reads to the daemon.)"""
         oid = self.fetcher.object_id(obj)
         while True:
             with self._lock:

@@ -590,3 +590,26 @@ def test_eviction_under_passthrough_load_never_serves_a_wrong_byte(bucket, mount
     assert s.get("cachefs_passthrough_opens_total", 0) > 0 or not passthrough_supported()
     assert not wrong, f"{len(wrong)} wrong reads of {reads[0]}"
     assert s.get("cachefs_cache_corrupt_blocks_total", 0) == 0
+
+
+@pytest.mark.fuse
+@needs_passthrough
+def test_a_file_closed_before_its_blocks_landed_is_registered_once_they_have(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
+    """Reads of a multi-block file are answered before its blocks are written to the
+    cache, so its handle may close (and ask for its registration ahead of the next open)
+    while they are still being written: the preparing thread looks again once they have
+    landed instead of giving the file up."""
+    files = _objects(bucket, {"a.bin": 3 * MNT_BLOCK})
+    m = _mount(mount_factory, bucket, 16)  # (idle registrations: a quarter, 4 blocks)
+    holds.hold("put.index")  # every write-back waits before it is indexed
+    assert _read_file(m.path / "a.bin") == files["a.bin"]
+    holds.wait("put.index")
+    _wait(m, lambda s: s["cachefs_open_file_handles"] == 0)
+    time.sleep(0.3)  # the preparing thread has looked at it, found blocks missing
+    assert m.metric('cachefs_passthrough_prepared_total{outcome="registered"}') == 0
+    holds.release("put.index")
+    _wait(m, lambda s: s['cachefs_passthrough_prepared_total{outcome="registered"}'] == 1)
+    assert m.metric('cachefs_passthrough_prepared_total{outcome="declined"}') == 0
+    assert m.metric("cachefs_passthrough_backing_files") == 1
+    assert _read_file(m.path / "a.bin") == files["a.bin"]
+    assert m.metric("cachefs_passthrough_opens_total") == 1

@@ -251,6 +251,32 @@ def test_o_direct_opens_of_a_cached_file_read_like_cold_ones(shard, mount_factor
     m.stop()
 
 
+def test_o_direct_opens_of_a_passed_through_inode_read_unaligned(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """While an inode has passed-through handles, the kernel refuses it a handle the
+    daemon serves, so an O_DIRECT open is passed through too, but marked direct I/O: its
+    reads still come to the daemon, and an unaligned read works as on any other open.
+    (The daemon learns of a close only when RELEASE arrives, after close() returned, so a
+    close followed by an O_DIRECT open meets this case by chance.)"""
+    _, name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data
+    _wait_for(m, "cachefs_cache_blocks", -(-len(data) // BLOCK))
+    with open(path, "rb", buffering=0) as plain:
+        assert plain.read(10) == data[:10]
+        assert m.metric("cachefs_passthrough_opens_total") == 1
+        read_before = m.metric("cachefs_read_bytes_total")
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for off, size in ((5, 100), (0, 4096), (BLOCK - 3, 10), (len(data) - 10, 100)):
+                assert os.pread(fd, size, off) == data[off:off + size]
+        finally:
+            os.close(fd)
+        assert m.metric("cachefs_read_bytes_total") > read_before, "served by the daemon"
+        assert plain.read() == data[10:]
+    m.stop()
+
+
 def test_a_file_read_before_it_was_cached_is_registered_once_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """The next epoch's open of a file read cold finds its backing ready: verified and
     registered by a preparing thread once the cold handle closed, not by that open."""

@@ -77,6 +77,7 @@ INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37  # in flags2 (bit 5) on the wire
 
 # -- open reply flags (FOPEN_*) -----------------------------------------------------------
+FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NOFLUSH = 1 << 5
 FOPEN_PASSTHROUGH = 1 << 7
