@@ -305,6 +305,13 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
                                for op, c in counts.items() if c}
         gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
         row["s3_gets_per_file"] = round(gets / n, 3)
+        # One GET's time on the wire (connection, request, answer): with the GETs in flight
+        # sampled, Little's law tells what files/s the link could have given.
+        key = "cachefs_s3_request_duration_seconds_{}{{op=get}}"
+        get_n = met1.get(key.format("count"), 0) - met0.get(key.format("count"), 0)
+        if get_n:
+            get_s = met1.get(key.format("sum"), 0) - met0.get(key.format("sum"), 0)
+            row["s3_get_mean_ms"] = round(get_s / get_n * 1e3, 1)
         s3b = met1.get("cachefs_s3_bytes_total", 0) - met0.get("cachefs_s3_bytes_total", 0)
         row["s3_bytes_per_byte_read"] = round(s3b / nbytes, 3)
         read = met1.get("cachefs_read_bytes_total", 0) - met0.get("cachefs_read_bytes_total", 0)

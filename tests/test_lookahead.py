@@ -289,3 +289,39 @@ def test_opens_on_workers_do_not_wait_for_the_requests_of_issue() -> None:
     for j in range(i + 1, i + 40):  # the walk goes on in order and keeps requesting
         la.on_open(DIR, NAMES[j], INO[NAMES[j]])
     assert keys.index(f.prefetched[-1]) > i + 40
+
+
+def test_a_walk_in_order_keeps_its_window_full_across_directories() -> None:
+    """Readers going through small class folders one after the other keep a whole window
+    of files requested ahead of them, across folder boundaries, not only the rest of the
+    folder they are in (the link needs its bandwidth-delay product of GETs in flight)."""
+    folders = [f"train/c{c:03d}/" for c in range(12)]
+    per, window = 20, 64
+    ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(folders)
+           for j, n in enumerate(NAMES[:per])}
+
+    def iter_after_dirs(prefix: str, after: bytes) -> Iterator[Entry]:
+        for n in NAMES[:per] if prefix in folders else []:
+            if n > after:
+                yield Entry(name=n, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=ino[(prefix, n)])
+
+    def next_dir(prefix: str) -> str | None:
+        i = folders.index(prefix)
+        return folders[i + 1] if i + 1 < len(folders) else None
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir,  # type: ignore[arg-type]
+                            max_files=window)
+    order = [(d, n) for d in folders for n in NAMES[:per]]
+    ahead = []
+    for i, (d, n) in enumerate(order):
+        la.on_open(d, n, ino[(d, n)], reader=9000 + i % 4)
+        if per <= i < len(order) - window:  # past the first folder, not at the dataset's end
+            ahead.append(len(f.prefetched) - (i + 1))
+    # Topped up a quarter of a window at a time (and each walk counts its own readers'
+    # opens): never less than half a window ahead.
+    assert min(ahead) >= window // 2, str(ahead)
+    assert max(ahead) <= 2 * window, str(ahead)
+    assert len(set(f.prefetched)) == len(f.prefetched)
+    assert f.prefetched == [d + n.decode() for d, n in order][-len(f.prefetched):]

@@ -84,6 +84,11 @@ from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
 #: Names of a parent's listing next_dir() looks at past a directory (files between it
 #: and the next directory are skipped).
 NEXT_DIR_SCAN = 4096
+#: Directories after it that next_dir() has listed ahead: a walk in order through
+#: folders of a few hundred small files goes through one in less than a LIST round
+#: trip across regions, so one directory listed ahead is not enough for its lookahead
+#: to keep a window of GETs in flight across folders.
+NEXT_DIRS_LISTED = 4
 #: Entries of recent lookups kept in memory by inode, so the open (or getattr) that
 #: follows a lookup of a name needs no index read (see Metadata.resolve_now).
 RECENT_INODES = 4096
@@ -513,8 +518,9 @@ class Metadata:
     def next_dir(self, prefix: str, root: str) -> str | None:
         """The directory after ``prefix`` in its parent's listing, or None (``prefix``
         is ``root`` or outside it, the last directory of its parent, or the parent's
-        listing is not here). When that directory has no listing, one is queued for the
-        list-ahead workers. Trio thread; looks at most NEXT_DIR_SCAN names."""
+        listing is not here). That directory and up to :data:`NEXT_DIRS_LISTED` - 1
+        after it that have no listing are queued for the list-ahead workers. Trio
+        thread; looks at most NEXT_DIR_SCAN names."""
         if prefix == root or not prefix.startswith(root):
             return None
         parent = prefix[:prefix.rstrip("/").rfind("/") + 1]
@@ -522,22 +528,26 @@ class Metadata:
         if v is None:
             return None
         entries = self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
-        found = None
+        following: list[str] = []
         try:
             for i, entry in enumerate(entries):
                 if entry.is_dir:
-                    found = parent + entry.name.decode("utf-8", "surrogateescape") + "/"
-                    break
+                    following.append(parent + entry.name.decode("utf-8", "surrogateescape")
+                                     + "/")
+                    if len(following) >= NEXT_DIRS_LISTED:
+                        break
                 if i >= NEXT_DIR_SCAN:
                     break
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
-        if (found is not None and self._store is not None and self.list_ahead_workers
-                and found not in self._inflight and self._index.row(found) is None):
-            self._queue_ahead([found])
-        return found
+        if self._store is not None and self.list_ahead_workers:
+            unlisted = [d for d in following
+                        if d not in self._inflight and self._index.row(d) is None]
+            if unlisted:
+                self._queue_ahead(unlisted)
+        return following[0] if following else None
 
     def _queue_ahead(self, subdirs: list[str]) -> None:
         self._ahead.extend(reversed(subdirs))  # the first sub-directory is taken first

@@ -76,8 +76,8 @@ WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shar
 
 
 class _Walk:
-    __slots__ = ("ahead", "asked_next", "carried", "end", "hi", "hits", "issued_ino",
-                 "issued_until", "last", "lo", "opened", "spread")
+    __slots__ = ("ahead", "asked_next", "carried", "carried_to", "end", "hi", "hits",
+                 "issued_ino", "issued_until", "last", "lo", "opened", "spread")
 
     def __init__(self, name: bytes, ino: int) -> None:
         self.lo = self.hi = ino
@@ -91,6 +91,9 @@ class _Walk:
         self.spread = 0  # the furthest behind the frontier an open landed
         self.asked_next = False  # next_dir() was asked (its listing started early)
         self.carried = False  # at its end, and went on into the next directory (or none)
+        # A directory's shared walk that went on: the directory its further requests go to
+        # (the one it went into, or one after that; None when there is none to go to)
+        self.carried_to: str | None = None
 
     def count(self) -> int:
         return self.opened.bit_count()
@@ -197,10 +200,12 @@ class DirectoryLookahead:
 
     def _wanted(self, key: WalkKey, walk: _Walk) -> int:
         """Files the walk should request now (0 when not in order)."""
-        if walk.carried or not self._in_order(key[0], walk):
+        if (walk.carried and walk.carried_to is None) or not self._in_order(key[0], walk):
             return 0
         window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
-        if walk.issued_ino <= walk.hi:
+        if walk.issued_ino <= walk.hi and walk.carried_to is None:
+            # Its readers passed what it requested (unless it went on into the next
+            # directories: their files are still ahead of them)
             walk.issued_until, walk.issued_ino, walk.ahead = walk.last, walk.hi, 0
         shortfall = int(window - walk.ahead)
         # Topped up a quarter of the window at a time, not at every open: each top-up is a
@@ -233,7 +238,10 @@ class DirectoryLookahead:
                 want = self._wanted(key, walk)
                 if want <= 0 or walk.issued_until is None:
                     continue
-                after, end = walk.issued_until, walk.end
+                after, end, carried_to = walk.issued_until, walk.end, walk.carried_to
+            if carried_to is not None:
+                issued += self._forward(walk, carried_to, want)
+                continue
             # The listing walk and the loads it starts run without the lock: the workers'
             # observe() must not wait for them (see the module docstring).
             prefix = key[0]
@@ -252,8 +260,15 @@ class DirectoryLookahead:
                 if end:
                     if nxt is None:
                         walk.carried = True  # the parent's last directory
-                    elif n < want and self._carry(nxt, want - n, walk):
-                        walk.carried = True
+                    elif n < want:
+                        carried = self._carry(nxt, want - n, walk)
+                        issued += carried
+                        with self._lock:
+                            if (nxt, 0) in self._walks:  # went on (now or before)
+                                walk.carried = True
+                                if key[1] == 0:
+                                    walk.ahead += carried
+                                    walk.carried_to = nxt
                     # (else its listing is not here yet: tried again at the next open)
         return issued
 
@@ -285,6 +300,57 @@ class DirectoryLookahead:
             if close is not None:
                 close()
         return picked, end
+
+    def _forward(self, walk: _Walk, prefix: str, want: int) -> int:
+        """A directory's shared walk that went on into directory ``prefix`` wants ``want``
+        more files: request them there, after what that directory's walk requested, and
+        on in the directories after it (trio thread, without the lock, like
+        :meth:`issue`). Returns the files requested. Each walk passed on the way counts
+        the files requested after it as ahead of its readers, and goes on where the
+        requests went: when its readers get there, it keeps the window full itself. A
+        directory's own walk is never pushed past a window ahead of its own readers."""
+        issued = 0
+        chain = [walk]  # the shared walks the requests passed, the furthest last
+        while want > 0:
+            with self._lock:
+                nxt = self._walks.get((prefix, 0))
+                if nxt is None:  # forgotten (bounded walks): its readers start afresh
+                    chain[-1].carried_to = None
+                    return issued
+                room = min(want, self.max_files - nxt.ahead)
+                after, end = nxt.issued_until, nxt.end
+            if room <= 0 or after is None:
+                return issued
+            if not end:
+                picked, end = self._request(prefix, after, room)
+                with self._lock:
+                    _advance(nxt, picked, end)
+                    for w in chain:
+                        w.ahead += len(picked)
+                issued += len(picked)
+                want -= len(picked)
+                if not end:
+                    return issued  # the window is full, or the memory budget is
+            chain.append(nxt)
+            following = self._next_dir(prefix) if self._next_dir is not None else None
+            if following is None:
+                with self._lock:
+                    for w in chain:
+                        w.carried_to = None  # the parent's last directory
+                    nxt.carried = True
+                return issued
+            carried = self._carry(following, want, nxt)
+            with self._lock:
+                if (following, 0) not in self._walks:
+                    return issued  # not listed yet (tried again at the next top-up)
+                nxt.carried = True
+                for w in chain:
+                    w.ahead += carried
+                    w.carried_to = following
+            issued += carried
+            want -= carried
+            prefix = following
+        return issued
 
     def _carry(self, prefix: str, want: int, prev: _Walk) -> int:
         """A walk in order ended its directory: request ``want`` files of the next
