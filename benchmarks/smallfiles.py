@@ -228,12 +228,15 @@ def inflight_sampler(url: str | None, every: float, out: dict[str, Any]) -> Iter
         yield
         return
     samples: list[float] = []
+    received: list[tuple[float, float]] = []  # (time, S3 bytes so far)
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.wait(every):
             with contextlib.suppress(OSError):
-                samples.append(scrape(url).get("cachefs_inflight_fetches", 0.0))
+                met = scrape(url)
+                samples.append(met.get("cachefs_inflight_fetches", 0.0))
+                received.append((time.monotonic(), met.get("cachefs_s3_bytes_total", 0.0)))
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
@@ -247,6 +250,12 @@ def inflight_sampler(url: str | None, every: float, out: dict[str, Any]) -> Iter
             out["gets_in_flight"] = {"mean": round(sum(samples) / len(samples), 1),
                                      "mean_busy": round(sum(busy) / len(busy), 1) if busy else 0.0,
                                      "max": max(samples), "samples": len(samples)}
+        # S3 bytes/s over the middle half of the pass: the steady state, without the
+        # start (listings, walks proving their order) and the tail (the last GETs).
+        if len(received) >= 8:
+            (t0, b0), (t1, b1) = received[len(received) // 4], received[3 * len(received) // 4]
+            if t1 > t0:
+                out["steady_MB_per_s"] = round((b1 - b0) / (t1 - t0) / 1e6, 1)
 
 
 def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,

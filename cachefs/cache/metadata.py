@@ -88,7 +88,7 @@ NEXT_DIR_SCAN = 4096
 #: folders of a few hundred small files goes through one in less than a LIST round
 #: trip across regions, so one directory listed ahead is not enough for its lookahead
 #: to keep a window of GETs in flight across folders.
-NEXT_DIRS_LISTED = 4
+NEXT_DIRS_LISTED = 16
 #: Entries of recent lookups kept in memory by inode, so the open (or getattr) that
 #: follows a lookup of a name needs no index read (see Metadata.resolve_now).
 RECENT_INODES = 4096
@@ -230,6 +230,10 @@ class Metadata:
         self.recent_size = RECENT_INODES
         self._nursery: trio.Nursery | None = None
         self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
+        # Directories next_dir() queued to be listed ahead, and when (trio thread; bounded
+        # by AHEAD_QUEUE): a walk asks at every top-up, and each ask would otherwise look
+        # each following directory up in the index again.
+        self._asked_ahead: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._ahead_lot = trio.lowlevel.ParkingLot()
         self._recover()
 
@@ -543,8 +547,18 @@ class Metadata:
             if close is not None:
                 close()
         if self._store is not None and self.list_ahead_workers:
-            unlisted = [d for d in following
-                        if d not in self._inflight and self._index.row(d) is None]
+            now = self._clock()
+            unlisted = []
+            for d in following:
+                at = self._asked_ahead.get(d)
+                if at is not None and now - at < self._ttl:
+                    continue  # queued (or found listed) lately
+                self._asked_ahead[d] = now
+                self._asked_ahead.move_to_end(d)
+                if d not in self._inflight and self._index.row(d) is None:
+                    unlisted.append(d)
+            while len(self._asked_ahead) > AHEAD_QUEUE:
+                self._asked_ahead.popitem(last=False)
             if unlisted:
                 self._queue_ahead(unlisted)
         return following[0] if following else None
