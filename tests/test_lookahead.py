@@ -22,7 +22,8 @@ class FakePrefetcher:
     def __init__(self) -> None:
         self.prefetched: list[str] = []
 
-    def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
+    def want_object(self, obj: ObjectVersion, policy: str, *,
+                    load_cached: bool = True) -> int | None:
         assert policy == "directory"
         if obj.key not in self.prefetched:
             self.prefetched.append(obj.key)
@@ -260,7 +261,8 @@ def test_opens_on_workers_do_not_wait_for_the_requests_of_issue() -> None:
     inside, release = threading.Event(), threading.Event()
 
     class SlowPrefetcher(FakePrefetcher):
-        def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
+        def want_object(self, obj: ObjectVersion, policy: str, *,
+                        load_cached: bool = True) -> int | None:
             inside.set()
             assert release.wait(10), "the test's worker never ran"
             return super().want_object(obj, policy)
@@ -325,3 +327,48 @@ def test_a_walk_in_order_keeps_its_window_full_across_directories() -> None:
     assert max(ahead) <= 2 * window, str(ahead)
     assert len(set(f.prefetched)) == len(f.prefetched)
     assert f.prefetched == [d + n.decode() for d, n in order][-len(f.prefetched):]
+
+
+def test_going_on_into_later_directories_leaves_their_cached_files_on_disk() -> None:
+    """Files of the directories after the one being read that are on local disk are not
+    loaded into memory on its readers' behalf (each load is a hand-over; the request
+    workers read cached files themselves): the walk stops going on at the first one,
+    and does not try again at every open."""
+    folders = [f"train/c{c:03d}/" for c in range(6)]
+    per = 20
+    ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(folders)
+           for j, n in enumerate(NAMES[:per])}
+
+    def iter_after_dirs(prefix: str, after: bytes) -> Iterator[Entry]:
+        for n in NAMES[:per] if prefix in folders else []:
+            if n > after:
+                yield Entry(name=n, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=ino[(prefix, n)])
+
+    def next_dir(prefix: str) -> str | None:
+        i = folders.index(prefix)
+        return folders[i + 1] if i + 1 < len(folders) else None
+
+    class Cached(FakePrefetcher):
+        """Every file is on local disk: loaded into memory only when asked to."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def want_object(self, obj: ObjectVersion, policy: str, *,
+                        load_cached: bool = True) -> int | None:
+            self.calls += 1
+            if load_cached:
+                self.prefetched.append(obj.key)
+            return 0
+
+    f = Cached()
+    la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir,  # type: ignore[arg-type]
+                            max_files=64)
+    for i, n in enumerate(NAMES[:per]):
+        la.on_open(folders[0], n, ino[(folders[0], n)], reader=9000 + i % 4)
+    loaded = {k.rsplit("/", 1)[0] + "/" for k in f.prefetched}
+    assert loaded <= set(folders[:2]), loaded  # its own directory, and one carried into
+    calls = f.calls
+    assert calls < 4 * per, calls  # not a look per open

@@ -68,6 +68,9 @@ from cachefs.read.prefetcher import DIRECTORY, Prefetcher
 
 #: Positions a walk remembers below the furthest one opened.
 SPAN = 64
+#: A walk that went on into the next directories and found nothing more to request
+#: there tries again after its readers opened this many more files.
+RETRY_OPENS = 16
 #: Misses double the opens a directory's walks need, at most this many times.
 MAX_PENALTY = 4
 _MASK = (1 << SPAN) - 1
@@ -77,7 +80,7 @@ WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shar
 
 class _Walk:
     __slots__ = ("ahead", "asked_next", "carried", "carried_to", "end", "hi", "hits",
-                 "issued_ino", "issued_until", "last", "lo", "opened", "spread")
+                 "issued_ino", "issued_until", "last", "lo", "opened", "retry_at", "spread")
 
     def __init__(self, name: bytes, ino: int) -> None:
         self.lo = self.hi = ino
@@ -94,6 +97,10 @@ class _Walk:
         # A directory's shared walk that went on: the directory its further requests go to
         # (the one it went into, or one after that; None when there is none to go to)
         self.carried_to: str | None = None
+        # Going on found nothing to request (a listing not there yet, cached files): not
+        # tried again before the walk's readers reach this position (each try costs a
+        # hand-over to the trio thread)
+        self.retry_at = 0
 
     def count(self) -> int:
         return self.opened.bit_count()
@@ -200,7 +207,8 @@ class DirectoryLookahead:
 
     def _wanted(self, key: WalkKey, walk: _Walk) -> int:
         """Files the walk should request now (0 when not in order)."""
-        if (walk.carried and walk.carried_to is None) or not self._in_order(key[0], walk):
+        if ((walk.carried and walk.carried_to is None) or walk.hi < walk.retry_at
+                or not self._in_order(key[0], walk)):
             return 0
         window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
         if walk.issued_ino <= walk.hi and walk.carried_to is None:
@@ -240,7 +248,11 @@ class DirectoryLookahead:
                     continue
                 after, end, carried_to = walk.issued_until, walk.end, walk.carried_to
             if carried_to is not None:
-                issued += self._forward(walk, carried_to, want)
+                n = self._forward(walk, carried_to, want)
+                issued += n
+                if n < want:
+                    with self._lock:
+                        walk.retry_at = walk.hi + RETRY_OPENS
                 continue
             # The listing walk and the loads it starts run without the lock: the workers'
             # observe() must not wait for them (see the module docstring).
@@ -272,11 +284,15 @@ class DirectoryLookahead:
                     # (else its listing is not here yet: tried again at the next open)
         return issued
 
-    def _request(self, prefix: str, after: bytes,
-                 want: int) -> tuple[list[tuple[bytes, int]], bool]:
+    def _request(self, prefix: str, after: bytes, want: int, *,
+                 far: bool = False) -> tuple[list[tuple[bytes, int]], bool]:
         """Request up to ``want`` files of ``prefix`` after name ``after`` (without the
         lock). Returns the (name, inode) of each file requested, in order, and whether the
-        directory's last file is among them."""
+        directory's last file is among them. ``far``: requests on behalf of readers in an
+        earlier directory (:meth:`_forward`) stop at the first file on local disk: loading
+        cached files into memory that far ahead costs a hand-over each where the request
+        worker reads them itself; the directory's own walk loads them when its readers
+        get there."""
         entries = self._iter_after(prefix, after)
         picked: list[tuple[bytes, int]] = []
         end = True  # unless the loop stops before the last entry
@@ -289,9 +305,13 @@ class DirectoryLookahead:
                     break
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
-                if self._prefetcher.want_object(obj, DIRECTORY) is None:
+                got = self._prefetcher.want_object(obj, DIRECTORY, load_cached=not far)
+                if got is None:
                     end = False
                     break  # memory budget full
+                if far and got == 0 and entry.size > 0:
+                    end = False
+                    break  # on local disk (see above)
                 picked.append((entry.name, entry.ino))
                 if self._on_predicted is not None:
                     self._on_predicted(obj)
@@ -322,7 +342,7 @@ class DirectoryLookahead:
             if room <= 0 or after is None:
                 return issued
             if not end:
-                picked, end = self._request(prefix, after, room)
+                picked, end = self._request(prefix, after, room, far=True)
                 with self._lock:
                     _advance(nxt, picked, end)
                     for w in chain:
@@ -339,7 +359,7 @@ class DirectoryLookahead:
                         w.carried_to = None  # the parent's last directory
                     nxt.carried = True
                 return issued
-            carried = self._carry(following, want, nxt)
+            carried = self._carry(following, want, nxt, far=True)
             with self._lock:
                 if (following, 0) not in self._walks:
                     return issued  # not listed yet (tried again at the next top-up)
@@ -352,7 +372,7 @@ class DirectoryLookahead:
             prefix = following
         return issued
 
-    def _carry(self, prefix: str, want: int, prev: _Walk) -> int:
+    def _carry(self, prefix: str, want: int, prev: _Walk, *, far: bool = False) -> int:
         """A walk in order ended its directory: request ``want`` files of the next
         directory ``prefix`` and give it a trusted shared walk positioned before its
         first file. Nothing when it is not listed yet or already has a walk."""
@@ -374,8 +394,8 @@ class DirectoryLookahead:
         walk.opened = _MASK  # trusted: as if the positions before its first file were read
         walk.lo = walk.hi - SPAN + 1
         walk.issued_until, walk.issued_ino = b"", walk.hi
-        picked, end = self._request(prefix, b"", want)
-        if picked:
+        picked, end = self._request(prefix, b"", want, far=far)
+        if picked or far:  # (far: trusted even if its first file is cached: see _request)
             with self._lock:
                 _advance(walk, picked, end)
                 # A reader that opened a file there meanwhile has started the directory's

@@ -154,8 +154,10 @@ class Prefetcher:
         return False  # hint, sweep, warm: far ahead
 
     # -- the admission rule ---------------------------------------------------------------
-    def want(self, obj: ObjectVersion, index: int, policy: str) -> int | None:
+    def want(self, obj: ObjectVersion, index: int, policy: str, *,
+             load_cached: bool = True) -> int | None:
         """Ask for block ``index`` of ``obj`` ahead of readers. Never waits.
+        ``load_cached=False``: a block on local disk is left there whatever the policy.
 
         Returns None when the memory budget is full (stop and try again on the next
         trigger), else the bytes of the block that are not on local disk (in flight,
@@ -170,7 +172,7 @@ class Prefetcher:
         if f.is_loaded_or_loading(bid):
             return length
         if f.is_cached_id(bid):
-            if self._loads_cached(policy):
+            if load_cached and self._loads_cached(policy):
                 f.load_ahead(obj, index, bid, reserved=0)
             return 0
         if not self.budget.try_reserve(length):
@@ -200,11 +202,12 @@ class Prefetcher:
         for listener in self._listeners[policy]:
             listener()
 
-    def want_object(self, obj: ObjectVersion, policy: str) -> int | None:
+    def want_object(self, obj: ObjectVersion, policy: str, *,
+                    load_cached: bool = True) -> int | None:
         """:meth:`want` for every block of ``obj``; None as soon as the budget is full."""
         total = 0
         for index in range(self.fetcher.block_count(obj)):
-            n = self.want(obj, index, policy)
+            n = self.want(obj, index, policy, load_cached=load_cached)
             if n is None:
                 return None
             total += n
