@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
@@ -293,12 +293,12 @@ def test_opens_on_workers_do_not_wait_for_the_requests_of_issue() -> None:
     assert keys.index(f.prefetched[-1]) > i + 40
 
 
-def test_a_walk_in_order_keeps_its_window_full_across_directories() -> None:
-    """Readers going through small class folders one after the other keep a whole window
-    of files requested ahead of them, across folder boundaries, not only the rest of the
-    folder they are in (the link needs its bandwidth-delay product of GETs in flight)."""
-    folders = [f"train/c{c:03d}/" for c in range(12)]
-    per, window = 20, 64
+def _class_folders(count: int, per: int) -> tuple[
+        list[str], dict[tuple[str, bytes], int], Callable[[str, bytes], Iterator[Entry]],
+        Callable[[str], str | None]]:
+    """``count`` class folders of ``per`` files: their prefixes, the inode of each file
+    (a listing numbers a folder's names in order), a listing walk and next_dir()."""
+    folders = [f"train/c{c:03d}/" for c in range(count)]
     ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(folders)
            for j, n in enumerate(NAMES[:per])}
 
@@ -312,6 +312,15 @@ def test_a_walk_in_order_keeps_its_window_full_across_directories() -> None:
         i = folders.index(prefix)
         return folders[i + 1] if i + 1 < len(folders) else None
 
+    return folders, ino, iter_after_dirs, next_dir
+
+
+def test_a_walk_in_order_keeps_its_window_full_across_directories() -> None:
+    """Readers going through small class folders one after the other keep a whole window
+    of files requested ahead of them, across folder boundaries, not only the rest of the
+    folder they are in (the link needs its bandwidth-delay product of GETs in flight)."""
+    per, window = 20, 64
+    folders, ino, iter_after_dirs, next_dir = _class_folders(12, per)
     f = FakePrefetcher()
     la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir,  # type: ignore[arg-type]
                             max_files=window)
@@ -334,21 +343,8 @@ def test_going_on_into_later_directories_leaves_their_cached_files_on_disk() -> 
     loaded into memory on its readers' behalf (each load is a hand-over; the request
     workers read cached files themselves): the walk stops going on at the first one,
     and does not try again at every open."""
-    folders = [f"train/c{c:03d}/" for c in range(6)]
     per = 20
-    ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(folders)
-           for j, n in enumerate(NAMES[:per])}
-
-    def iter_after_dirs(prefix: str, after: bytes) -> Iterator[Entry]:
-        for n in NAMES[:per] if prefix in folders else []:
-            if n > after:
-                yield Entry(name=n, is_dir=False, size=100_000, mtime=0.0, etag="e",
-                            ino=ino[(prefix, n)])
-
-    def next_dir(prefix: str) -> str | None:
-        i = folders.index(prefix)
-        return folders[i + 1] if i + 1 < len(folders) else None
-
+    folders, ino, iter_after_dirs, next_dir = _class_folders(6, per)
     class Cached(FakePrefetcher):
         """Every file is on local disk: loaded into memory only when asked to."""
 
