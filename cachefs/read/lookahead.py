@@ -59,6 +59,7 @@ the result is recorded (:func:`_advance`). The flags ``asked_next`` and
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterator
 
@@ -71,6 +72,11 @@ SPAN = 64
 #: A walk that went on into the next directories and found nothing more to request
 #: there tries again after its readers opened this many more files.
 RETRY_OPENS = 16
+#: Opens under a parent after its readers moved to another folder, before the folder
+#: they left is looked at (whether they left files requested ahead unread in it).
+LEFT_CHECK_OPENS = 32
+#: Folders left and not looked at yet, per parent (the oldest are dropped).
+LEFT_CHECKS = 16
 #: Misses double the opens a directory's walks need, at most this many times.
 MAX_PENALTY = 4
 _MASK = (1 << SPAN) - 1
@@ -80,7 +86,8 @@ WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shar
 
 class _Walk:
     __slots__ = ("ahead", "asked_next", "carried", "carried_to", "end", "hi", "hits",
-                 "issued_ino", "issued_until", "last", "lo", "opened", "retry_at", "spread")
+                 "issued_ino", "issued_until", "last", "lo", "opened", "retry_at", "spread",
+                 "trusted")
 
     def __init__(self, name: bytes, ino: int) -> None:
         self.lo = self.hi = ino
@@ -101,6 +108,7 @@ class _Walk:
         # tried again before the walk's readers reach this position (each try costs a
         # hand-over to the trio thread)
         self.retry_at = 0
+        self.trusted = False  # made by a carry, trusted before any open of its own
 
     def count(self) -> int:
         return self.opened.bit_count()
@@ -136,6 +144,16 @@ class DirectoryLookahead:
         self._walks: dict[WalkKey, _Walk] = {}
         # directory -> doublings of min_opens after requests ahead its walks never reached
         self._penalty: dict[str, int] = {}
+        # Parent -> doublings of min_opens for the walks of its folders, after their readers
+        # were seen leaving folders with files requested ahead unread (a subset of each
+        # folder read); while > 0 no walk goes on from one of its folders into the next.
+        self._skips: dict[str, int] = {}
+        # Parent -> the folder its readers were last seen in; and, once they were seen in
+        # another, (the folder they left, the opens under the parent at which to look
+        # whether they left it early)
+        self._folder: dict[str, str] = {}
+        self._left: dict[str, collections.deque[tuple[str, int]]] = {}
+        self._opens_under: dict[str, int] = {}
         self._where: dict[int, str] = {}  # reader -> the directory of its last open
         self._lock = threading.Lock()
 
@@ -153,12 +171,50 @@ class DirectoryLookahead:
                 self._where[reader] = prefix
                 if len(self._where) > self.max_walks:
                     self._where.pop(next(iter(self._where)))
+            self._follow_folders(prefix)
             keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
             for key in keys:
                 walk = self._step(key, name, ino)
                 if self._wanted(key, walk) > 0:
                     due.append(key)
         return due
+
+    def _follow_folders(self, prefix: str) -> None:
+        """Tell readers that read each folder in part (under the lock). When the readers
+        under a parent show up in another folder, the folder they left is looked at
+        :data:`LEFT_CHECK_OPENS` opens under that parent later (a pool's slower readers
+        finish it meanwhile). If its walk requested files its readers never reached,
+        the parent's folders are being read in part, and going on into the next folders
+        would fetch the rest of each for nothing: the parent's walks stop going on, the
+        folders it was carried into lose their trust, and its walks need twice the opens
+        to be trusted (:meth:`_in_order`). A folder left read to its end undoes one
+        such doubling."""
+        parent = _parent(prefix)
+        n = self._opens_under.get(parent, 0) + 1
+        self._opens_under[parent] = n
+        checks = self._left.get(parent)
+        while checks and checks[0][1] <= n:
+            folder, _ = checks.popleft()
+            walk = self._walks.get((folder, 0))
+            if walk is None or not walk.issued_ino:
+                continue  # nothing requested ahead there: nothing to tell
+            if walk.issued_ino - walk.hi > self.adjacency:
+                self._skips[parent] = min(MAX_PENALTY, self._skips.get(parent, 0) + 1)
+                for key in [k for k, w in self._walks.items()
+                            if k[0] != prefix and w.trusted and _parent(k[0]) == parent]:
+                    del self._walks[key]  # carried into, its readers not there yet
+            elif self._skips.get(parent, 0) > 0:
+                self._skips[parent] -= 1
+        was = self._folder.get(parent)
+        if was != prefix:
+            self._folder[parent] = prefix
+            if was is not None:
+                if checks is None:
+                    checks = self._left[parent] = collections.deque(maxlen=LEFT_CHECKS)
+                checks.append((was, n + LEFT_CHECK_OPENS))
+            for d in (self._folder, self._opens_under, self._skips, self._left):
+                if len(d) > self.max_walks:
+                    d.pop(next(iter(d)))  # type: ignore[attr-defined]
 
     def _step(self, key: WalkKey, name: bytes, ino: int) -> _Walk:
         walk = self._walks.pop(key, None)
@@ -201,7 +257,9 @@ class DirectoryLookahead:
     def _in_order(self, prefix: str, walk: _Walk) -> bool:
         # Opens arriving out of order by k positions need 2k more to tell a pool of readers
         # in order from shuffled readers in a small directory.
-        need = (self.min_opens << self._penalty.get(prefix, 0)) + 2 * walk.spread
+        need = ((self.min_opens << (self._penalty.get(prefix, 0)
+                                    + self._skips.get(_parent(prefix), 0)))
+                + 2 * walk.spread)
         n = walk.count()
         return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
 
@@ -270,8 +328,8 @@ class DirectoryLookahead:
                 walk.asked_next = True
                 nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
                 if end:
-                    if nxt is None:
-                        walk.carried = True  # the parent's last directory
+                    if nxt is None or self._skips.get(_parent(prefix), 0):
+                        walk.carried = True  # the parent's last directory, or read in part
                     elif n < want:
                         carried = self._carry(nxt, want - n, walk)
                         issued += carried
@@ -331,6 +389,10 @@ class DirectoryLookahead:
         directory's own walk is never pushed past a window ahead of its own readers."""
         issued = 0
         chain = [walk]  # the shared walks the requests passed, the furthest last
+        if self._skips.get(_parent(prefix), 0):
+            with self._lock:
+                walk.carried_to = None  # its folders are read in part: stop going on
+            return 0
         while want > 0:
             with self._lock:
                 nxt = self._walks.get((prefix, 0))
@@ -392,6 +454,7 @@ class DirectoryLookahead:
             return 0  # not listed yet, or no files
         walk = _Walk(b"", first.ino - 1)
         walk.opened = _MASK  # trusted: as if the positions before its first file were read
+        walk.trusted = True
         walk.lo = walk.hi - SPAN + 1
         walk.issued_until, walk.issued_ino = b"", walk.hi
         picked, end = self._request(prefix, b"", want, far=far)
@@ -410,6 +473,11 @@ class DirectoryLookahead:
         """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
         due = self.observe(prefix, name, ino, reader)
         return self.issue(due) if due else 0
+
+
+def _parent(prefix: str) -> str:
+    """The directory holding directory ``prefix`` ("" for a top-level one)."""
+    return prefix[:prefix.rstrip("/").rfind("/") + 1]
 
 
 def _advance(walk: _Walk, picked: list[tuple[bytes, int]], end: bool) -> None:
