@@ -35,13 +35,27 @@ shared walk that starts trusted, so its readers keep the requests flowing
 without first proving their order again (and without a stall of one round trip
 per directory). ``next_dir`` also has that directory listed early: it is asked
 as soon as a walk is in order, so the listing is there when the walk needs it.
-A directory not listed yet when the walk ends is not carried into.
+A directory not listed yet when the walk ends is not carried into. The
+directory's shared walk then keeps its window full across folders: its
+further top-ups go on in the directories after it (:meth:`_forward`; each
+walk passed counts those files as ahead of its own readers, and none is pushed
+past a window ahead of them), so a pool reading small folders one after the
+other keeps a window of GETs in flight, not only the rest of the folder it is
+in. Those far requests stop at the first file already on local disk (cached
+files are loaded into memory by their folder's own walk, when its readers get
+there), and ``next_dir`` lists several folders ahead (a folder of small files
+is read faster than a LIST crosses regions).
 
 Speculation must not waste: files requested ahead that a directory's readers
 never reach (its shared walk restarted elsewhere: shuffled readers that looked
 ordered for a moment) count against the directory, and each such miss doubles
 the opens its walks need before they are trusted again (up to ``min_opens <<
-MAX_PENALTY``); a walk that consumes its window undoes one doubling.
+MAX_PENALTY``); a walk that consumes its window undoes one doubling. Readers
+that read each folder only in part (a subset script: the first files of every
+class folder) are told by the folder they leave (:meth:`_follow_folders`):
+files requested there and never reached double the opens the walks of every
+folder of that parent need, and stop carries into the next folders; a folder
+read to its end undoes one doubling.
 
 Concurrency: :meth:`DirectoryLookahead.observe` runs on the FUSE request
 workers (any thread) and only updates walks, under ``_lock``; when a walk is
@@ -54,7 +68,11 @@ window of files) run without it, so an open on a worker never waits for them.
 Only ``issue`` (one thread, never re-entered) requests files, so a walk's
 requests never overlap; readers moving the walk meanwhile are accounted for when
 the result is recorded (:func:`_advance`). The flags ``asked_next`` and
-``carried`` are written only by ``issue``.
+``carried`` are written only by ``issue`` (and :meth:`_forward`, which it
+calls); ``carried_to``, ``retry_at`` and ``ahead`` only under ``_lock``. The
+per-parent state (``_skips``, ``_folder``, ``_left``, ``_opens_under``) is
+changed only by ``observe`` under ``_lock``; ``issue`` reads ``_skips`` without
+it (one dictionary lookup: a stale answer costs one top-up more or less).
 """
 
 from __future__ import annotations
