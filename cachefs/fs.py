@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import trio
 
+from cachefs.cache.index import parent_prefix
 from cachefs.cache.metadata import Entry, Metadata, View
 from cachefs.errors import NoSuchKey, ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
@@ -231,7 +232,7 @@ class FileSystem:
     def _parent_of(self, node: Node) -> Node:
         if node.ino == ROOT_INODE or node.parent_prefix == self.root_prefix:
             return self._root
-        grand = node.parent_prefix[:node.parent_prefix.rstrip("/").rfind("/") + 1]
+        grand = parent_prefix(node.parent_prefix)
         name = node.parent_prefix[len(grand):-1].encode("utf-8", "surrogateescape")
         _, entry, _ = self.metadata.lookup_now(grand, name)
         return self._node_for(grand, entry) if entry is not None and entry.is_dir else self._root

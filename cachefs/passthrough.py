@@ -74,7 +74,6 @@ from typing import Protocol
 import trio
 
 from cachefs import failpoints, metrics
-from cachefs.cache.blockid import split_block_id
 from cachefs.cache.blocks import BlockCache
 from cachefs.errors import ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
@@ -216,11 +215,10 @@ class Passthrough:
         the open to use."""
         if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
             return
-        bids = self.fetcher.block_ids(obj)
         # (read without _lock: a stale answer only costs the preparing thread a look)
-        if bids and split_block_id(bids[0])[0] in self._backings:
+        if self.fetcher.object_id(obj) in self._backings:
             return  # registered already (the previous epoch's open) or being verified
-        if any(self.fetcher.is_loading(bid) for bid in bids):
+        if any(self.fetcher.is_loading(bid) for bid in self.fetcher.block_ids(obj)):
             return  # being fetched: not on disk yet (registered once its readers close it)
         self._enqueue(obj, False)
 

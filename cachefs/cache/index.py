@@ -76,6 +76,12 @@ def enc(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
+def parent_prefix(prefix: str) -> str:
+    """The prefix of the directory holding directory ``prefix`` (``a/b/`` -> ``a/``;
+    ``a/`` -> ``""``)."""
+    return prefix[:prefix.rstrip("/").rfind("/") + 1]
+
+
 def prefix_id(prefix: str) -> bytes:
     """The 8-byte id of a directory prefix (xxh3-64: S3 keys are up to 1024 bytes,
     LMDB keys 511)."""

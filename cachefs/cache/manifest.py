@@ -49,6 +49,7 @@ from cachefs.cache.index import (
     Index,
     enc,
     pack_entry,
+    parent_prefix,
     prefix_id,
     unpack_entry,
 )
@@ -301,7 +302,7 @@ def load(env: LmdbEnv, path: Path, *, bucket: str, root_prefix: str) -> int:
         d = parent
         while d not in dirs and len(d) > len(root_prefix):  # new directories up the tree
             dirs.add(d)
-            up = d[:d.rstrip("/").rfind("/") + 1]
+            up = parent_prefix(d)
             batch.append((prefix_id(up) + enc(d[len(up):-1]), pack_entry(F_DIR, 0, 0, 0, ""), True))
             d = up
         if len(batch) >= BATCH:

@@ -76,6 +76,7 @@ from cachefs.cache.index import (
     VersionWriter,
     View,
     enc,
+    parent_prefix,
     prefix_id,
 )
 from cachefs.cache.lmdbenv import LmdbEnv
@@ -527,7 +528,7 @@ class Metadata:
         thread; looks at most NEXT_DIR_SCAN names."""
         if prefix == root or not prefix.startswith(root):
             return None
-        parent = prefix[:prefix.rstrip("/").rfind("/") + 1]
+        parent = parent_prefix(prefix)
         v = self.view(parent)
         if v is None:
             return None

@@ -81,6 +81,7 @@ import collections
 import threading
 from collections.abc import Callable, Iterator
 
+from cachefs.cache.index import parent_prefix
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.prefetcher import DIRECTORY, Prefetcher
@@ -207,7 +208,7 @@ class DirectoryLookahead:
         folders it was carried into lose their trust, and its walks need twice the opens
         to be trusted (:meth:`_in_order`). A folder left read to its end undoes one
         such doubling."""
-        parent = _parent(prefix)
+        parent = parent_prefix(prefix)
         n = self._opens_under.get(parent, 0) + 1
         self._opens_under[parent] = n
         checks = self._left.get(parent)
@@ -219,7 +220,7 @@ class DirectoryLookahead:
             if walk.issued_ino - walk.hi > self.adjacency:
                 self._skips[parent] = min(MAX_PENALTY, self._skips.get(parent, 0) + 1)
                 for key in [k for k, w in self._walks.items()
-                            if k[0] != prefix and w.trusted and _parent(k[0]) == parent]:
+                            if k[0] != prefix and w.trusted and parent_prefix(k[0]) == parent]:
                     del self._walks[key]  # carried into, its readers not there yet
             elif self._skips.get(parent, 0) > 0:
                 self._skips[parent] -= 1
@@ -276,7 +277,7 @@ class DirectoryLookahead:
         # Opens arriving out of order by k positions need 2k more to tell a pool of readers
         # in order from shuffled readers in a small directory.
         need = ((self.min_opens << (self._penalty.get(prefix, 0)
-                                    + self._skips.get(_parent(prefix), 0)))
+                                    + self._skips.get(parent_prefix(prefix), 0)))
                 + 2 * walk.spread)
         n = walk.count()
         return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
@@ -346,7 +347,7 @@ class DirectoryLookahead:
                 walk.asked_next = True
                 nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
                 if end:
-                    if nxt is None or self._skips.get(_parent(prefix), 0):
+                    if nxt is None or self._skips.get(parent_prefix(prefix), 0):
                         walk.carried = True  # the parent's last directory, or read in part
                     elif n < want:
                         carried = self._carry(nxt, want - n, walk)
@@ -407,7 +408,7 @@ class DirectoryLookahead:
         directory's own walk is never pushed past a window ahead of its own readers."""
         issued = 0
         chain = [walk]  # the shared walks the requests passed, the furthest last
-        if self._skips.get(_parent(prefix), 0):
+        if self._skips.get(parent_prefix(prefix), 0):
             with self._lock:
                 walk.carried_to = None  # its folders are read in part: stop going on
             return 0
@@ -491,11 +492,6 @@ class DirectoryLookahead:
         """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
         due = self.observe(prefix, name, ino, reader)
         return self.issue(due) if due else 0
-
-
-def _parent(prefix: str) -> str:
-    """The directory holding directory ``prefix`` ("" for a top-level one)."""
-    return prefix[:prefix.rstrip("/").rfind("/") + 1]
 
 
 def _advance(walk: _Walk, picked: list[tuple[bytes, int]], end: bool) -> None:

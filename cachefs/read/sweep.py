@@ -70,6 +70,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.background import report
+from cachefs.cache.index import parent_prefix
 from cachefs.cache.metadata import Entry
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
@@ -193,7 +194,7 @@ class Sweeper:
             assert self._current is not None
             self._queue.append((self._current, self._after))
             self._current = self._after = None
-        parent = _parent(prefix)
+        parent = parent_prefix(prefix)
         swept = self._parents.pop(parent, set())
         swept.add(prefix)
         self._parents[parent] = swept
@@ -346,8 +347,3 @@ class Sweeper:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()
-
-
-def _parent(prefix: str) -> str:
-    """The parent of directory ``prefix`` (``a/b/`` -> ``a/``; ``a/`` -> ``""``)."""
-    return prefix[:prefix.rstrip("/").rfind("/") + 1]
