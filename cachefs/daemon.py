@@ -267,7 +267,7 @@ class Daemon:
         listing_threads = trio.CapacityLimiter(cfg.max_connections)
         metadata = Metadata(env, None if manifest_path else origin.blocking(),
                             ttl=cfg.metadata_ttl, limiter=listing_threads,
-                            list_ahead=cfg.list_ahead)
+                            list_ahead=cfg.list_ahead, root=cfg.source.prefix)
         if manifest_path is not None:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
