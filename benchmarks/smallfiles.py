@@ -252,6 +252,10 @@ def inflight_sampler(url: str | None, every: float, out: dict[str, Any]) -> Iter
                                      "max": max(samples), "samples": len(samples)}
         # S3 bytes/s over the middle half of the pass: the steady state, without the
         # start (listings, walks proving their order) and the tail (the last GETs).
+        if received:  # (seconds into the pass, S3 MB so far, fetches in flight)
+            t_start = received[0][0] - every
+            out["series"] = [(round(t - t_start, 2), round(b / 1e6, 1), n)
+                             for (t, b), n in zip(received, samples, strict=False)]
         if len(received) >= 8:
             (t0, b0), (t1, b1) = received[len(received) // 4], received[3 * len(received) // 4]
             if t1 > t0:

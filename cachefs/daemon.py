@@ -267,11 +267,12 @@ class Daemon:
         listing_threads = trio.CapacityLimiter(cfg.max_connections)
         metadata = Metadata(env, None if manifest_path else origin.blocking(),
                             ttl=cfg.metadata_ttl, limiter=listing_threads,
-                            list_ahead=cfg.list_ahead)
+                            list_ahead=cfg.list_ahead, root=cfg.source.prefix)
         if manifest_path is not None:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto")
+        fetcher.on_settled = passthrough.settled  # predicted files registered once landed
         if cfg.passthrough == "auto" and not passthrough.wanted:
             log.info("FUSE passthrough unavailable (it needs Linux 6.9 or newer): "
                      "cachefs serves reads itself")
@@ -362,6 +363,7 @@ class Daemon:
                      on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._open_connections, origin)
             await nursery.start(fetcher.run)
             await nursery.start(metadata.run)
             if shared is not None:
@@ -396,6 +398,13 @@ class Daemon:
                 if shared is not None:
                     await shared.drain()
             nursery.cancel_scope.cancel()
+
+    async def _open_connections(self, origin: Origin) -> None:
+        """Open half of the S3 connections while the mount comes up: a cold start's first
+        burst of GETs (a directory walk's window) then finds them open instead of each
+        paying a connection's round trips across regions first."""
+        n = await origin.open_connections(self.cfg.max_connections // 2)
+        log.info("opened %d connection(s) to S3 ahead of the first reads", n)
 
     async def _watch_unmount(self, origin: Origin) -> None:
         """Stop S3 requests as soon as the mount is gone from the mount table.

@@ -78,6 +78,11 @@ CACHE_EVICTED_BYTES = Counter(
 CACHE_ADMISSION_REJECTS = Counter(
     "cachefs_cache_admission_rejected", "Blocks not admitted because the cache was full "
     "(keep policy) or the disk was out of space", registry=REGISTRY)
+CACHE_OBJECTS_TRUSTED = Counter(
+    "cachefs_cache_objects_trusted",
+    "Objects handed to the kernel (passthrough) without reading their file back: this daemon "
+    "wrote every block of it from checked bytes and released none since",
+    registry=REGISTRY)
 CACHE_CORRUPT_BLOCKS = Counter(
     "cachefs_cache_corrupt_blocks", "Cached blocks that failed verification and were refetched",
     registry=REGISTRY)

@@ -13,7 +13,10 @@ Contracts:
 * A cache file is handed to the kernel only after every block of the object
   passed its length and checksum test (the test every daemon read makes), when
   it is registered. Verifying reads the whole file, which also leaves it in the
-  page cache, where the kernel's reads then find it. A registered file stays
+  page cache, where the kernel's reads then find it -- unless this daemon wrote
+  every block of that file itself from checked bytes and released none since
+  (:meth:`~cachefs.cache.blocks.BlockCache.verify_object`: written marks), as
+  for the files a cold pass fetches just before their open. A registered file stays
   registered while handles use it and, idle, until it is among the least
   recently used beyond :data:`MAX_IDLE_BACKINGS` files or a quarter of the
   cache size; reopening it meanwhile needs no verification. Objects larger than
@@ -32,7 +35,8 @@ Contracts:
   inode is one object version (see :mod:`cachefs.fs`), so that file always
   holds the version the new handle opened.
 * Verification need not wait for the open: files the directory lookahead
-  predicts (:meth:`Passthrough.predicted`), and files opened before they were
+  predicts (:meth:`Passthrough.predicted`; one still being fetched is queued
+  once its load settles, :meth:`Passthrough.settled`), and files opened before they were
   cached once their last handle closes (for the next epoch's open, and only while
   the idle bounds have room for them without closing another), are verified
   and registered ahead by :data:`PREPARE_THREADS` preparing threads
@@ -48,7 +52,8 @@ Contracts:
   through the daemon as before; other refusals decline that open only.
 
 Concurrency: opens and releases run on the FUSE request workers, several at a
-time; predictions arrive on the trio thread (they only queue). ``_lock`` guards
+time; predictions and settled loads arrive on the trio thread (they only queue;
+``_awaiting`` is touched on the trio thread only). ``_lock`` guards
 ``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
 dictionary work and the close ioctl only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
@@ -94,6 +99,9 @@ PREPARE_THREADS = 2
 #: Predictions waiting for those threads; beyond this they are dropped (the open then
 #: verifies its file itself, as without them).
 PREPARE_QUEUE = 256
+#: Predicted objects still being fetched, remembered until their load settles (then
+#: queued like any prediction); beyond this, further ones are dropped.
+AWAITING_LOADS = 512
 #: Only objects up to this size are verified ahead: a wrong prediction costs one read
 #: of the file.
 PREPARE_MAX_BYTES = 8 << 20
@@ -171,6 +179,9 @@ class Passthrough:
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
         # (object, whether it may only take free room among the idle backings)
         self._queue: deque[tuple[ObjectVersion, bool]] = deque()
+        # Predicted objects being fetched, by the id of a block still loading (trio thread
+        # only; bounded: AWAITING_LOADS): queued when that load settles (see settled)
+        self._awaiting: dict[bytes, ObjectVersion] = {}
         # Objects to look at again once their blocks have landed on disk: (when, object,
         # spare, tries so far); one fixed delay, so in order of when. Counted in the bound.
         self._landing: deque[tuple[float, ObjectVersion, bool, int]] = deque()
@@ -204,6 +215,7 @@ class Passthrough:
                 self._queue.clear()
                 self._landing.clear()
                 self._queue_cond.notify_all()
+            self._awaiting.clear()
             with trio.CancelScope(shield=True):
                 for t in workers:
                     await trio.to_thread.run_sync(t.join)
@@ -218,9 +230,25 @@ class Passthrough:
         # (read without _lock: a stale answer only costs the preparing thread a look)
         if self.fetcher.object_id(obj) in self._backings:
             return  # registered already (the previous epoch's open) or being verified
-        if any(self.fetcher.is_loading(bid) for bid in self.fetcher.block_ids(obj)):
-            return  # being fetched: not on disk yet (registered once its readers close it)
+        for bid in self.fetcher.block_ids(obj):
+            if self.fetcher.is_loading(bid):
+                # Being fetched (a cold pass's lookahead): not on disk yet. Queued when
+                # that load settles, so the open finds it registered.
+                if len(self._awaiting) < AWAITING_LOADS:
+                    self._awaiting[bid] = obj
+                else:
+                    metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
+                return
         self._enqueue(obj, False)
+
+    def settled(self, bid: bytes) -> None:
+        """The load of block ``bid`` settled (trio thread; :attr:`Fetcher.on_settled`): a
+        predicted object waiting for it is queued for a preparing thread (which looks
+        again later while other blocks of it are still landing)."""
+        if self._awaiting:
+            obj = self._awaiting.pop(bid, None)
+            if obj is not None:
+                self._enqueue(obj, False)
 
     def _enqueue(self, obj: ObjectVersion, spare: bool) -> None:
         """Queue ``obj`` for a preparing thread (any thread; never waits); ``spare``: see
@@ -327,11 +355,18 @@ class Passthrough:
                     return self._direct_open(ino, "o_direct")
                 backing = self._backings.get(oid)
                 if backing is not None and backing.ready.is_set() and backing.backing_id:
-                    return self._use(ino, backing)
+                    backing_id = self._use(ino, backing)
+                    break
             if backing is None:
                 break
             backing.ready.wait()  # another open verifies this object: use its outcome
             # (failed, closed or the inode changed mode meanwhile: decide afresh)
+        if backing is not None:
+            # Registered ahead (a prediction, or the previous epoch's open): if its blocks
+            # were fetched ahead, the kernel's reads of them are their use.
+            if self.ledger.pending:
+                self.ledger.mark_used(self.fetcher.block_ids(obj))
+            return backing_id
         bids = self.fetcher.block_ids(obj)
         reason = self._decline_reason(obj, bids)
         if reason is not None:

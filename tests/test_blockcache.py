@@ -391,3 +391,83 @@ def test_verify_object_checks_every_block(make_cache) -> None:  # type: ignore[n
     before = corrupt_count()
     assert c.cache.verify_object(blocks) is None
     assert corrupt_count() == before + 1 and not c.cache.contains(blocks[1])
+
+
+def trusted_count() -> float:
+    return metrics.REGISTRY.get_sample_value("cachefs_cache_objects_trusted_total") or 0.0
+
+
+def _verify_with_fd(c: Cache, blocks: list[bytes]) -> int | None:
+    """verify_object as passthrough calls it: pinned, through an open descriptor."""
+    oid = split_block_id(blocks[0])[0]
+    c.cache.pin(oid)
+    try:
+        fd = os.open(c.cache.object_path(oid), os.O_RDONLY)
+        try:
+            return c.cache.verify_object(blocks, fd)
+        finally:
+            os.close(fd)
+    finally:
+        c.cache.unpin(oid)
+
+
+def test_an_object_this_cache_wrote_is_verified_without_reading_it_back(make_cache) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache()
+    blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(3)]
+    for i, b in enumerate(blocks):
+        assert c.put(b, data(i, BLOCK if i < 2 else 100))
+    # Damage behind the cache's back, in the same life: written marks are trusted (the
+    # file is not read back), so the check counts a trusted object and no corruption...
+    c.damage(blocks[1], 5)
+    trusted, corrupt = trusted_count(), corrupt_count()
+    assert _verify_with_fd(c, blocks) == 2 * BLOCK + 100
+    assert trusted_count() == trusted + 1 and corrupt_count() == corrupt
+    # ...without a descriptor (no pin: daemon-side checks) every block is read...
+    assert c.cache.verify_object(blocks) is None
+    assert corrupt_count() == corrupt + 1
+    # ...and a new daemon (the marks live in memory only) reads every block again.
+    c.put(blocks[1], data(1))
+    c.damage(blocks[0], 7)
+    c.reopen()
+    assert _verify_with_fd(c, blocks) is None
+    assert trusted_count() == trusted + 1 and corrupt_count() == corrupt + 2
+
+
+def test_a_release_of_an_objects_bytes_ends_the_trust_in_it(make_cache) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache()
+    blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(2)]
+    for i, b in enumerate(blocks):
+        assert c.put(b, data(i))
+    c.cache.drop([blocks[0]])  # a punched block: the object's marks are dropped
+    assert c.put(blocks[0], data(0))  # stored again: only its own mark is back
+    c.damage(blocks[1], 3)
+    corrupt = corrupt_count()
+    assert _verify_with_fd(c, blocks) is None, "a block not re-written was trusted"
+    assert corrupt_count() == corrupt + 1
+
+
+def test_a_descriptor_of_a_replaced_file_is_not_trusted(make_cache) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache()
+    b = block_id("bucket", "obj", "e", BLOCK, 0)
+    assert c.put(b, data(0))
+    oid = split_block_id(b)[0]
+    c.cache.pin(oid)
+    try:
+        old = os.open(c.cache.object_path(oid), os.O_RDONLY)
+        try:
+            c.cache.unpin(oid)
+            c.cache.drop([b])  # the file is removed...
+            assert not c.cache.object_path(oid).exists()
+            assert c.put(b, data(0))  # ...and written anew: marked with the new inode
+            c.cache.pin(oid)
+            with open(c.cache.object_path(oid), "r+b") as f:
+                f.write(b"\xff")  # (so that trusting the mark would be visible below)
+            trusted = trusted_count()
+            # The old file's own bytes are read and checked (they are intact): the marks of
+            # the new file say nothing about it.
+            assert c.cache.verify_object([b], old) == BLOCK
+            assert trusted_count() == trusted
+        finally:
+            os.close(old)
+    finally:
+        c.cache.unpin(oid)

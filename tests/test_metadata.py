@@ -104,10 +104,10 @@ def store() -> MemoryStore:
 
 def run_with_metadata(env: LmdbEnv, store: MemoryStore, fn: Callable[[Metadata], object], *,
                       ttl: float = 300.0, clock: Callable[[], float] = time.time,
-                      list_ahead: int = 0) -> None:
+                      list_ahead: int = 0, root: str | None = None) -> None:
     async def main() -> None:
         md = Metadata(env, store, ttl=ttl, limiter=trio.CapacityLimiter(8), clock=clock,
-                      list_ahead=list_ahead)
+                      list_ahead=list_ahead, root=root)
         async with trio.open_nursery() as nursery:
             await nursery.start(md.run)
             await fn(md)  # type: ignore[misc]
@@ -683,6 +683,46 @@ def test_next_dir_lists_several_following_directories_ahead(env: LmdbEnv) -> Non
                 await trio.sleep(0.01)
         await trio.sleep(0.05)
         assert md.listed_at(f"t/c{1 + NEXT_DIRS_LISTED:02d}/") is None, "listed too far"
+
+    run_with_metadata(env, store, body, list_ahead=2)
+
+
+def test_a_folder_a_reader_enters_has_the_next_folders_listed_ahead(env: LmdbEnv) -> None:
+    """A reader waiting for a folder's first listing (a cold pass entering its first class
+    folder) has the folders after it listed too, before any walk asks for them: a LIST
+    across regions takes longer than reading a folder's first files. Refreshes and the
+    list-ahead workers' own listings do not (they would list a whole parent)."""
+    from cachefs.cache.metadata import NEXT_DIRS_LISTED
+
+    store = MemoryStore()
+    n = 2 * NEXT_DIRS_LISTED + 2
+    for d in range(n):
+        store.put(f"t/c{d:02d}/f", b"x")
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        assert await md.lookup("t/c00/", b"f") is not None  # the reader enters c00
+        want = [f"t/c{d:02d}/" for d in range(1, 1 + NEXT_DIRS_LISTED)]
+        with trio.fail_after(5):
+            while any(md.listed_at(d) is None for d in want):
+                await trio.sleep(0.01)
+        await trio.sleep(0.05)
+        # Listed ahead, not for a reader: they do not list further ahead themselves.
+        assert md.listed_at(f"t/c{1 + NEXT_DIRS_LISTED:02d}/") is None, "listed too far"
+
+    run_with_metadata(env, store, body, list_ahead=2, root="t/")
+
+
+def test_without_a_root_a_folder_listed_for_a_reader_lists_nothing_else(env: LmdbEnv) -> None:
+    store = MemoryStore()
+    for d in range(4):
+        store.put(f"t/c{d}/f", b"x")
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        assert await md.lookup("t/c0/", b"f") is not None
+        await trio.sleep(0.1)
+        assert [md.listed_at(f"t/c{d}/") is None for d in range(1, 4)] == [True] * 3
 
     run_with_metadata(env, store, body, list_ahead=2)
 

@@ -155,6 +155,29 @@ def test_a_handle_served_by_the_daemon_keeps_the_inode_out_of_passthrough(shard,
     assert m.metric("cachefs_passthrough_opens_total") == 1
 
 
+def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A cold walk in directory order: the files the lookahead fetches are registered by
+    the preparing threads when their fetch lands, without reading them back (this daemon
+    wrote them from checked bytes), so their opens find a backing ready."""
+    client, name = bucket
+    files = {f"walk/f{i:03d}.bin": _payload(300 + i, 30_000 + i) for i in range(40)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    for key in sorted(files):
+        assert _read(m.path / key) == files[key]
+    registered = _counter(m, 'cachefs_passthrough_prepared_total{outcome="registered"}')
+    assert registered >= len(files) // 2, f"only {registered} files registered ahead"
+    # Every file was written by this daemon: none was read back to be verified.
+    assert _counter(m, "cachefs_cache_objects_trusted_total") >= registered
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+    opens = _counter(m, "cachefs_passthrough_opens_total")
+    _drop_page_cache()
+    for key in sorted(files):  # the next epoch: the registrations serve the opens
+        assert _read(m.path / key) == files[key]
+    assert _counter(m, "cachefs_passthrough_opens_total") == opens + len(files)
+
+
 def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     _, name, data = shard
     m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")

@@ -196,6 +196,37 @@ def test_a_kept_alive_connection_the_server_closed_is_resent_at_once(bucket, s3_
             "cachefs_s3_errors_total", {"op": "get", "kind": "TransientStoreError"}) or 0) == errors
 
 
+def _gets() -> float:
+    return metrics.REGISTRY.get_sample_value("cachefs_s3_requests_total", {"op": "get"}) or 0
+
+
+def test_connections_opened_ahead_serve_the_first_requests(bucket, s3_endpoint) -> None:
+    etag = put(bucket, "p.bin", b"prewarmed")
+    with FaultProxy(s3_endpoint) as proxy:
+        store = S3Store(bucket[1], endpoint_url=proxy.url)
+        assert store.prewarm(3) == 3
+        for _ in range(100):  # (the server side of each connection is set up in a thread)
+            if len(proxy._conns) == 3:
+                break
+            time.sleep(0.02)
+        assert len(proxy._conns) == 3
+        assert store.get_range("p.bin", etag, 0, 9) == b"prewarmed"
+        assert len(proxy._conns) == 3, "the first GET opened a connection of its own"
+
+
+def test_pooled_connections_the_server_closed_are_dropped_not_sent_on(bucket, s3_endpoint) -> None:
+    etag = put(bucket, "q.bin", b"idle-closed")
+    with FaultProxy(s3_endpoint) as proxy:
+        store = S3Store(bucket[1], endpoint_url=proxy.url)
+        assert store.prewarm(4) == 4
+        proxy.set_down(True)  # every pooled connection is reset (an idle timeout's close)...
+        proxy.set_down(False)  # ...and the server is back
+        before = _gets()
+        assert store.get_range("q.bin", etag, 0, 11) == b"idle-closed"
+        # One request sent: no attempt on a closed connection, no resend.
+        assert _gets() == before + 1
+
+
 def test_a_stalled_answer_is_aborted_from_another_thread(bucket, s3_endpoint) -> None:
     etag = put(bucket, "s.bin", b"x" * 1000)
     with FaultProxy(s3_endpoint) as proxy:

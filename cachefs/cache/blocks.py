@@ -24,7 +24,23 @@ Contracts:
   named it) is a plain miss, not corruption: a mismatch is only called corrupt
   when a second read under the object's lock, with the index still naming the
   same block, fails too. :meth:`verify_object` checks a whole object the same
-  way before its file is handed to the kernel.
+  way before its file is handed to the kernel -- by reading it, unless this
+  cache wrote every block of it itself in this process's life and released
+  none since (*written marks*, below).
+* Written marks: when :meth:`put_sync` has written and indexed a block, it
+  records (the file's inode, the block's offset, its index entry) under the
+  object's stripe lock, in the same critical section. A release of any of the
+  object's bytes (punch or file removal) drops the object's marks under that
+  same lock. So a mark whose inode is the inode of an open descriptor of the
+  file and whose entry is the block's index entry says what reading the block
+  back would say: the file holds the bytes the entry's checksum was taken of.
+  :meth:`verify_object` trusts them only for a pinned object (no release can
+  run after the pin) and only while holding the stripe lock, and the marks
+  live in memory only: a new daemon, or a mark pushed out of the bounded table
+  (:data:`WRITTEN_MARKS`), verifies by reading, as before. The difference from
+  a read-back is damage at rest between the write and the open, within one
+  daemon's life; a registered passthrough file is not re-read afterwards
+  either (verification is once per object per daemon life).
 * An index that cannot be read (any LMDB error, a value of the wrong shape)
   makes a lookup a miss, counted in ``cachefs_cache_index_errors_total`` and
   logged (at most once a minute), never an error.
@@ -68,8 +84,10 @@ Locks, in the only order they may be taken:
    A thread holds at most one stripe lock.
 2. the LMDB write transaction (one writer at a time); it may be opened while a
    stripe lock is held, never the other way round.
-3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_deferred`` and
-   ``_touched``; held only for a few dict operations, taken last.
+3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_deferred``,
+   ``_touched`` and ``_written`` (which is changed, and read for a trust
+   decision, only while the object's stripe lock is held too); held only for a
+   few dict operations, taken last.
 """
 
 from __future__ import annotations
@@ -78,6 +96,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -100,6 +119,9 @@ from cachefs.errors import CacheError
 log = logging.getLogger(__name__)
 
 _STRIPES = 64
+#: Objects whose written marks are kept (see the module docstring), least recently
+#: written dropped first; one costs ~200 bytes. A dropped mark only means a read-back.
+WRITTEN_MARKS = 65536
 
 __all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "checksum",
            "object_id", "split_block_id"]
@@ -123,6 +145,11 @@ class BlockCache:
         # Byte ranges of dropped blocks whose release waits for their object's unpin.
         self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
+        # Written marks: object id -> (its file's inode, {block offset: index entry}) for
+        # blocks this cache wrote and has not released since (module docstring). Changed
+        # under the object's stripe lock and _lock; oldest written first.
+        self._written: OrderedDict[bytes, tuple[int, dict[int, Entry]]] = OrderedDict()
+        self.max_written_marks = WRITTEN_MARKS
         # An index written by an earlier layout is dropped (the cache is best-effort);
         # its files are removed by remove_orphans().
         self.index.adopt_layout()
@@ -293,7 +320,10 @@ class BlockCache:
         """Check every block of one object against the index (worker thread).
 
         Reads the object's file, or ``fd`` when given (an open descriptor of it, the
-        one then handed to the kernel, so the bytes checked are the bytes served).
+        one then handed to the kernel, so the bytes checked are the bytes served; the
+        caller holds a :meth:`pin` of the object). With ``fd``, blocks this cache wrote
+        into that very file and has not released since are not read back (written
+        marks, see the module docstring).
         Returns the number of bytes verified, or None when a block is not indexed,
         is missing or fails its checksum (a failing block is dropped as corrupt,
         unless the failure was an eviction racing this check). Reading the file also
@@ -302,6 +332,10 @@ class BlockCache:
         entries = self.index.entries(bids) if bids else None
         if entries is None:
             return None
+        if fd is not None and self._written_intact(bids, entries, fd):
+            metrics.CACHE_OBJECTS_TRUSTED.inc()
+            self.touch(bids)
+            return sum(entry[0] for entry in entries)
         own = fd is None
         if fd is None:
             try:
@@ -324,6 +358,43 @@ class BlockCache:
                 os.close(fd)
         self.touch(bids)
         return total
+
+    def _written_intact(self, bids: list[bytes], entries: list[Entry], fd: int) -> bool:
+        """Whether ``fd``'s file holds every block of ``bids`` as this cache wrote it: each
+        block marked written into that file (same inode) with its current index entry,
+        and none released since. Taken under the object's stripe lock, so no release is
+        half-done; the caller's pin keeps any later one from running."""
+        oid = split_block_id(bids[0])[0]
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            return False
+        with self._file_lock(oid), self._lock:
+            marks = self._written.get(oid)
+            if marks is None or marks[0] != inode:
+                return False
+            written = marks[1]
+            return all(written.get(split_block_id(bid)[1]) == entry
+                       for bid, entry in zip(bids, entries, strict=True))
+
+    def _mark_written(self, oid: bytes, inode: int, offset: int, entry: Entry) -> None:
+        """Record a block written and indexed (the caller holds the object's stripe lock)."""
+        with self._lock:
+            marks = self._written.get(oid)
+            if marks is None or marks[0] != inode:  # (a new file: earlier marks are void)
+                marks = (inode, {})
+            else:
+                self._written.move_to_end(oid)
+            marks[1][offset] = entry
+            self._written[oid] = marks
+            if len(self._written) > self.max_written_marks:
+                self._written.popitem(last=False)
+
+    def _unmark_written(self, oid: bytes) -> None:
+        """Forget the object's written marks: some of its bytes are being released, or
+        were not written (the caller holds the object's stripe lock)."""
+        with self._lock:
+            self._written.pop(oid, None)
 
     def drop(self, bids: list[bytes]) -> None:
         """Remove blocks whose bytes are known to be wrong (worker thread): a miss next time.
@@ -370,21 +441,24 @@ class BlockCache:
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
         oid, offset = split_block_id(bid)
+        entry = (len(data), checksum(data))
         with self._file_lock(oid):
             try:
-                self.files.write_at(oid, data, offset)
+                inode = self.files.write_at(oid, data, offset)
             except OSError as exc:
                 metrics.CACHE_WRITE_ERRORS.inc()
                 log.warning("cannot write block to the cache (%s); serving from memory", exc.strerror)
                 self._release_bytes(oid, [(offset, len(data))])
                 return False
             try:
-                admitted, evicted = self._index_put(bid, len(data), checksum(data))
+                admitted, evicted = self._index_put(bid, *entry)
             except CacheError as exc:
                 metrics.CACHE_WRITE_ERRORS.inc()
                 log.warning("cannot index block: %s", exc)
                 admitted, evicted = False, []
-            if not admitted:
+            if admitted:
+                self._mark_written(oid, inode, offset, entry)
+            else:
                 self._release_bytes(oid, [(offset, len(data))])
         self._release_blocks(evicted)
         if self._deferred:
@@ -432,7 +506,10 @@ class BlockCache:
         """Free the byte ranges of dropped blocks of ``oid``: remove the object's file if
         the index names none of its blocks, else punch the ranges out of it. Ranges of
         blocks indexed again meanwhile are kept; a pinned object's release is deferred
-        until its unpin. The caller holds the object's stripe lock."""
+        until its unpin. The caller holds the object's stripe lock. The object's written
+        marks are dropped first in every case (a deferred release too: fewer marks only
+        cost read-backs)."""
+        self._unmark_written(oid)
         with self._lock:
             if oid in self._pinned:
                 self._deferred.setdefault(oid, []).extend(ranges)
@@ -514,6 +591,7 @@ class BlockCache:
                 continue
             with self._file_lock(oid):
                 if not self._is_pinned(oid) and not self._object_indexed(oid) and stale(f):
+                    self._unmark_written(oid)
                     unlink(f)
                     removed += 1
         if removed:

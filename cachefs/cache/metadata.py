@@ -207,8 +207,11 @@ class Metadata:
 
     def __init__(self, env: LmdbEnv, store: ObjectStore | None, *, ttl: float,
                  limiter: trio.CapacityLimiter, clock: Callable[[], float] = time.time,
-                 list_ahead: int = 16) -> None:
+                 list_ahead: int = 16, root: str | None = None) -> None:
         self._env = env
+        # The mount's root prefix: a directory under it listed for a reader has the
+        # directories after it listed ahead (see _start); None: not done.
+        self._root = root
         self._store = store
         self._ttl = ttl
         self._limiter = limiter
@@ -391,7 +394,7 @@ class Metadata:
 
     async def _wait(self, prefix: str) -> _Listing:
         """Start (or join) the listing of ``prefix`` and wait for its next progress."""
-        listing = self._start(prefix)
+        listing = self._start(prefix, follow=True)
         await listing.progress.wait()
         return listing
 
@@ -408,7 +411,7 @@ class Metadata:
                 return
             if self._store is None:
                 return  # a manifest mount: a directory it does not have is empty
-            listing = self._start(prefix)
+            listing = self._start(prefix, follow=True)
             await listing.done.wait()
             self._check(listing, prefix)
             if listing.error is not None:
@@ -580,7 +583,14 @@ class Metadata:
             await listing.done.wait()
 
     # -- listing -----------------------------------------------------------------
-    def _start(self, prefix: str) -> _Listing:
+    def _start(self, prefix: str, *, follow: bool = False) -> _Listing:
+        """Start (or join) the listing of ``prefix`` (trio thread). With ``follow`` (a
+        reader waits for it), a listing started here also queues the directories after
+        ``prefix`` in its parent's listing for the list-ahead workers
+        (:meth:`next_dir`): readers of class folders go on to the next one, and a walk
+        in order would otherwise find the next folder unlisted when it reaches the end
+        of this one (a LIST across regions takes longer than reading a folder's first
+        files). Refreshes and the list-ahead workers' own listings do not follow."""
         listing = self._inflight.get(prefix)
         if listing is not None:
             return listing
@@ -590,6 +600,8 @@ class Metadata:
         listing.tick = self._tick
         self._inflight_ids[prefix_id(prefix)] = listing
         self._nursery.start_soon(self._run_listing, listing)
+        if follow and self._root is not None and self.list_ahead_workers:
+            self.next_dir(prefix, self._root)
         return listing
 
     async def _run_listing(self, listing: _Listing) -> None:

@@ -53,9 +53,9 @@ class ObjectFiles:
         h = oid.hex()
         return self.objects_dir / h[:2] / h
 
-    def write_at(self, oid: bytes, data: bytes, offset: int) -> None:
+    def write_at(self, oid: bytes, data: bytes, offset: int) -> int:
         """Write ``data`` at ``offset`` of the object's file (created with its directory
-        if missing). Raises OSError."""
+        if missing); returns the file's inode number. Raises OSError."""
         path = self.path(oid)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -67,6 +67,7 @@ class ObjectFiles:
             while view:
                 n = os.pwrite(fd, view, offset)
                 view, offset = view[n:], offset + n
+            return os.fstat(fd).st_ino
         finally:
             os.close(fd)
 

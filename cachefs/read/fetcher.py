@@ -208,6 +208,10 @@ class Fetcher:
         self._idle.set()
         self._sinks = _SinkGate()
         self._join_lock = threading.Lock()
+        #: Told (trio thread) the id of every block whose load has settled: its bytes are
+        #: on the disk tier now, or will not be (failed, not admitted). Must be cheap and
+        #: must not raise (passthrough: registering predicted files once they landed).
+        self.on_settled: Callable[[bytes], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -527,8 +531,7 @@ class Fetcher:
                     flight.error = TransientStoreError("fetch cancelled: cachefs is stopping")
                 write_back = flight.error is None and found_at > skip
                 if not write_back:
-                    del self._flights[bid]
-                    flight.settled.set()
+                    self._settle(bid, flight)
                 flight.event.set()
                 self._tell_joined(flight)
                 if flight.fetched is not None:
@@ -548,8 +551,7 @@ class Fetcher:
                                        f"{tier.name} tier"):
                             await tier.put(ref, data)  # type: ignore[arg-type]
                 finally:
-                    del self._flights[bid]
-                    flight.settled.set()
+                    self._settle(bid, flight)
                 if self.block_count(obj) > 1:
                     # From the origin with its CRC; from a lower tier (another node's fetch)
                     # without one: if this object is being checked, its bytes are read back
@@ -563,6 +565,16 @@ class Fetcher:
             self._pending -= 1
             if not self._pending:
                 self._idle.set()
+
+    def _settle(self, bid: bytes, flight: _Flight) -> None:
+        """The load of ``bid`` is over, write-back included: forget its flight."""
+        del self._flights[bid]
+        flight.settled.set()
+        if self.on_settled is not None:
+            try:
+                self.on_settled(bid)
+            except Exception:  # (a listener's bug must not end the load)
+                log.exception("telling that a load settled failed")
 
     async def _fetch(self, ref: BlockRef, prefetch: bool) -> tuple[Got, bool]:
         """Block ``ref`` from S3 and whether it is on the disk tier already: a whole-object

@@ -92,6 +92,11 @@ class PrefetchLedger:
             with self._tally_lock:
                 self._unread[old_policy] -= wasted
 
+    @property
+    def pending(self) -> bool:
+        """Whether any block fetched ahead is still unread (any thread; a hint)."""
+        return bool(self._open)
+
     def note_read(self, bid: bytes) -> None:
         """A reader took block ``bid`` (through the daemon)."""
         if self._open:

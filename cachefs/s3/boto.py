@@ -87,6 +87,11 @@ class S3Store:
             max_connections=max_connections, connect_timeout=connect_timeout,
             read_timeout=read_timeout, ca_bundle=ca_bundle)
 
+    def prewarm(self, n: int) -> int:
+        """Open ``n`` data-path connections ahead of the first GETs (see
+        :meth:`RangeClient.prewarm`); blocking. Returns how many were opened."""
+        return self._ranges.prewarm(n)
+
     def for_region(self, region: str) -> S3Store:
         """The same store, signing for ``region`` (endpoints follow it on AWS)."""
         return S3Store(self.bucket, region=region, **self._args)

@@ -348,6 +348,16 @@ class Origin:
             len(got.data))
         return got
 
+    async def open_connections(self, n: int) -> int:
+        """Open up to ``n`` connections to S3 ahead of the first requests, when the store
+        keeps a pool of them (:meth:`cachefs.s3.boto.S3Store.prewarm`); returns how many
+        were opened. Waits in worker threads (abandoned if cancelled: they only connect)."""
+        prewarm: Callable[[int], int] | None = getattr(self.store, "prewarm", None)
+        if prewarm is None or n <= 0:
+            return 0
+        opened: int = await trio.to_thread.run_sync(prewarm, n, abandon_on_cancel=True)
+        return opened
+
     async def list_page(self, prefix: str, token: str | None,
                         start_after: str | None = None) -> ListPage:
         """One page of the delimiter listing of ``prefix`` (see ObjectStore.list_page)."""

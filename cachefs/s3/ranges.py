@@ -37,7 +37,9 @@ from __future__ import annotations
 import http.client
 import queue
 import re
+import select
 import socket
+import threading
 import time
 import urllib.parse
 import weakref
@@ -87,6 +89,20 @@ def _reason(exc: BaseException) -> str:
     return "connection"
 
 
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle kept-alive connection can no longer be sent on: closed, or
+    readable while no answer is due (the server closed it, or sent something
+    unasked). One poll of the socket, without waiting."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
 class RangeClient:
     """Signed GETs and HEADs of one bucket."""
 
@@ -121,12 +137,19 @@ class RangeClient:
             weakref.WeakKeyDictionary()
 
     # -- connections ------------------------------------------------------------
-    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
-        """An idle pooled connection (reused=True) or a new connected one."""
-        try:
-            return self._pool.get_nowait(), True
-        except queue.Empty:
-            pass
+    def _connection(self, *, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle pooled connection (reused=True) or a new connected one (always new
+        with ``fresh``). Pooled connections the server has closed meanwhile (its idle
+        timeout: readable, at end of file) are dropped here rather than sent on."""
+        while not fresh:
+            try:
+                conn = self._pool.get_nowait()
+            except queue.Empty:
+                break
+            if _dropped(conn):
+                conn.close()
+                continue
+            return conn, True
         conn = self.connector.new()
         try:
             conn.connect()
@@ -138,6 +161,30 @@ class RangeClient:
         assert conn.sock is not None
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, False
+
+    def prewarm(self, n: int) -> int:
+        """Open ``n`` connections at once (one thread each) and pool them, so that the
+        first requests of a cold start do not each pay a connection's round trips (TCP,
+        and TLS on S3 itself: two or three across regions). Blocking; failures are only
+        counted (the requests that follow report what is wrong). Returns how many
+        connections were pooled."""
+        opened: list[http.client.HTTPConnection] = []
+
+        def one() -> None:
+            try:
+                opened.append(self._connection(fresh=True)[0])
+            except StoreError:
+                pass
+
+        threads = [threading.Thread(target=one, name="cachefs-connect", daemon=True)
+                   for _ in range(max(0, min(n, self._pool.maxsize)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for conn in opened:
+            self._release(conn)
+        return len(opened)
 
     def _release(self, conn: http.client.HTTPConnection) -> None:
         try:
@@ -168,13 +215,14 @@ class RangeClient:
         turns out to be closed) and CredentialsError; never an OSError."""
         headers = self._signed(method, path, extra)
         target = self.connector.target(path)
+        fresh = False
         for resend in (False, True):
             (_REQUESTS.get(op) or metrics.S3_REQUESTS.labels(op)).inc()
             t0 = time.monotonic()
             conn: http.client.HTTPConnection | None = None
             reused = False
             try:
-                conn, reused = self._connection()
+                conn, reused = self._connection(fresh=fresh)
                 sock = conn.sock
                 exchange.attach(sock)
                 assert sock is not None
@@ -200,7 +248,10 @@ class RangeClient:
                     raise TransientStoreError(f"{where}: request abandoned",
                                               reason="stopping") from exc
                 if reused and not resend and exchange.first_byte_at is None:
-                    continue  # a kept-alive connection the server had closed: once more
+                    # A kept-alive connection the server had closed: once more, on a new
+                    # one (the next pooled one may have been closed as well).
+                    fresh = True
+                    continue
                 metrics.S3_ERRORS.labels(op, "TransientStoreError").inc()
                 raise TransientStoreError(f"{where}: connection problem: {exc!r}",
                                           reason=_reason(exc)) from exc
