@@ -669,22 +669,36 @@ def test_next_dir_lists_several_following_directories_ahead(env: LmdbEnv) -> Non
     the NEXT_DIRS_LISTED directories after it too, not only that one."""
     from cachefs.cache.metadata import NEXT_DIRS_LISTED
 
-    store = MemoryStore()
-    n = NEXT_DIRS_LISTED + 3
-    for d in range(n):
-        store.put(f"t/c{d:02d}/f", b"x")
+    store = _class_folders(NEXT_DIRS_LISTED + 3)
 
     async def body(md: Metadata) -> None:
         await md.ensure("t/")
         assert md.next_dir("t/c00/", "t/") == "t/c01/"
-        want = [f"t/c{d:02d}/" for d in range(1, 1 + NEXT_DIRS_LISTED)]
-        with trio.fail_after(5):
-            while any(md.listed_at(d) is None for d in want):
-                await trio.sleep(0.01)
-        await trio.sleep(0.05)
-        assert md.listed_at(f"t/c{1 + NEXT_DIRS_LISTED:02d}/") is None, "listed too far"
+        await _listed_ahead_of(md, "t/c00/")
 
     run_with_metadata(env, store, body, list_ahead=2)
+
+
+def _class_folders(n: int) -> MemoryStore:
+    """Folders t/c00/ ... of one file each."""
+    store = MemoryStore()
+    for d in range(n):
+        store.put(f"t/c{d:02d}/f", b"x")
+    return store
+
+
+async def _listed_ahead_of(md: Metadata, folder: str) -> None:
+    """Wait until the NEXT_DIRS_LISTED class folders after ``folder`` are listed, then
+    check that the one after those is not."""
+    from cachefs.cache.metadata import NEXT_DIRS_LISTED
+
+    first = int(folder[len("t/c"):-1]) + 1
+    want = [f"t/c{d:02d}/" for d in range(first, first + NEXT_DIRS_LISTED)]
+    with trio.fail_after(5):
+        while any(md.listed_at(d) is None for d in want):
+            await trio.sleep(0.01)
+    await trio.sleep(0.05)
+    assert md.listed_at(f"t/c{first + NEXT_DIRS_LISTED:02d}/") is None, "listed too far"
 
 
 def test_a_folder_a_reader_enters_has_the_next_folders_listed_ahead(env: LmdbEnv) -> None:
@@ -694,21 +708,13 @@ def test_a_folder_a_reader_enters_has_the_next_folders_listed_ahead(env: LmdbEnv
     list-ahead workers' own listings do not (they would list a whole parent)."""
     from cachefs.cache.metadata import NEXT_DIRS_LISTED
 
-    store = MemoryStore()
-    n = 2 * NEXT_DIRS_LISTED + 2
-    for d in range(n):
-        store.put(f"t/c{d:02d}/f", b"x")
+    store = _class_folders(2 * NEXT_DIRS_LISTED + 2)
 
     async def body(md: Metadata) -> None:
         await md.ensure("t/")
         assert await md.lookup("t/c00/", b"f") is not None  # the reader enters c00
-        want = [f"t/c{d:02d}/" for d in range(1, 1 + NEXT_DIRS_LISTED)]
-        with trio.fail_after(5):
-            while any(md.listed_at(d) is None for d in want):
-                await trio.sleep(0.01)
-        await trio.sleep(0.05)
-        # Listed ahead, not for a reader: they do not list further ahead themselves.
-        assert md.listed_at(f"t/c{1 + NEXT_DIRS_LISTED:02d}/") is None, "listed too far"
+        # (listed ahead, not for a reader, they do not list further ahead themselves)
+        await _listed_ahead_of(md, "t/c00/")
 
     run_with_metadata(env, store, body, list_ahead=2, root="t/")
 

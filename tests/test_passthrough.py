@@ -44,6 +44,15 @@ def _drop_page_cache() -> None:
         f.write("3\n")
 
 
+def _walk_files(bucket: Any, *, seed: int, size: int, n: int = 40) -> tuple[str, dict[str, bytes]]:
+    """``n`` small files of one folder (``walk/``) put into the bucket: (bucket name, files)."""
+    client, name = bucket
+    files = {f"walk/f{i:03d}.bin": _payload(seed + i, size + i) for i in range(n)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    return name, files
+
+
 def _counter(m: Any, name: str) -> float:
     return m.metric(name)
 
@@ -159,10 +168,7 @@ def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory
     """A cold walk in directory order: the files the lookahead fetches are registered by
     the preparing threads when their fetch lands, without reading them back (this daemon
     wrote them from checked bytes), so their opens find a backing ready."""
-    client, name = bucket
-    files = {f"walk/f{i:03d}.bin": _payload(300 + i, 30_000 + i) for i in range(40)}
-    for key, body in files.items():
-        client.put_object(Bucket=name, Key=key, Body=body)
+    name, files = _walk_files(bucket, seed=300, size=30_000)
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
     for key in sorted(files):
         assert _read(m.path / key) == files[key]
@@ -324,10 +330,7 @@ def test_a_file_read_before_it_was_cached_is_registered_once_closed(shard, mount
 def test_files_a_walk_will_open_are_registered_ahead(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """A new daemon over a warm cache: files the directory lookahead predicts are
     verified and registered before their open, and every byte read is the object's."""
-    client, name = bucket
-    files = {f"walk/f{i:03d}.bin": _payload(200 + i, 20_000 + i) for i in range(40)}
-    for key, body in files.items():
-        client.put_object(Bucket=name, Key=key, Body=body)
+    name, files = _walk_files(bucket, seed=200, size=20_000)
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
     for key in sorted(files):
         assert _read(m.path / key) == files[key]
