@@ -97,10 +97,11 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     if sock is None:
         return True
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        poller = select.poll()  # (not select(): descriptors above 1023 are refused there)
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 class RangeClient:
@@ -165,8 +166,8 @@ class RangeClient:
     def prewarm(self, n: int) -> int:
         """Open ``n`` connections at once (one thread each) and pool them, so that the
         first requests of a cold start do not each pay a connection's round trips (TCP,
-        and TLS on S3 itself: two or three across regions). Blocking; failures are only
-        counted (the requests that follow report what is wrong). Returns how many
+        and TLS on S3 itself: two or three across regions). Blocking; failures are
+        ignored (the requests that follow report what is wrong). Returns how many
         connections were pooled."""
         opened: list[http.client.HTTPConnection] = []
 
