@@ -335,6 +335,12 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
             row["prefetch_bytes_per_file"] = {p: round(v) for p, v in issued.items()}
             row["prefetch_used_share"] = {p: round(used.get(p, 0.0) / v, 3)
                                           for p, v in issued.items()}
+        advised = per_file(met0, met1, "cachefs_disk_readahead_total", n)
+        if advised:  # cache files read into the page cache ahead, by outcome
+            row["disk_readahead_per_file"] = advised
+        tiers = per_file(met0, met1, "cachefs_tier_read_bytes_total", n)
+        if tiers:  # bytes per file the daemon served, by where they came from
+            row["read_bytes_per_file_by_tier"] = {t: round(v) for t, v in tiers.items()}
         swept = met1.get("cachefs_sweep_files_total", 0) - met0.get("cachefs_sweep_files_total", 0)
         if swept:
             row["swept_files_per_file"] = round(swept / n, 3)

@@ -36,7 +36,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -47,6 +47,7 @@ from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
+from cachefs.cache.readahead import DiskReadahead
 from cachefs.config import MountConfig
 from cachefs.control import registry
 from cachefs.control.server import ControlServer
@@ -278,8 +279,15 @@ class Daemon:
                      "cachefs serves reads itself")
         # Every speculative fetch goes through one prefetcher; the policies below (and
         # the sequential detector of each handle) decide what is worth fetching.
-        prefetcher = Prefetcher(fetcher, budget, ledger,
-                                kernel_reads_cached=lambda: passthrough.enabled)
+        # A directory walk's next cached files are read into the page cache ahead of
+        # their reads (a worker's pread, or the kernel's with passthrough).
+        readahead = DiskReadahead()
+
+        def read_ahead(bid: bytes, length: int) -> None:
+            path, offset = cache.location(bid)
+            readahead.advise(path, offset, length)
+
+        prefetcher = Prefetcher(fetcher, budget, ledger, readahead=read_ahead)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
         # Hinted and swept loads in flight: the background share of the S3 connections
         # (more would only wait for one).
@@ -345,8 +353,11 @@ class Daemon:
         fs.post = server.post
         unmounted = False
         try:
-            trio.run(self._serve, server, origin, fetcher, metadata, read_order, sweeper,
-                     control, passthrough, cache, env, shared, on_ready)
+            # (started in this order, each once the previous one is running)
+            services: list[Callable[..., Awaitable[None]]] = [
+                read_order.run, sweeper.run, control.serve, passthrough.run, readahead.run]
+            trio.run(self._serve, server, origin, fetcher, metadata, services, passthrough,
+                     cache, env, shared, on_ready)
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint)
@@ -356,9 +367,8 @@ class Daemon:
             cache.flush_touches(cache.take_touches())
 
     async def _serve(self, server: RequestServer, origin: Origin, fetcher: Fetcher,
-                     metadata: Metadata,
-                     read_order: ReadOrder, sweeper: Sweeper,
-                     control: ControlServer, passthrough: Passthrough, cache: BlockCache,
+                     metadata: Metadata, services: list[Callable[..., Awaitable[None]]],
+                     passthrough: Passthrough, cache: BlockCache,
                      env: LmdbEnv, shared: SharedTier | None,
                      on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
@@ -371,10 +381,8 @@ class Daemon:
             nursery.start_soon(self._maintenance, cache, env)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals, origin)
-            await nursery.start(read_order.run)
-            await nursery.start(sweeper.run)
-            await nursery.start(control.serve)
-            await nursery.start(passthrough.run)
+            for service in services:  # (each takes task_status: started once serving)
+                await nursery.start(service)
             async with trio.open_nursery() as fuse_nursery:
                 await fuse_nursery.start(server.run)
                 # The kernel applies the file system's INIT reply to the mount's readahead,

@@ -226,6 +226,10 @@ SWEEP_STOPS = Counter(
 SWEEP_UNREAD_BYTES = Gauge(
     "cachefs_sweep_unread_bytes", "Bytes fetched by the sweep that no reader has taken yet",
     registry=REGISTRY)
+DISK_READAHEAD = Counter(
+    "cachefs_disk_readahead", "Cache files the kernel was asked to read into the page cache "
+    "ahead of predicted reads, by outcome (advised; missing: the file was gone; dropped: the "
+    "queue was full)", ["outcome"], registry=REGISTRY)
 TIER_HITS = Counter(
     "cachefs_tier_loads", "Block loads answered, by the tier that had the block "
     "(disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
@@ -481,6 +485,8 @@ PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm", "sweep")
 #: cachefs.read.sweep
 SWEEP_CAUSES = ("misses", "sibling")
 SWEEP_STOP_REASONS = ("done", "no_space", "unread_bound", "hint", "error")
+#: cachefs.cache.readahead
+DISK_READAHEAD_OUTCOMES = ("advised", "missing", "dropped")
 
 
 def create_known_series() -> None:
@@ -516,6 +522,8 @@ def create_known_series() -> None:
         PREFETCH_WASTED_BYTES.labels(policy)
     for cause in SWEEP_CAUSES:
         SWEEP_DIRECTORIES.labels(cause)
+    for outcome in DISK_READAHEAD_OUTCOMES:
+        DISK_READAHEAD.labels(outcome)
     for reason in SWEEP_STOP_REASONS:
         SWEEP_STOPS.labels(reason)
     for task in BACKGROUND_TASKS:

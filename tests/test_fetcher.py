@@ -20,7 +20,7 @@ from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import AccessDenied, NoSuchKey, ObjectChanged, TransientStoreError
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
-from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, Prefetcher, PrefetchLedger
+from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, SWEEP, Prefetcher, PrefetchLedger
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Backoff, Origin
 from cachefs.s3.store import ObjectStore
@@ -363,7 +363,7 @@ def test_prefetch_of_a_cached_block_loads_it_from_disk_for_near_policies_only(
         rig.close()
 
 
-def test_directory_lookahead_loads_cached_blocks_only_without_passthrough(
+def test_directory_lookahead_reads_cached_blocks_into_the_page_cache_not_memory(
         tmp_path: Path, mem: MemoryStore) -> None:
     data = payload(BS)
     mem.put("k", data)
@@ -374,13 +374,23 @@ def test_directory_lookahead_loads_cached_blocks_only_without_passthrough(
 
         async def body(f: Fetcher) -> None:
             bid = f.block_id(obj, 0)
-            passed_through = Prefetcher(f, f.budget, PrefetchLedger(),
-                                        kernel_reads_cached=lambda: True)
-            assert passed_through.want(obj, 0, DIRECTORY) == 0
-            assert not f.is_loading(bid)  # the kernel will read the cache file itself
-            served = Prefetcher(f, f.budget, PrefetchLedger(), kernel_reads_cached=lambda: False)
-            assert served.want(obj, 0, DIRECTORY) == 0
-            assert f.is_loading(bid)
+            f.memory.discard(bid)
+            advised: list[tuple[bytes, int]] = []
+            p = Prefetcher(f, f.budget, PrefetchLedger(),
+                           readahead=lambda b, n: advised.append((b, n)))
+            assert p.want(obj, 0, DIRECTORY) == 0  # on local disk: nothing fetched ahead
+            assert advised == [(bid, BS)]
+            assert not f.is_loading(bid)  # its next reader reads it from the page cache
+            assert p.want(obj, 0, HINT) == 0 and p.want(obj, 0, SWEEP) == 0
+            assert advised == [(bid, BS)]  # far-ahead policies leave it alone
+            assert p.want(obj, 0, DIRECTORY, load_cached=False) == 0
+            assert advised == [(bid, BS)]
+            assert p.want(obj, 0, SEQUENTIAL) == 0
+            assert f.is_loading(bid)  # the handle's next read comes through the daemon
+            await f.drain()
+            assert bid in f.memory
+            assert p.want(obj, 0, DIRECTORY) == BS  # in memory: nothing more to do
+            assert advised == [(bid, BS)]
         rig.run(body)
     finally:
         rig.close()

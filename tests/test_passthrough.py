@@ -197,6 +197,31 @@ def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyp
     assert m.metric("cachefs_read_bytes_total") == before + len(data)
 
 
+def test_a_walk_without_passthrough_finds_its_cached_files_in_the_page_cache(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A new daemon without passthrough over a warm cache, page cache dropped: the files
+    a directory walk will open next have their cache files read into the page cache
+    ahead (not loaded into the daemon's memory through the request loop), and every
+    byte the workers then read and verify is the object's."""
+    name, files = _walk_files(bucket, seed=400, size=20_000)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    for key in sorted(files):
+        assert _read(m.path / key) == files[key]
+    _wait_for(m, "cachefs_cache_blocks", len(files))
+    m.stop()
+    m.start()
+    _drop_page_cache()
+    for key in sorted(files):
+        assert _read(m.path / key) == files[key]
+    s = m.metrics()
+    advised = s['cachefs_disk_readahead_total{outcome="advised"}']
+    assert advised >= len(files) // 2, f"only {advised} cache files read ahead"
+    assert s.get('cachefs_thread_hops_total{op="cache_read"}', 0) == 0, \
+        "cached files were loaded into memory through the request loop"
+    assert s['cachefs_tier_read_bytes_total{tier="disk"}'] == sum(len(b) for b in files.values())
+    assert s["cachefs_cache_corrupt_blocks_total"] == 0
+    assert m.gets() == 0
+
+
 def test_readahead_read_by_the_kernel_counts_as_used(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     client, name = bucket
     files = {f"walk/f{i:03d}.bin": _payload(100 + i, 20_000 + i) for i in range(24)}

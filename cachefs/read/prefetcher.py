@@ -16,11 +16,14 @@ Five policies decide *what* is worth fetching before a reader asks for it:
 They all go through :class:`Prefetcher`, which decides *whether* and *how*:
 
 * A block in memory or already loading costs nothing more.
-* A block on local disk is loaded into memory ahead only for the policies that
-  predict an imminent daemon read (``sequential`` always; ``directory`` while
-  opens are not passed through to the kernel). Far-ahead policies (``hint``,
-  ``sweep``, ``warm``) leave it on disk: loading it now would only push out blocks needed
-  sooner.
+* A block on local disk is loaded into memory ahead only for ``sequential``
+  (the handle's next reads come through the daemon). For ``directory`` its cache
+  file is read into the page cache instead (``readahead``:
+  :class:`~cachefs.cache.readahead.DiskReadahead`): the file's next reader is a
+  request worker or, with passthrough, the kernel, and either then finds memory,
+  at the cost of one queued request and no hand-over. Far-ahead policies
+  (``hint``, ``sweep``, ``warm``) leave it on disk: loading it now would only
+  push out blocks needed sooner.
 * A block from S3 needs room in the memory budget. :meth:`want` never waits: a
   full budget answers None and the policy stops until its next trigger.
   :meth:`warm_block` (background work) waits for room instead.
@@ -138,7 +141,7 @@ class Prefetcher:
     """Starts loads ahead of readers for every policy, under one admission rule."""
 
     def __init__(self, fetcher: Fetcher, budget: MemoryBudget, ledger: PrefetchLedger, *,
-                 kernel_reads_cached: Callable[[], bool] = lambda: False) -> None:
+                 readahead: Callable[[bytes, int], None] | None = None) -> None:
         self.fetcher = fetcher
         self.budget = budget
         self.ledger = ledger
@@ -147,16 +150,9 @@ class Prefetcher:
         self._loading: dict[str, set[bytes]] = {HINT: set(), SWEEP: set()}
         self._fetched = {policy: functools.partial(self._ended, policy) for policy in self._loading}
         self._listeners: dict[str, list[Callable[[], None]]] = {p: [] for p in self._loading}
-        # True while opens of fully cached files are passed through to the kernel: then
-        # a directory walk's cached files are read by the kernel, not by the daemon.
-        self._kernel_reads_cached = kernel_reads_cached
-
-    def _loads_cached(self, policy: str) -> bool:
-        if policy == SEQUENTIAL:
-            return True
-        if policy == DIRECTORY:
-            return not self._kernel_reads_cached()
-        return False  # hint, sweep, warm: far ahead
+        # readahead(bid, length): have block ``bid`` of local disk read into the page
+        # cache (never waits); None: a directory walk's cached blocks are left alone.
+        self._readahead = readahead
 
     # -- the admission rule ---------------------------------------------------------------
     def want(self, obj: ObjectVersion, index: int, policy: str, *,
@@ -177,8 +173,11 @@ class Prefetcher:
         if f.is_loaded_or_loading(bid):
             return length
         if f.is_cached_id(bid):
-            if load_cached and self._loads_cached(policy):
-                f.load_ahead(obj, index, bid, reserved=0)
+            if load_cached:
+                if policy == SEQUENTIAL:
+                    f.load_ahead(obj, index, bid, reserved=0)
+                elif policy == DIRECTORY and self._readahead is not None:
+                    self._readahead(bid, length)
             return 0
         if not self.budget.try_reserve(length):
             return None
