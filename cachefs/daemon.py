@@ -280,14 +280,15 @@ class Daemon:
         # Every speculative fetch goes through one prefetcher; the policies below (and
         # the sequential detector of each handle) decide what is worth fetching.
         # A directory walk's next cached files are read into the page cache ahead of
-        # their reads (a worker's pread, or the kernel's with passthrough).
+        # the request workers' reads (not with passthrough: the kernel reads them).
         readahead = DiskReadahead()
 
         def read_ahead(bid: bytes, length: int) -> None:
             path, offset = cache.location(bid)
             readahead.advise(path, offset, length)
 
-        prefetcher = Prefetcher(fetcher, budget, ledger, readahead=read_ahead)
+        prefetcher = Prefetcher(fetcher, budget, ledger, readahead=read_ahead,
+                                kernel_reads_cached=lambda: passthrough.enabled)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
         # Hinted and swept loads in flight: the background share of the S3 connections
         # (more would only wait for one).

@@ -363,7 +363,7 @@ def test_prefetch_of_a_cached_block_loads_it_from_disk_for_near_policies_only(
         rig.close()
 
 
-def test_directory_lookahead_reads_cached_blocks_into_the_page_cache_not_memory(
+def test_directory_lookahead_reads_cached_blocks_into_the_page_cache_without_passthrough(
         tmp_path: Path, mem: MemoryStore) -> None:
     data = payload(BS)
     mem.put("k", data)
@@ -385,6 +385,12 @@ def test_directory_lookahead_reads_cached_blocks_into_the_page_cache_not_memory(
             assert advised == [(bid, BS)]  # far-ahead policies leave it alone
             assert p.want(obj, 0, DIRECTORY, load_cached=False) == 0
             assert advised == [(bid, BS)]
+            passed_through = Prefetcher(f, f.budget, PrefetchLedger(),
+                                        readahead=lambda b, n: advised.append((b, n)),
+                                        kernel_reads_cached=lambda: True)
+            assert passed_through.want(obj, 0, DIRECTORY) == 0
+            assert advised == [(bid, BS)]  # the kernel reads it itself, as from a local disk
+            assert not f.is_loading(bid)
             assert p.want(obj, 0, SEQUENTIAL) == 0
             assert f.is_loading(bid)  # the handle's next read comes through the daemon
             await f.drain()

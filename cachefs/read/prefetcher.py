@@ -17,13 +17,15 @@ They all go through :class:`Prefetcher`, which decides *whether* and *how*:
 
 * A block in memory or already loading costs nothing more.
 * A block on local disk is loaded into memory ahead only for ``sequential``
-  (the handle's next reads come through the daemon). For ``directory`` its cache
-  file is read into the page cache instead (``readahead``:
-  :class:`~cachefs.cache.readahead.DiskReadahead`): the file's next reader is a
-  request worker or, with passthrough, the kernel, and either then finds memory,
-  at the cost of one queued request and no hand-over. Far-ahead policies
-  (``hint``, ``sweep``, ``warm``) leave it on disk: loading it now would only
-  push out blocks needed sooner.
+  (the handle's next reads come through the daemon). For ``directory``, while
+  opens are not passed through to the kernel, its cache file is read into the
+  page cache instead (``readahead``: :class:`~cachefs.cache.readahead.DiskReadahead`):
+  the request worker that reads it next finds memory, at the cost of one queued
+  request and no hand-over. With passthrough the readers' own reads go to the
+  disk concurrently, as they would from a local disk, and advice measured no
+  faster for more daemon CPU (benchmarks/RESULTS.md, seventh round): it is left
+  alone. Far-ahead policies (``hint``, ``sweep``, ``warm``) leave it on disk:
+  loading it now would only push out blocks needed sooner.
 * A block from S3 needs room in the memory budget. :meth:`want` never waits: a
   full budget answers None and the policy stops until its next trigger.
   :meth:`warm_block` (background work) waits for room instead.
@@ -141,7 +143,8 @@ class Prefetcher:
     """Starts loads ahead of readers for every policy, under one admission rule."""
 
     def __init__(self, fetcher: Fetcher, budget: MemoryBudget, ledger: PrefetchLedger, *,
-                 readahead: Callable[[bytes, int], None] | None = None) -> None:
+                 readahead: Callable[[bytes, int], None] | None = None,
+                 kernel_reads_cached: Callable[[], bool] = lambda: False) -> None:
         self.fetcher = fetcher
         self.budget = budget
         self.ledger = ledger
@@ -153,6 +156,9 @@ class Prefetcher:
         # readahead(bid, length): have block ``bid`` of local disk read into the page
         # cache (never waits); None: a directory walk's cached blocks are left alone.
         self._readahead = readahead
+        # True while opens of fully cached files are passed through to the kernel: then
+        # a directory walk's cached files are read by the kernel, not by the daemon.
+        self._kernel_reads_cached = kernel_reads_cached
 
     # -- the admission rule ---------------------------------------------------------------
     def want(self, obj: ObjectVersion, index: int, policy: str, *,
@@ -176,7 +182,8 @@ class Prefetcher:
             if load_cached:
                 if policy == SEQUENTIAL:
                     f.load_ahead(obj, index, bid, reserved=0)
-                elif policy == DIRECTORY and self._readahead is not None:
+                elif (policy == DIRECTORY and self._readahead is not None
+                        and not self._kernel_reads_cached()):
                     self._readahead(bid, length)
             return 0
         if not self.budget.try_reserve(length):
