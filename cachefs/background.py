@@ -17,6 +17,11 @@ runs inside :func:`contained`:
 
 Thread-safety: :func:`report` and :func:`contained` may be used on the trio
 thread and in worker threads (the log throttle takes a lock).
+
+Threads of a component's own (the passthrough layer's preparing threads, the
+page-cache readahead) are owned by a task through :func:`own_threads`: they
+start with it and are stopped and joined before it returns, so none outlives
+its owner's nursery (nor touches the cache index after it closed).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+import trio
 
 from cachefs import metrics
 
@@ -73,3 +80,24 @@ def reset_log_throttle() -> None:
     with _lock:
         _last_logged.clear()
         _suppressed.clear()
+
+
+async def own_threads(target: Callable[[], None], count: int, name: str, *,
+                      stop: Callable[[], None],
+                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``count`` threads of ``target`` (named ``name-0``, ``name-1``...) until
+    cancelled; then call ``stop()`` on the trio thread, which must make every
+    ``target`` return soon, and join them (shielded from the cancellation). Started
+    (``task_status``) once the threads run."""
+    threads = [threading.Thread(target=target, daemon=True, name=f"{name}-{i}")
+               for i in range(count)]
+    for t in threads:
+        t.start()
+    task_status.started()
+    try:
+        await trio.sleep_forever()
+    finally:
+        stop()
+        with trio.CancelScope(shield=True):
+            for t in threads:
+                await trio.to_thread.run_sync(t.join)

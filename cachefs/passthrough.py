@@ -79,6 +79,7 @@ from typing import Protocol
 import trio
 
 from cachefs import failpoints, metrics
+from cachefs.background import own_threads
 from cachefs.cache.blocks import BlockCache
 from cachefs.errors import ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
@@ -206,23 +207,16 @@ class Passthrough:
         :meth:`predicted`) until cancelled; they are stopped and joined before this
         returns (each finishes the file it is verifying first), so none touches the
         cache index after its owner's nursery ends."""
-        workers = [threading.Thread(target=self._prepare_loop, daemon=True,
-                                    name=f"cachefs-verify-{i}") for i in range(threads)]
-        for t in workers:
-            t.start()
-        task_status.started()
-        try:
-            await trio.sleep_forever()
-        finally:
-            with self._queue_cond:
-                self._stopping = True
-                self._queue.clear()
-                self._landing.clear()
-                self._queue_cond.notify_all()
-            self._awaiting.clear()
-            with trio.CancelScope(shield=True):
-                for t in workers:
-                    await trio.to_thread.run_sync(t.join)
+        await own_threads(self._prepare_loop, threads, "cachefs-verify",
+                          stop=self._stop_preparing, task_status=task_status)
+
+    def _stop_preparing(self) -> None:
+        with self._queue_cond:
+            self._stopping = True
+            self._queue.clear()
+            self._landing.clear()
+            self._queue_cond.notify_all()
+        self._awaiting.clear()
 
     def predicted(self, obj: ObjectVersion) -> None:
         """``obj`` is expected to be opened soon (trio thread: directory lookahead; never

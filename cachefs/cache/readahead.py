@@ -36,6 +36,7 @@ from collections import deque
 import trio
 
 from cachefs import metrics
+from cachefs.background import own_threads
 
 #: Requests waiting at most: a walk's window of files (up to 256) with room to spare.
 QUEUE = 512
@@ -82,21 +83,14 @@ class DiskReadahead:
         stopped and joined before this returns."""
         with self._cond:
             self._running, self._stopping = True, False
-        workers = [threading.Thread(target=self._loop, daemon=True,
-                                    name=f"cachefs-readahead-{i}") for i in range(threads)]
-        for t in workers:
-            t.start()
-        task_status.started()
-        try:
-            await trio.sleep_forever()
-        finally:
-            with self._cond:
-                self._running, self._stopping = False, True
-                self._queue.clear()
-                self._cond.notify_all()
-            with trio.CancelScope(shield=True):
-                for t in workers:
-                    await trio.to_thread.run_sync(t.join)
+        await own_threads(self._loop, threads, "cachefs-readahead", stop=self._stop,
+                          task_status=task_status)
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._running, self._stopping = False, True
+            self._queue.clear()
+            self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
