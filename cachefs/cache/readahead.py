@@ -57,8 +57,7 @@ class DiskReadahead:
         self.queue_size = queue_size
         self._queue: deque[tuple[str, int, int]] = deque()  # (path, offset, length)
         self._cond = threading.Condition(threading.Lock())
-        self._running = False
-        self._stopping = False
+        self._running = False  # while run() runs (its threads take requests)
 
     def advise(self, path: os.PathLike[str] | str, offset: int, length: int) -> None:
         """Have bytes ``[offset, offset+length)`` of file ``path`` read into the page
@@ -82,24 +81,22 @@ class DiskReadahead:
         """Advise the kernel on ``threads`` threads of its own until cancelled; they are
         stopped and joined before this returns."""
         with self._cond:
-            self._running, self._stopping = True, False
+            self._running = True
         await own_threads(self._loop, threads, "cachefs-readahead", stop=self._stop,
                           task_status=task_status)
 
     def _stop(self) -> None:
         with self._cond:
-            self._running, self._stopping = False, True
+            self._running = False
             self._queue.clear()
             self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    if self._stopping:
-                        return
+                while self._running and not self._queue:
                     self._cond.wait()
-                if self._stopping:
+                if not self._running:
                     return
                 path, offset, length = self._queue.popleft()
                 if self._queue:
@@ -110,12 +107,8 @@ class DiskReadahead:
 def _advise_willneed(path: str, offset: int, length: int) -> None:
     """Start reading ``[offset, offset+length)`` of ``path`` into the page cache."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOATIME)
-    except PermissionError:
-        fd = _open_plain(path)  # O_NOATIME needs the file's owner
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        fd = -1
-    if fd < 0:
         _MISSING.inc()  # evicted meanwhile (or unreadable: the read that follows says so)
         return
     try:
@@ -126,9 +119,3 @@ def _advise_willneed(path: str, offset: int, length: int) -> None:
     finally:
         os.close(fd)
 
-
-def _open_plain(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError:
-        return -1
