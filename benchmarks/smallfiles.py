@@ -205,8 +205,10 @@ def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
     if pid is None or out is None or not os.path.exists(exe):
         yield
         return
-    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--format",
-                             "raw", "--rate", "250", "--output", str(out)],
+    # --nonblocking: sampling without stopping the daemon (a stopped daemon runs several
+    # times slower under the sampling rate; a sample may now and then be torn).
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--nonblocking", "--format",
+                             "raw", "--rate", "500", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     try:
