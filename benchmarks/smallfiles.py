@@ -207,7 +207,7 @@ def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
         return
     # --nonblocking: sampling without stopping the daemon (a stopped daemon runs several
     # times slower under the sampling rate; a sample may now and then be torn).
-    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--nonblocking", "--format",
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", *(["--nonblocking"] if os.environ.get("SPY_NONBLOCKING", "1") == "1" else []), "--format",
                              "raw", "--rate", "500", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)

@@ -1,0 +1,94 @@
+"""Readers that do not read whole files front to back: memory maps, random preads, several
+threads at random offsets of one file. Every byte is compared with the object's."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefs.passthrough import supported as passthrough_supported
+
+BLOCK = 65536
+
+# The mapped file is read in a child process: a page fault of a FUSE file in this process
+# would stall while holding the GIL, which the in-process S3 server (moto) needs to answer.
+_MAP_AND_HASH = """
+import hashlib, mmap, sys
+with open(sys.argv[1], "rb") as f:
+    mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    print(hashlib.sha256(mm[:]).hexdigest())
+    mm.close()
+"""
+
+
+def _mapped_sha256(path: Path) -> str:
+    out = subprocess.run([sys.executable, "-c", _MAP_AND_HASH, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("passthrough", ["auto", "off"])
+def test_mapped_and_randomly_read_files_match_their_objects_cold_and_warm(
+        bucket: Any, mount_factory: Any, passthrough: str) -> None:
+    """A multi-block file and a one-block file, each read through a memory map and by
+    random preads (past the end included), three times: cold, then cached (with
+    passthrough on, handed to the kernel once closed)."""
+    client, name = bucket
+    rnd = random.Random(1)
+    files = {"d/big.bin": rnd.randbytes(3 * BLOCK + 1234), "d/small.bin": rnd.randbytes(5000)}
+    for key, data in files.items():
+        client.put_object(Bucket=name, Key=key, Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", passthrough)
+    for round_ in range(3):
+        for key, data in files.items():
+            path = m.path / key
+            assert _mapped_sha256(path) == hashlib.sha256(data).hexdigest(), (key, round_)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for _ in range(200):
+                    offset, size = rnd.randrange(len(data) + 10), rnd.randrange(70000)
+                    assert os.pread(fd, size, offset) == data[offset:offset + size], (key, offset)
+            finally:
+                os.close(fd)
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+    if passthrough == "auto" and passthrough_supported():
+        # the later rounds' maps and reads went to the cache files through the kernel
+        assert m.metric("cachefs_passthrough_opens_total") > 0
+
+
+@pytest.mark.fuse
+def test_threads_reading_random_ranges_of_one_file_get_exact_bytes(
+        bucket: Any, mount_factory: Any) -> None:
+    """Eight threads, each with its own descriptor, read random ranges (up to several
+    blocks) of one 40-block file while its blocks are being fetched."""
+    client, name = bucket
+    data = random.Random(2).randbytes(40 * BLOCK + 77)
+    client.put_object(Bucket=name, Key="big.bin", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+
+    def reader(seed: int) -> int:
+        r = random.Random(seed)
+        fd = os.open(m.path / "big.bin", os.O_RDONLY)
+        try:
+            for _ in range(150):
+                offset, size = r.randrange(len(data)), r.randrange(1, 300_000)
+                assert os.pread(fd, size, offset) == data[offset:offset + size], (offset, size)
+        finally:
+            os.close(fd)
+        return seed
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert sorted(pool.map(reader, range(8))) == list(range(8))
+    assert (m.path / "big.bin").read_bytes() == data
+    # single flight: no block was fetched twice (40 blocks + the whole-file check reads)
+    assert m.gets() <= 41
