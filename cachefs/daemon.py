@@ -81,7 +81,9 @@ log = logging.getLogger(__name__)
 
 MAINTENANCE_INTERVAL = 5.0  # last-use batches and LMDB sync
 UNMOUNT_POLL = 1.0  # how often the mount table is checked for our mount
-STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry
+STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry, while the mount is busy
+STATUS_IDLE_INTERVAL = 10.0  # the same while nothing happens (see Daemon._maintenance)
+_LMDB_WRITES = metrics.LMDB_TRANSACTIONS.counters["write"]
 DRAIN_TIMEOUT = 30.0
 #: After SIGTERM, files still open keep the (lazily unmounted) connection alive this
 #: long before it is aborted.
@@ -479,19 +481,35 @@ class Daemon:
         server.cancel()
 
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
-        """Status snapshot every second; last-use batches and an LMDB sync every few
-        seconds. A failure (disk full, runtime dir gone, a bug) skips that step only."""
-        last_sync = trio.current_time()
+        """Status snapshot every second while the mount is busy, every
+        STATUS_IDLE_INTERVAL while it is idle; last-use batches every few seconds, and
+        an LMDB sync when something was written since the last one. A failure (disk
+        full, runtime dir gone, a bug) skips that step only.
+
+        An idle mount does next to nothing: a snapshot collects every metric (several
+        milliseconds of CPU, and of the GIL), so it is only taken when
+        :func:`metrics.activity` changed since the last one, or the last one is
+        STATUS_IDLE_INTERVAL old (``cachefs status`` shows its age)."""
+        last_sync = last_published = trio.current_time()
+        published: tuple[float, ...] | None = None
+        synced_writes = -1
         while True:
             await trio.sleep(STATUS_INTERVAL)
-            with contained("maintenance", "publishing the status snapshot"):
-                await trio.to_thread.run_sync(self._publish_status)
+            activity = metrics.activity()  # (before the snapshot: what follows is news)
+            if (activity != published
+                    or trio.current_time() - last_published >= STATUS_IDLE_INTERVAL):
+                published, last_published = activity, trio.current_time()
+                with contained("maintenance", "publishing the status snapshot"):
+                    await trio.to_thread.run_sync(self._publish_status)
             if trio.current_time() - last_sync >= MAINTENANCE_INTERVAL:
                 last_sync = trio.current_time()
                 with contained("maintenance", "recording last use and syncing the index"):
                     touched = cache.take_touches()
                     await trio.to_thread.run_sync(cache.flush_touches, touched)
-                    await trio.to_thread.run_sync(env.sync)
+                    writes = _LMDB_WRITES.value
+                    if writes != synced_writes:
+                        await trio.to_thread.run_sync(env.sync)
+                        synced_writes = writes
 
     async def _remove_orphans(self, cache: BlockCache) -> None:
         with contained("orphan_scan", "removing cache files the index does not name"):

@@ -90,3 +90,35 @@ def test_status_shows_what_the_sweep_did(capsys, monkeypatch):
     assert status.status_main(None, as_json=False) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  sweep"))
     assert "1100 files" in line and "stopped: done 1, unread_bound 2" in line
+
+
+def _status(m) -> dict:  # type: ignore[no-untyped-def]
+    proc = run_cachefs("status", "--json", str(m.path))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_an_idle_mount_stops_rewriting_its_snapshot_and_a_read_refreshes_it(bucket, mount_factory):
+    """A snapshot collects every metric (milliseconds of CPU): taken every second while
+    the mount works, not while it is idle (at most every STATUS_IDLE_INTERVAL then), and
+    again at once when it works again."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="ds/a.bin", Body=b"a" * 1000)
+    client.put_object(Bucket=name, Key="ds/b.bin", Body=b"b" * 2000)
+    m = mount_factory(f"s3://{name}/ds")
+    assert (m.path / "a.bin").read_bytes() == b"a" * 1000
+    ages = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # idle: the snapshot ages past the busy interval
+        ages.append(_status(m)["stats_age_seconds"])
+        if ages[-1] >= 2.5:
+            break
+        time.sleep(0.5)
+    assert ages[-1] >= 2.5, f"an idle mount rewrote its snapshot every second: {ages}"
+    assert _status(m)["s3_bytes"] == 1000
+    assert (m.path / "b.bin").read_bytes() == b"b" * 2000
+    deadline = time.monotonic() + 5
+    while (st := _status(m))["s3_bytes"] < 3000 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert st["s3_bytes"] == 3000, "a read of an idle mount did not refresh its snapshot"
+    assert st["stats_age_seconds"] < 2.5
