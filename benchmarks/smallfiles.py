@@ -2,7 +2,7 @@
 
     python -m benchmarks.smallfiles                     # cachefs (+ without passthrough), peers, local
     python -m benchmarks.smallfiles --systems cachefs --passes warm   # one focused measurement
-    python -m benchmarks.smallfiles --quick             # seconds (the test suite runs it)
+    python -m benchmarks.smallfiles --quick             # seconds (tests/test_bench_quick.py runs it)
 
 The dataset is ``--files`` files of ``--min-kb``..``--max-kb`` in ``--folders``
 folders on a SeaweedFS origin behind the WAN emulator (70 ms RTT, 48 MB/s in
@@ -22,8 +22,11 @@ passes, of the link for cold ones) and, for cachefs, what a file costs the
 daemon: CPU (user + system, from ``/proc/<pid>/stat``, all threads; the trio
 thread's share from ``/proc/<pid>/task``), FUSE requests by operation, LMDB
 transactions, S3 GETs, thread hops and bytes copied, all per file, from the
-daemon's metrics. ``cachefs-nopt`` is cachefs with ``--passthrough off`` (what
-a plain ``pip install`` without the passthrough build gets).
+daemon's metrics. Every pass also reports the machine's busy share and the cores
+each process of the rig used (daemon, origin, WAN emulator, readers), so a pass
+bound by the rig's own CPU is told apart from one bound by the daemon.
+``cachefs-nopt`` is cachefs with ``--passthrough off`` (what a plain ``pip
+install`` without the passthrough build gets).
 
 Wall-clock numbers need a quiet machine: the origin, the emulator, the daemon
 and the readers share the cores. The per-file counts and CPU are meaningful
@@ -176,6 +179,23 @@ def host_cpu() -> tuple[float, float]:
     return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
+#: The rig's other processes, by role (set once the origin and the emulator run): each
+#: pass reports the cores each of them used, so a pass bound by the rig's own CPU (the
+#: origin, the emulator) is told apart from one bound by the daemon.
+RIG_PIDS: dict[str, int] = {}
+
+
+def rig_cpu() -> dict[str, float]:
+    """CPU seconds so far of the rig's processes (:data:`RIG_PIDS`) and of this one (the
+    readers), by role."""
+    out = {"readers": sum(os.times()[:2])}
+    for role, pid in RIG_PIDS.items():
+        sample = proc_sample(pid)
+        if sample is not None:
+            out[role] = sample.cpu_s
+    return out
+
+
 def read_pass(root: Path, order: list[str], threads: int) -> tuple[float, int]:
     def read(rel: str) -> int:
         with open(root / rel, "rb") as f:
@@ -207,7 +227,7 @@ def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
         return
     # --nonblocking: sampling without stopping the daemon (a stopped daemon runs several
     # times slower under the sampling rate; a sample may now and then be torn).
-    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", *(["--nonblocking"] if os.environ.get("SPY_NONBLOCKING", "1") == "1" else []), "--format",
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--nonblocking", "--format",
                              "raw", "--rate", "500", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
@@ -275,11 +295,13 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     gsw0 = group_switches(m.pid) if m.pid else {}
     sampled: dict[str, Any] = {}
     host0 = host_cpu()
+    rig0 = rig_cpu()
     with py_spy(m.pid, spy), inflight_sampler(m.metrics_url, sample_every, sampled):
         if before_read is not None:
             before_read()
         seconds, total = read_pass(m.root, order, threads)
     host1 = host_cpu()
+    rig1 = rig_cpu()
     n = len(order)
     assert total == nbytes, f"{m.system} {name}: read {total} bytes, expected {nbytes}"
     row: dict[str, Any] = {"system": m.system, "pass": name, "files": n, "seconds": round(seconds, 3),
@@ -287,6 +309,14 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
                            # the machine's busy share over the pass (every process, all cores):
                            # near 1, the pass was bound by CPU, not by the link
                            "host_cpu_busy": round((host1[0] - host0[0]) / max(1e-9, host1[1] - host0[1]), 2)}
+    # cores each process used over the pass (the daemon's own figure is cpu_us_per_file)
+    wall = max(1e-9, seconds)
+    cores = {role: round((v - rig0.get(role, 0.0)) / wall, 2) for role, v in rig1.items()}
+    if m.pid:
+        daemon = proc_sample(m.pid)
+        if daemon is not None:
+            cores["daemon"] = round((daemon.cpu_s - cpu0) / wall, 2)
+    row["cores_by_process"] = cores
     if m.pid:
         time.sleep(0.3)  # write-backs still running belong to the pass
         cpu1 = proc_sample(m.pid).cpu_s  # type: ignore[union-attr]
@@ -421,8 +451,8 @@ def run_system(system: str, passes: list[str], endpoint: str, work: Path, local:
 def summary(rows: list[dict[str, Any]], link_MBps: float) -> str:
     local = {r["pass"]: r["files_per_s"] for r in rows if r["system"] == "local"}
     lines = ["| system | pass | files/s | share | daemon CPU us/file (trio thread) | FUSE requests/file | "
-             "LMDB txns/file | thread hops/file | GETs/file |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "LMDB txns/file | thread hops/file | GETs/file | host busy; cores by process |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["pass"] in WARM:
             share = f"{r['files_per_s'] / local[r['pass']]:.2f} of local" if local.get(r["pass"]) else "-"
@@ -436,8 +466,10 @@ def summary(rows: list[dict[str, Any]], link_MBps: float) -> str:
         fuse = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("fuse_per_file", {}).items()))
         lmdb = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("lmdb_txn_per_file", {}).items()))
         hops = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("thread_hops_per_file", {}).items()))
+        cores = " ".join(f"{k} {v:g}" for k, v in r.get("cores_by_process", {}).items() if v)
         lines.append(f"| {r['system']} | {r['pass']} | {r['files_per_s']:.0f} | {share} | {cpu} | "
-                     f"{fuse or '-'} | {lmdb or '-'} | {hops or '-'} | {r.get('s3_gets_per_file', '-')} |")
+                     f"{fuse or '-'} | {lmdb or '-'} | {hops or '-'} | {r.get('s3_gets_per_file', '-')} | "
+                     f"{r.get('host_cpu_busy', '-')}; {cores or '-'} |")
     return "\n".join(lines)
 
 
@@ -491,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         prepare(origin, local, items)
         with WanLink(origin.s3_port, args.rtt_ms, args.bandwidth_MBps, args.conn_bandwidth_MBps,
                      log_path=str(work / "wan.log")) as wan:
+            if origin.proc is not None:
+                RIG_PIDS["origin"] = origin.proc.pid
+            if wan.proc is not None:
+                RIG_PIDS["emulator"] = wan.proc.pid
             for system in systems:
                 rows += run_system(system, passes, wan.endpoint, work, local, items, args.threads,
                                    args.seed, args.cachefs_arg, args.py_spy, args.sample_inflight)

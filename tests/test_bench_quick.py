@@ -207,3 +207,28 @@ def test_warmup_detection() -> None:
     }
     assert report.warmup_time(reader, 100.0) == 6.0
     assert report.warmup_time(reader, 1000.0) is None
+
+
+@needs_fuse
+def test_smallfiles_quick_reports_cost_per_file_and_the_rigs_cores(tmp_path: Path) -> None:
+    """``python -m benchmarks.smallfiles --quick`` (120 files): every pass read every file;
+    cachefs's rows carry the per-file breakdown and the cores of each rig process."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.smallfiles", "--quick", "--systems", "cachefs,local",
+           "--passes", "cold,warm", "--json", str(out), "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rows = {(row["system"], row["pass"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("cachefs", "cold"), ("cachefs", "warm"), ("local", "warm")}
+    for row in rows.values():
+        assert row["files"] == 120 and row["files_per_s"] > 0
+        assert row["cores_by_process"]["readers"] >= 0
+    cold, warm = rows["cachefs", "cold"], rows["cachefs", "warm"]
+    assert cold["s3_gets_per_file"] == 1.0 and warm["s3_gets_per_file"] == 0.0
+    assert cold["fuse_per_file"]["open"] == 1.0 and cold["cpu_us_per_file"] > 0
+    # the cold pass went through the origin and the emulator
+    assert cold["cores_by_process"]["origin"] > 0 and cold["cores_by_process"]["emulator"] > 0
+    assert cold["cores_by_process"]["daemon"] > 0
+    assert "| host busy; cores by process |" in r.stdout
+    mounts, procs = _leftovers(str(tmp_path))
+    assert not mounts and not procs, f"left behind: {mounts} {procs}"
