@@ -92,3 +92,28 @@ def test_threads_reading_random_ranges_of_one_file_get_exact_bytes(
     assert (m.path / "big.bin").read_bytes() == data
     # single flight: no block was fetched twice (40 blocks + the whole-file check reads)
     assert m.gets() <= 41
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("passthrough", ["auto", "off"])
+def test_a_file_of_default_sized_blocks_reads_exactly_cold_and_warm(
+        bucket: Any, mount_factory: Any, passthrough: str) -> None:
+    """Blocks of the default size (4 MiB) come in bodies large enough to be received in
+    place (cachefs.s3.http1.IN_PLACE_BODY): read at random offsets and whole, cold (from
+    S3, checked against the object's CRC), then from the cache and the memory tier."""
+    client, name = bucket
+    data = random.Random(3).randbytes(9 * (1 << 20) + 4321)  # two full blocks and a tail
+    client.put_object(Bucket=name, Key="big.bin", Body=data, ChecksumAlgorithm="CRC32")
+    m = mount_factory(f"s3://{name}", "--passthrough", passthrough)
+    rnd = random.Random(4)
+    for round_ in range(2):
+        fd = os.open(m.path / "big.bin", os.O_RDONLY)
+        try:
+            for _ in range(40):
+                offset, size = rnd.randrange(len(data)), rnd.randrange(1, 3 << 20)
+                assert os.pread(fd, size, offset) == data[offset:offset + size], (round_, offset)
+        finally:
+            os.close(fd)
+        assert (m.path / "big.bin").read_bytes() == data, round_
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+    assert m.gets() == 3  # one GET per block, then everything from the cache

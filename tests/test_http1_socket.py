@@ -104,3 +104,37 @@ def test_a_shutdown_from_another_thread_wakes_the_reader(during: str) -> None:
         with pytest.raises((http.client.HTTPException, OSError)):
             http1.read_answer(reader, "GET")
         assert time.monotonic() - t0 < 10  # not the 60 s idle timeout
+
+
+@pytest.mark.parametrize("pace", ["at_once", "across_slices"])
+def test_a_large_body_is_received_in_place_whole_and_exact(pace: str) -> None:
+    """A body of IN_PLACE_BODY bytes or more goes into one buffer of its size, whatever
+    the head's recv() already took of it and however many recv() calls the rest needs
+    (here: across SO_RCVTIMEO slices), so it is never joined from parts."""
+    body = bytes(range(256)) * ((http1.IN_PLACE_BODY + 300_000) // 256)
+    client, server = socket.socketpair()
+    with client, server:
+        reader, exchange = _reader(client, 5.0)
+        if pace == "at_once":
+            sender = _send_slowly(server, [HEAD % len(body) + body], 0)
+        else:  # the head with part of the body, then pieces slower than one slice
+            cut = len(body) // 3
+            sender = _send_slowly(server, [HEAD % len(body) + body[:5000], body[5000:cut],
+                                           body[cut:]], http1.SLICE * 1.5)
+        status, _, got, _ = http1.read_answer(reader, "GET")
+        sender.join()
+    assert status == 200 and len(got) == len(body) and got == body
+    assert isinstance(got, bytearray)  # received in place (bytes-like, never changed)
+    if pace == "across_slices":
+        assert exchange.arrivals >= 3
+
+
+def test_a_large_body_cut_short_is_returned_short_for_the_caller_to_judge() -> None:
+    n = http1.IN_PLACE_BODY + 10
+    client, server = socket.socketpair()
+    with client:
+        reader, _ = _reader(client, 5.0)
+        server.sendall(HEAD % n + b"z" * 1000)
+        server.close()
+        with pytest.raises(http.client.IncompleteRead):
+            http1.read_answer(reader, "GET")

@@ -397,3 +397,22 @@ def test_a_bad_shared_cache_profile_is_one_line(bucket, mount_factory):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("cachefs: error: --shared-cache-profile: AWS profile "
                                    "'no-such-profile' not found"), proc.stderr
+
+
+def test_blocks_received_in_place_are_published_and_read_by_a_second_node(
+        bucket, tier, seaweed, mount_factory):
+    """Blocks of 1 MiB come from S3 in bodies received in place (a bytearray, see
+    cachefs.s3.http1.IN_PLACE_BODY): they are published as they are and read back exactly."""
+    client, name = bucket
+    _, tname = tier
+    data = {"ds/big.bin": random.Random(7).randbytes((5 << 20) // 2)}  # 2.5 blocks
+    client.put_object(Bucket=name, Key="ds/big.bin", Body=data["ds/big.bin"])
+    args = [*_shared_args(seaweed.endpoint, tname), "--block-size", "1M"]  # (the last wins)
+    a = mount_factory(f"s3://{name}", *args)
+    _read_all(a, data)
+    assert a.gets() == 3
+    _wait(lambda: _published(a) == 3, what="publishes")
+    b = mount_factory(f"s3://{name}", *args)
+    _read_all(b, data)
+    assert b.gets() == 0
+    assert b.metric('cachefs_tier_loads_total{tier="shared"}') == 3
