@@ -35,7 +35,10 @@ progress of a slow body is still reported at least that often (see
 :func:`set_idle_timeout` for the idle-timeout contract), and a shutdown of the
 socket from another thread (an aborted request) wakes a waiting recv() at once.
 TLS sockets cannot be asked for ``MSG_WAITALL``: they keep Python's socket
-timeout, and each recv() returns what one TLS record holds.
+timeout, and each recv() returns what one TLS record holds. A body of
+:data:`IN_PLACE_BODY` bytes or more is received into one ``bytearray`` of its
+size and returned as it is (bytes-like, never changed after): joined from parts,
+a large body costs a second buffer whose every page faults.
 
 Thread-safety: plain functions on the caller's socket and reader; one
 :class:`SocketReader` belongs to the thread that reads one answer.
@@ -127,15 +130,19 @@ class SocketReader:
         while True:
             try:
                 data = self._sock.recv(n, flags)
-            except BlockingIOError:
-                # A plain socket's slice passed without a byte (SO_RCVTIMEO).
-                silent = time.monotonic() - self._progress.progress_at
-                if silent >= self._idle:
-                    raise TimeoutError(f"no byte for {silent:.1f} s") from None
+            except BlockingIOError:  # a plain socket's slice passed without a byte
+                self._check_silence()
                 continue
             if data:
                 self._progress.received()
             return data
+
+    def _check_silence(self) -> None:
+        """A wait (one SO_RCVTIMEO slice) brought nothing: TimeoutError once ``idle``
+        seconds passed since the last arrival."""
+        silent = time.monotonic() - self._progress.progress_at
+        if silent >= self._idle:
+            raise TimeoutError(f"no byte for {silent:.1f} s") from None
 
     def _recv_into(self, view: memoryview, flags: int) -> int:
         """:meth:`_recv` into ``view``; the number of bytes (0 at the end of the stream)."""
@@ -143,9 +150,7 @@ class SocketReader:
             try:
                 n = self._sock.recv_into(view, len(view), flags)
             except BlockingIOError:
-                silent = time.monotonic() - self._progress.progress_at
-                if silent >= self._idle:
-                    raise TimeoutError(f"no byte for {silent:.1f} s") from None
+                self._check_silence()
                 continue
             if n:
                 self._progress.received()
