@@ -20,26 +20,15 @@ from pathlib import Path
 
 from benchmarks.origin import SeaweedOrigin
 from benchmarks.systems import mount_cachefs
-from benchmarks.util import CLK_TCK, fuse_usable, proc_sample
+from benchmarks.util import CLK_TCK, fuse_usable, proc_sample, thread_samples
 
 BUCKET = "idle"
 
 
 def thread_wakeups(pid: int) -> dict[str, tuple[int, int]]:
     """(context switches, CPU ticks) so far of each thread, by ``tid:name``."""
-    out: dict[str, tuple[int, int]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            base = Path(f"/proc/{pid}/task/{tid}")
-            name = (base / "comm").read_text().strip()
-            status = (base / "status").read_text()
-            stat = (base / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        switches = sum(int(line.split()[1]) for line in status.splitlines()
-                       if "ctxt_switches" in line)
-        out[f"{tid}:{name}"] = (switches, int(stat[11]) + int(stat[12]))
-    return out
+    return {f"{t.tid}:{t.name}": (t.voluntary + t.involuntary, t.user_ticks + t.sys_ticks)
+            for t in thread_samples(pid)}
 
 
 def main(argv: list[str] | None = None) -> int:

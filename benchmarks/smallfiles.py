@@ -55,7 +55,7 @@ from typing import Any
 
 from benchmarks.origin import SeaweedOrigin
 from benchmarks.systems import Mounted, mount_cachefs, mount_rclone, mount_s3fs
-from benchmarks.util import CLK_TCK, drop_caches, fuse_usable, proc_sample
+from benchmarks.util import CLK_TCK, drop_caches, fuse_usable, proc_sample, thread_samples
 from benchmarks.wan import WanLink
 
 BUCKET = "small"
@@ -110,18 +110,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds per thread name and kind ("main.user", "python.sys"...) of a process
     (threads of one name summed; the main thread is "main")."""
     out: dict[str, float] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2:].split()
-            key = "main" if tid == str(pid) else name
-            for part, i in (("user", 11), ("sys", 12)):
-                k = f"{key}.{part}"
-                out[k] = out.get(k, 0.0) + int(fields[i]) / CLK_TCK
+    for t in thread_samples(pid):
+        for part, ticks in (("user", t.user_ticks), ("sys", t.sys_ticks)):
+            k = f"{t.name}.{part}"
+            out[k] = out.get(k, 0.0) + ticks / CLK_TCK
     return out
 
 
@@ -141,34 +133,16 @@ def group_switches(pid: int) -> dict[str, int]:
     (a thread's voluntary switches count its sleeps: each wake-up of the trio thread, each
     wait for a lock or the GIL)."""
     out: dict[str, int] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            name = "main" if tid == str(pid) else stat[stat.index("(") + 1:stat.rindex(")")]
-            for line in status.splitlines():
-                if line.startswith("voluntary_ctxt_switches:"):
-                    g = thread_group(name)
-                    out[g] = out.get(g, 0) + int(line.split()[1])
+    for t in thread_samples(pid):
+        g = thread_group(t.name)
+        out[g] = out.get(g, 0) + t.voluntary
     return out
 
 
 def context_switches(pid: int) -> int:
     """Context switches (voluntary + involuntary) of every live thread of a process so far:
     each hand-over between threads (a thread hop, a contended GIL) costs two or more."""
-    total = 0
-    with contextlib.suppress(FileNotFoundError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-            except OSError:
-                continue
-            total += sum(int(line.split()[1]) for line in status.splitlines()
-                         if line.endswith("ctxt_switches", 0, line.find(":")))
-    return total
+    return sum(t.voluntary + t.involuntary for t in thread_samples(pid))
 
 
 def host_cpu() -> tuple[float, float]:
@@ -185,11 +159,12 @@ def host_cpu() -> tuple[float, float]:
 RIG_PIDS: dict[str, int] = {}
 
 
-def rig_cpu() -> dict[str, float]:
-    """CPU seconds so far of the rig's processes (:data:`RIG_PIDS`) and of this one (the
-    readers), by role."""
+def rig_cpu(daemon: int | None) -> dict[str, float]:
+    """CPU seconds so far of the rig's processes (:data:`RIG_PIDS`), of the daemon under
+    test (its pid, if it has one) and of this process (the readers), by role."""
     out = {"readers": sum(os.times()[:2])}
-    for role, pid in RIG_PIDS.items():
+    pids = {**RIG_PIDS, "daemon": daemon} if daemon else RIG_PIDS
+    for role, pid in pids.items():
         sample = proc_sample(pid)
         if sample is not None:
             out[role] = sample.cpu_s
@@ -295,13 +270,13 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     gsw0 = group_switches(m.pid) if m.pid else {}
     sampled: dict[str, Any] = {}
     host0 = host_cpu()
-    rig0 = rig_cpu()
+    rig0 = rig_cpu(m.pid)
     with py_spy(m.pid, spy), inflight_sampler(m.metrics_url, sample_every, sampled):
         if before_read is not None:
             before_read()
         seconds, total = read_pass(m.root, order, threads)
     host1 = host_cpu()
-    rig1 = rig_cpu()
+    rig1 = rig_cpu(m.pid)
     n = len(order)
     assert total == nbytes, f"{m.system} {name}: read {total} bytes, expected {nbytes}"
     row: dict[str, Any] = {"system": m.system, "pass": name, "files": n, "seconds": round(seconds, 3),
@@ -309,14 +284,10 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
                            # the machine's busy share over the pass (every process, all cores):
                            # near 1, the pass was bound by CPU, not by the link
                            "host_cpu_busy": round((host1[0] - host0[0]) / max(1e-9, host1[1] - host0[1]), 2)}
-    # cores each process used over the pass (the daemon's own figure is cpu_us_per_file)
+    # cores each process used over the pass (the daemon's per file: cpu_us_per_file)
     wall = max(1e-9, seconds)
-    cores = {role: round((v - rig0.get(role, 0.0)) / wall, 2) for role, v in rig1.items()}
-    if m.pid:
-        daemon = proc_sample(m.pid)
-        if daemon is not None:
-            cores["daemon"] = round((daemon.cpu_s - cpu0) / wall, 2)
-    row["cores_by_process"] = cores
+    row["cores_by_process"] = {role: round((v - rig0.get(role, 0.0)) / wall, 2)
+                               for role, v in rig1.items()}
     if m.pid:
         time.sleep(0.3)  # write-backs still running belong to the pass
         cpu1 = proc_sample(m.pid).cpu_s  # type: ignore[union-attr]

@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -78,6 +79,40 @@ def proc_sample(pid: int) -> ProcSample | None:
         elif line.startswith("VmHWM:"):
             hwm = int(line.split()[1]) * 1024
     return ProcSample(pid, (utime + stime + cutime + cstime) / CLK_TCK, rss, hwm)
+
+
+@dataclass(frozen=True)
+class ThreadSample:
+    """One live thread of a process, from ``/proc/<pid>/task/<tid>``: its name ("main"
+    for the main thread), context switches and CPU ticks so far."""
+
+    tid: str
+    name: str
+    voluntary: int
+    involuntary: int
+    user_ticks: int
+    sys_ticks: int
+
+
+def thread_samples(pid: int) -> list[ThreadSample]:
+    """The live threads of process ``pid`` (none when it is gone; a thread that ends while
+    it is read is left out)."""
+    out: list[ThreadSample] = []
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            switches = {k: int(v) for k, v in (line.split(":") for line in status.splitlines()
+                                               if line.endswith("ctxt_switches", 0, line.find(":")))}
+            out.append(ThreadSample(
+                tid, "main" if tid == str(pid) else stat[stat.index("(") + 1:stat.rindex(")")],
+                switches.get("voluntary_ctxt_switches", 0),
+                switches.get("nonvoluntary_ctxt_switches", 0), int(fields[11]), int(fields[12])))
+    return out
 
 
 def pids_with_arg(arg: str) -> list[int]:
