@@ -246,7 +246,8 @@ def test_corrupt_cached_block_is_fetched_again(rig: Rig, mem: MemoryStore) -> No
 
     async def fill(f: Fetcher) -> tuple[Path, int]:
         assert await f.read(obj, 0, 2 * BS) == data
-        return f.cache.location(f.block_id(obj, 1))
+        path, offset = f.cache.location(f.block_id(obj, 1))
+        return Path(path), offset
 
     path, offset = rig.run(fill)
     raw = bytearray(path.read_bytes())

@@ -423,3 +423,27 @@ def test_waits_after_broken_connections_are_short_and_after_throttling_long() ->
     asked = [backoff.delay(20, rng, from_s3=True) for _ in range(200)]
     assert max(network) <= backoff.network_cap < 3
     assert max(asked) > 5 and max(asked) <= backoff.cap
+
+
+# -- threads ------------------------------------------------------------------------------
+def test_s3_threads_are_named_once_for_operators() -> None:
+    """A thread making S3 requests carries the name ``cachefs-s3`` for Python and the OS
+    (``top -H``, /proc), set at its first request and kept across requests, not set and
+    reset around each one."""
+    store = store_with(k=b"x" * 10)
+    origin = Origin(store, max_connections=1, deadline=5, backoff=FAST)
+    seen: list[tuple[str, str]] = []
+
+    def note(op: str, key: str) -> None:  # runs in the request's thread
+        comm = open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+        seen.append((threading.current_thread().name, comm))
+
+    store.fault = note
+
+    async def main() -> None:
+        for _ in range(3):
+            assert (await origin.get("k", etag(store, "k"), 0, 10)).data == b"x" * 10
+        origin.close()
+
+    trio.run(main)
+    assert seen == [("cachefs-s3", "cachefs-s3")] * 3

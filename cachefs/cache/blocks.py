@@ -176,10 +176,10 @@ class BlockCache:
         metrics.CACHE_USED_BYTES.set(self._used)
         metrics.CACHE_BLOCKS.set(self._count)
 
-    def object_path(self, oid: bytes) -> Path:
+    def object_path(self, oid: bytes) -> str:
         return self.files.path(oid)
 
-    def location(self, bid: bytes) -> tuple[Path, int]:
+    def location(self, bid: bytes) -> tuple[str, int]:
         """(object file, byte offset) where block ``bid`` is stored."""
         oid, offset = split_block_id(bid)
         return self.object_path(oid), offset

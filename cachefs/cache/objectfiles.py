@@ -15,6 +15,7 @@ cache. Worker threads only (every call may wait on the disk).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -43,15 +44,19 @@ class ObjectFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.objects_dir = root / "objects"
+        self._prefix = f"{self.objects_dir}{os.sep}"
         self._punch_warned = False
         try:
             self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
             raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
 
-    def path(self, oid: bytes) -> Path:
+    def path(self, oid: bytes) -> str:
+        """The object's file: ``objects/<first two hex digits>/<hex id>``. A plain string,
+        built on every cache write, read and passthrough open (``pathlib`` costs ~12 us a
+        path, 20 times this)."""
         h = oid.hex()
-        return self.objects_dir / h[:2] / h
+        return f"{self._prefix}{h[:2]}{os.sep}{h}"
 
     def write_at(self, oid: bytes, data: bytes, offset: int) -> int:
         """Write ``data`` at ``offset`` of the object's file (created with its directory
@@ -60,7 +65,8 @@ class ObjectFiles:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path), 0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(data)
@@ -120,7 +126,7 @@ def pread(fd: int, length: int, offset: int) -> bytes:
     return os.pread(fd, length, offset)
 
 
-def unlink(path: Path) -> None:
+def unlink(path: str | Path) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
