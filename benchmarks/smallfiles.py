@@ -194,8 +194,10 @@ def per_file(before: dict[str, float], after: dict[str, float], prefix: str, n: 
 
 
 @contextlib.contextmanager
-def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
-    """Record the daemon with py-spy (if asked and installed) while the block runs."""
+def py_spy(pid: int | None, out: Path | None, gil: bool = False) -> Iterator[None]:
+    """Record the daemon with py-spy (if asked and installed) while the block runs; with
+    ``gil``, only the thread holding the interpreter lock is sampled (py-spy ``--gil``:
+    where the daemon's one interpreter goes, as opposed to where its threads wait)."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if pid is None or out is None or not os.path.exists(exe):
         yield
@@ -203,7 +205,8 @@ def py_spy(pid: int | None, out: Path | None) -> Iterator[None]:
     # --nonblocking: sampling without stopping the daemon (a stopped daemon runs several
     # times slower under the sampling rate; a sample may now and then be torn).
     proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--nonblocking", "--format",
-                             "raw", "--rate", "500", "--output", str(out)],
+                             "raw", "--rate", "500", "--output", str(out),
+                             *(["--gil"] if gil else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     try:
@@ -261,7 +264,7 @@ def inflight_sampler(url: str | None, every: float, out: dict[str, Any]) -> Iter
 
 def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
             spy: Path | None = None, before_read: Any = None,
-            sample_every: float = 0.0) -> dict[str, Any]:
+            sample_every: float = 0.0, spy_gil: bool = False) -> dict[str, Any]:
     drop_caches()
     met0 = scrape(m.metrics_url) if m.metrics_url else {}
     cpu0 = proc_sample(m.pid).cpu_s if m.pid else 0.0  # type: ignore[union-attr]
@@ -271,7 +274,7 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     sampled: dict[str, Any] = {}
     host0 = host_cpu()
     rig0 = rig_cpu(m.pid)
-    with py_spy(m.pid, spy), inflight_sampler(m.metrics_url, sample_every, sampled):
+    with py_spy(m.pid, spy, spy_gil), inflight_sampler(m.metrics_url, sample_every, sampled):
         if before_read is not None:
             before_read()
         seconds, total = read_pass(m.root, order, threads)
@@ -374,7 +377,8 @@ def _renamed(cm: contextlib.AbstractContextManager[Mounted], system: str) -> Ite
 
 def run_system(system: str, passes: list[str], endpoint: str, work: Path, local: Path,
                items: list[tuple[str, int]], threads: int, seed: int, extra: list[str],
-               spy_dir: Path | None, sample_every: float = 0.0) -> list[dict[str, Any]]:
+               spy_dir: Path | None, sample_every: float = 0.0,
+               spy_gil: bool = False) -> list[dict[str, Any]]:
     keys = [k for k, _ in items]
     nbytes = sum(s for _, s in items)
     in_order = sorted(keys)
@@ -395,7 +399,7 @@ def run_system(system: str, passes: list[str], endpoint: str, work: Path, local:
             send_hint(str(m.root / k) for k in order)
 
         row = measure(m, name, order, nbytes, threads, spy(name), send if hint else None,
-                      sample_every)
+                      sample_every, spy_gil)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -462,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra argument for cachefs mount (repeatable)")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="record the daemon with py-spy during every pass (folded stacks in DIR)")
+    ap.add_argument("--py-spy-gil", action="store_true",
+                    help="with --py-spy: sample only the thread holding the interpreter lock")
     ap.add_argument("--sample-inflight", type=float, default=0.0, metavar="SECONDS",
                     help="sample cachefs's S3 GETs in flight this often during each pass "
                          "(scrapes cost the daemon CPU; off by default)")
@@ -500,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                 RIG_PIDS["emulator"] = wan.proc.pid
             for system in systems:
                 rows += run_system(system, passes, wan.endpoint, work, local, items, args.threads,
-                                   args.seed, args.cachefs_arg, args.py_spy, args.sample_inflight)
+                                   args.seed, args.cachefs_arg, args.py_spy, args.sample_inflight,
+                                   args.py_spy_gil)
     print(summary(rows, args.bandwidth_MBps))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
