@@ -247,7 +247,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("memory_budget", parse_size, "512M",
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
-    Option("max_connections", parse_int, 128, "Concurrent S3 requests at most.", metavar="N"),
+    Option("max_connections", parse_int, 256, "Concurrent S3 requests at most.", metavar="N"),
     Option("fuse_workers", parse_int, 2,
            "Threads answering FUSE requests (lookups, opens, reads of cached blocks); more "
            "overlap more waits for the disk, at a CPU cost per request.",

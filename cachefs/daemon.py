@@ -85,6 +85,9 @@ STATUS_INTERVAL = 1.0  # status snapshot in the runtime registry, while the moun
 STATUS_IDLE_INTERVAL = 10.0  # the same while nothing happens (see Daemon._maintenance)
 _LMDB_WRITES = metrics.LMDB_TRANSACTIONS.counters["write"]
 DRAIN_TIMEOUT = 30.0
+#: S3 connections opened at mount, at most (half of --max-connections up to this): enough
+#: for a cold start's first burst of GETs without a handshake storm at every mount.
+PREWARM_CONNECTIONS = 64
 #: After SIGTERM, files still open keep the (lazily unmounted) connection alive this
 #: long before it is aborted.
 STOP_GRACE = 5.0
@@ -411,10 +414,11 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _open_connections(self, origin: Origin) -> None:
-        """Open half of the S3 connections while the mount comes up: a cold start's first
-        burst of GETs (a directory walk's window) then finds them open instead of each
-        paying a connection's round trips across regions first."""
-        n = await origin.open_connections(self.cfg.max_connections // 2)
+        """Open half of the S3 connections (at most :data:`PREWARM_CONNECTIONS`) while the
+        mount comes up: a cold start's first burst of GETs (a directory walk's window) then
+        finds them open instead of each paying a connection's round trips across regions
+        first."""
+        n = await origin.open_connections(min(self.cfg.max_connections // 2, PREWARM_CONNECTIONS))
         log.info("opened %d connection(s) to S3 ahead of the first reads", n)
 
     async def _watch_unmount(self, origin: Origin) -> None:

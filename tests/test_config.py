@@ -127,7 +127,7 @@ def test_defaults_apply_when_nothing_is_given() -> None:
     assert cfg.block_size == 4 * MiB
     assert cfg.metadata_ttl == 300.0
     assert cfg.memory_budget == 512 * MiB
-    assert cfg.max_connections == 128
+    assert cfg.max_connections == 256
     assert cfg.read_ahead == MiB
     assert cfg.file_mode == 0o444 and cfg.dir_mode == 0o555
     assert cfg.no_sign_request is False and cfg.allow_other is False

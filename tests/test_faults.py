@@ -597,6 +597,26 @@ def test_bucket_in_another_region_is_read_without_region(bucket, s3_endpoint, mo
         assert proxy.faults["wrong_region"] >= 1  # the lookup's first request was refused
 
 
+def test_a_mount_opens_at_most_64_connections_ahead_of_its_reads(bucket, s3_endpoint,
+                                                                  mount_factory):
+    """At mount, half of --max-connections (256 by default) are opened ahead of the first
+    reads, but never more than 64: a fleet of mounts coming up does not make a handshake
+    storm across regions."""
+    client, name = bucket
+    files = dataset(client, name, "pre/", 2, seed=17)
+    with FaultProxy(s3_endpoint) as proxy:
+        m = proxied_mount(mount_factory, proxy, name)
+        deadline = time.monotonic() + 30
+        while "ahead of the first reads" not in m.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "opened 64 connection(s) to S3 ahead of the first reads" in m.log()
+        # The connections the server sees: the 64 opened ahead, plus at most the few the
+        # mount's own requests (bucket region, listing) opened; not the 128 of half the limit.
+        assert 64 <= len(proxy._conns) <= 70
+        for key, data in files.items():
+            assert (m.path / key).read_bytes() == data
+
+
 def test_mount_through_an_http_proxy(bucket, s3_endpoint, mount_factory,
                                      monkeypatch: pytest.MonkeyPatch):
     client, name = bucket
