@@ -308,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the remount walk: 'cachefs warm --check' of everything, then "
                         "'cachefs warm' of this many directories, with the daemon's RSS (0: skip)")
     p.add_argument("--cachefs-args", default="", help="extra cachefs mount arguments")
-    p.add_argument("--json", type=Path, default=HERE / "results" / "metadata.json")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the results here (default: results/metadata.json for a full "
+                        "run; a --quick run writes none unless asked, so it never replaces "
+                        "the recorded figures)")
     p.add_argument("--run-dir", type=Path, default=None)
     args = p.parse_args(argv)
     ok, why = fuse_usable()
@@ -341,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["flat"].append(r)
                 print(f"  {json.dumps(r)}", file=sys.stderr, flush=True)
         results["server_cpu_s"] = cpu(server_pid)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1))
+    json_path = args.json or (None if args.quick else HERE / "results" / "metadata.json")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=1))
     print(f"\n`{results['command']}` ({args.delay * 1000:.0f} ms per request; synthetic server "
           f"CPU {results['server_cpu_s']:.0f} s)\n")
     print(tree_table(results["tree"]))
