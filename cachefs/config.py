@@ -293,6 +293,12 @@ OPTIONS: tuple[Option, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
 
+def speculative_window(max_connections: int) -> int:
+    """Hinted and swept loads a mount keeps in flight for ``--max-connections``: the
+    background share of the connections, 3/4 (more would only wait for one)."""
+    return max(1, max_connections * 3 // 4)
+
+
 @dataclasses.dataclass(frozen=True)
 class MountConfig:
     """A complete, validated mount configuration."""

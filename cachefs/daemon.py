@@ -48,7 +48,7 @@ from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
 from cachefs.cache.readahead import DiskReadahead
-from cachefs.config import MountConfig
+from cachefs.config import MountConfig, speculative_window
 from cachefs.control import registry
 from cachefs.control.server import ControlServer
 from cachefs.control.warm import Warmer
@@ -295,9 +295,7 @@ class Daemon:
         prefetcher = Prefetcher(fetcher, budget, ledger, readahead=read_ahead,
                                 kernel_reads_cached=lambda: passthrough.enabled)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
-        # Hinted and swept loads in flight: the background share of the S3 connections
-        # (more would only wait for one).
-        window = max(1, cfg.max_connections * 3 // 4)
+        window = speculative_window(cfg.max_connections)  # hinted and swept loads in flight
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
                                lookahead_bytes=max_readahead * 4, window=window,
                                prepare=metadata.list_ahead)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import __version__
-from cachefs.config import OPTIONS, MountConfig, load_config_file, resolve
+from cachefs.config import OPTIONS, OPTIONS_BY_NAME, MountConfig, load_config_file, resolve, speculative_window
 from cachefs.errors import CachefsError, ConfigError
 
 log = logging.getLogger("cachefs")
@@ -107,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mean-file-size", metavar="SIZE", help="instead of --files (default 110K)")
     plan.add_argument("--epochs", type=int, default=10)
     plan.add_argument("--workers", type=int, default=8, help="DataLoader workers (default 8)")
-    plan.add_argument("--in-flight", type=int, default=96,
-                      help="requests cachefs keeps in flight when prefetching (default 96)")
+    in_flight = speculative_window(OPTIONS_BY_NAME["max_connections"].default)
+    plan.add_argument("--in-flight", type=int, default=in_flight,
+                      help="requests cachefs keeps in flight when prefetching (default "
+                           f"{in_flight}: 3/4 of --max-connections' default)")
     plan.add_argument("--nodes", type=int, default=1, metavar="N",
                       help="nodes of the training job sharing the link: adds cross-region bytes "
                       "and warm-up with and without a shared cache tier (default 1)")
