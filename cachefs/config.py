@@ -232,6 +232,10 @@ OPTIONS: tuple[Option, ...] = (
            "Let the kernel read fully cached files straight from the cache (FUSE passthrough: "
            "needs Linux >= 6.9 and CAP_SYS_ADMIN); 'auto' uses it when available.",
            metavar="auto|off"),
+    Option("native_reads", _choice("auto", "off"), "auto",
+           "Without passthrough, answer reads of fully cached, verified files in the request "
+           "workers' C loop, not in Python (the same check and pins as passthrough); 'auto' "
+           "uses it when cachefs was built with it.", metavar="auto|off"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
            "again ('inf' for immutable datasets); an expired listing is still answered while "
@@ -309,6 +313,7 @@ class MountConfig:
     cache_size: int
     cache_policy: str
     passthrough: str
+    native_reads: str
     block_size: int
     endpoint_url: str | None
     region: str | None

@@ -62,6 +62,8 @@ from cachefs.errors import (
 from cachefs.fs import FileSystem
 from cachefs.fuse import abi
 from cachefs.fuse.device import Device
+from cachefs.fuse.native import AVAILABLE as native_available
+from cachefs.fuse.native import NativeReads
 from cachefs.fuse.server import RequestServer
 from cachefs.fuse_ops import Operations
 from cachefs.passthrough import Passthrough
@@ -278,6 +280,11 @@ class Daemon:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto")
+        # Without the kernel's passthrough, the request workers' C loop answers the reads
+        # of verified files (cachefs.fuse.native); built without it, Python answers all.
+        native = NativeReads() if cfg.native_reads == "auto" and native_available else None
+        if native is not None:
+            native.publish()
         fetcher.on_settled = passthrough.settled  # predicted files registered once landed
         if cfg.passthrough == "auto" and not passthrough.wanted:
             log.info("FUSE passthrough unavailable (it needs Linux 6.9 or newer): "
@@ -293,7 +300,7 @@ class Daemon:
             readahead.advise(path, offset, length)
 
         prefetcher = Prefetcher(fetcher, budget, ledger, readahead=read_ahead,
-                                kernel_reads_cached=lambda: passthrough.enabled)
+                                kernel_reads_cached=lambda: passthrough.enabled and not passthrough.native)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
         window = speculative_window(cfg.max_connections)  # hinted and swept loads in flight
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
@@ -333,7 +340,10 @@ class Daemon:
             if passthrough.wanted and not result.passthrough:
                 log.info("FUSE passthrough unavailable (the kernel did not grant it): "
                          "cachefs serves reads itself")
-            passthrough.attach_device(self.device if result.passthrough else None)
+            passthrough.attach_device(self.device if result.passthrough else None, native)
+            if passthrough.native:
+                ops.native = native
+                log.info("reads of verified cache files are answered by the native loop")
 
         ops = Operations(
             fs, uid=os.getuid() if cfg.uid is None else cfg.uid,
@@ -353,7 +363,8 @@ class Daemon:
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
         self._dev = registry.mount_device(cfg.mountpoint) or ""
         self.server = server = RequestServer(device.dup, ops, workers=cfg.fuse_workers,
-                                             want_passthrough=passthrough.wanted)
+                                             want_passthrough=passthrough.wanted,
+                                             native=native)
         fs.post = server.post
         unmounted = False
         try:

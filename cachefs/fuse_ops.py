@@ -39,6 +39,7 @@ from cachefs.errors import (
 )
 from cachefs.fs import FileSystem, FsError, NeedsWait, Node
 from cachefs.fuse import abi
+from cachefs.fuse.native import NativeReads
 from cachefs.fuse.server import AsyncHandler, Deferred, Handlers, InlineHandler, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ class Operations(Handlers):
         self._released = metrics.FastCounter()
         metrics.OPEN_HANDLES.set_function(lambda: self._opened.value - self._released.value)
         self._read_bytes = metrics.READ_BYTES
+        # Set at INIT when the native loop answers the reads of registered files (see
+        # cachefs.fuse.native): a handle opened on one is bound to it.
+        self.native: NativeReads | None = None
 
     # -- the server's interface ----------------------------------------------------------
     def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
@@ -193,6 +197,12 @@ class Operations(Handlers):
         fh, keep_cache, backing_id = self.fs.open_now(req.nodeid, reader=req.pid,
                                                      o_direct=o_direct)
         self._opened.inc()
+        native = self.native
+        if backing_id and native is not None:
+            # A verified file registered with the native loop, which answers this
+            # handle's reads (a handle it cannot bind is served here).
+            native.bind(fh, backing_id, self.fs.object_size(fh))
+            return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
         if backing_id:
             # The kernel reads the cache file itself; it refuses keep_cache with it. An
             # O_DIRECT handle is passed through only because its inode is (the kernel
@@ -229,7 +239,10 @@ class Operations(Handlers):
         return data
 
     def release(self, req: Request) -> Reply:
-        self.fs.release(abi.RELEASE_IN.unpack_from(req.body)[0])
+        fh = abi.RELEASE_IN.unpack_from(req.body)[0]
+        if self.native is not None:
+            self.native.unbind(fh)  # (before the file's registration may be dropped)
+        self.fs.release(fh)
         self._released.inc()
         return None
 

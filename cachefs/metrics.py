@@ -19,7 +19,7 @@ import errno
 import itertools
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -101,8 +101,45 @@ THREAD_HOPS = Counter(
     "they do", ["op"], registry=REGISTRY)
 
 # --- file system -----------------------------------------------------------
-READ_BYTES = Counter(
-    "cachefs_read_bytes", "Bytes returned to readers through the mount", registry=REGISTRY)
+
+
+class ReadBytes:
+    """``cachefs_read_bytes_total``: bytes the Python handlers returned (:meth:`inc`, any
+    thread) plus those of every added source (the native loop's reads,
+    :mod:`cachefs.fuse.native`), summed at scrape time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+        self._sources: list[Callable[[], int]] = []
+
+    def inc(self, n: int) -> None:
+        with self._lock:
+            self._value += n
+
+    def add_source(self, source: Callable[[], int]) -> None:
+        with self._lock:
+            self._sources.append(source)
+
+    @property
+    def value(self) -> int:
+        with self._lock:
+            sources = list(self._sources)
+            value = self._value
+        return value + sum(source() for source in sources)
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("cachefs_read_bytes",
+                                     "Bytes returned to readers through the mount")
+        family.add_metric([], self.value)
+        yield family
+
+
+READ_BYTES = ReadBytes()
+REGISTRY.register(READ_BYTES)
 FUSE_HANDED_OVER = Counter(
     "cachefs_fuse_handed_over", "FUSE requests a request worker could not answer itself, by "
     "how: 'deferred' to the trio thread (a wake-up and a task), or 'joined' to a fetch under "
@@ -120,8 +157,11 @@ OPEN_HANDLES = Gauge(
     "cachefs_open_file_handles", "Open file handles", registry=REGISTRY)
 
 # --- FUSE passthrough (the kernel reads fully cached objects itself) ------------
+# With native reads (cachefs.fuse.native) instead of the kernel, the same metrics count
+# the files registered with the native loop; cachefs_native_reads_enabled says which.
 PASSTHROUGH_OPENS = Counter(
-    "cachefs_passthrough_opens", "Opens answered with passthrough to the cache file",
+    "cachefs_passthrough_opens", "Opens answered with passthrough to the cache file (or "
+    "bound to it for the native loop's reads)",
     registry=REGISTRY)
 PASSTHROUGH_DECLINED = Counter(
     "cachefs_passthrough_declined", "Opens served by the daemon instead, by reason",
@@ -131,10 +171,14 @@ PASSTHROUGH_PREPARED = Counter(
     "registered ahead of their open (registered) or not, by outcome", ["outcome"],
     registry=REGISTRY)
 PASSTHROUGH_BACKINGS = Gauge(
-    "cachefs_passthrough_backing_files", "Cache files the kernel currently reads directly",
+    "cachefs_passthrough_backing_files", "Cache files the kernel (or the native loop) "
+    "currently reads directly",
     registry=REGISTRY)
 PASSTHROUGH_ENABLED = Gauge(
     "cachefs_passthrough_enabled", "1 while opens may use FUSE passthrough", registry=REGISTRY)
+NATIVE_READS_ENABLED = Gauge(
+    "cachefs_native_reads_enabled", "1 while reads of verified cache files are answered by "
+    "the native request loop (without FUSE passthrough)", registry=REGISTRY)
 
 # --- S3 --------------------------------------------------------------------
 S3_REQUESTS = Counter(
@@ -383,6 +427,9 @@ class FuseRequestStats:
         self.ops = ops
         self.index = {op: i for i, op in enumerate(ops)}
         self._shards: list[RequestShard] = []
+        # Counts kept elsewhere (the native loop, cachefs.fuse.native): each returns
+        # {op: (count, sum of seconds, per-bucket counts)} so far.
+        self._sources: list[Callable[[], dict[str, tuple[int, float, list[int]]]]] = []
         self._lock = threading.Lock()
 
     def shard(self) -> RequestShard:
@@ -392,11 +439,18 @@ class FuseRequestStats:
             self._shards.append(s)
         return s
 
+    def add_source(self, source: Callable[[], dict[str, tuple[int, float, list[int]]]]) -> None:
+        """Add counts kept outside the shards (see ``_sources``)."""
+        with self._lock:
+            self._sources.append(source)
+
     def total(self) -> int:
         """Requests handled so far, every operation (a sum of per-thread counts)."""
         with self._lock:
             shards = list(self._shards)
-        return sum(sum(s.counts) for s in shards)
+            sources = list(self._sources)
+        return (sum(sum(s.counts) for s in shards)
+                + sum(c for source in sources for c, _, _ in source().values()))
 
     def describe(self) -> list[Metric]:
         return list(self.collect())
@@ -404,6 +458,8 @@ class FuseRequestStats:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             shards = list(self._shards)
+            sources = list(self._sources)
+        extra = [source() for source in sources]
         requests = CounterMetricFamily("cachefs_fuse_requests", "FUSE requests handled",
                                        labels=["op"])
         latency = HistogramMetricFamily("cachefs_fuse_request_duration_seconds",
@@ -411,11 +467,17 @@ class FuseRequestStats:
         bounds = [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]
         for i, op in enumerate(self.ops):
             count = sum(s.counts[i] for s in shards)
-            requests.add_metric([op], count)
             per = [sum(s.buckets[i][j] for s in shards) for j in range(len(bounds))]
+            seconds = sum(s.sums[i] for s in shards)
+            for counts in extra:
+                if op in counts:
+                    n, sum_, buckets = counts[op]
+                    count += n
+                    seconds += sum_
+                    per = [a + b for a, b in zip(per, buckets, strict=True)]
+            requests.add_metric([op], count)
             cumulative = list(itertools.accumulate(per))
-            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)),
-                               sum(s.sums[i] for s in shards))
+            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), seconds)
         yield requests
         yield latency
 

@@ -165,7 +165,8 @@ class Passthrough:
         self.ledger = ledger
         # Until the device is attached (after INIT granted passthrough) nothing is passed.
         self.wanted = enabled and supported()
-        self.enabled = False
+        self.enabled = False  # files are registered (with the kernel or the native loop)
+        self.native = False  # ... with the native loop (attach_device)
         self._device: BackingDevice | None = None
         self._lock = threading.Lock()
         self._backings: dict[bytes, _Backing] = {}  # by object id
@@ -194,12 +195,19 @@ class Passthrough:
         self._stopping = False
         metrics.PASSTHROUGH_ENABLED.set(0)
 
-    def attach_device(self, device: BackingDevice | None) -> None:
+    def attach_device(self, device: BackingDevice | None,
+                      native: BackingDevice | None = None) -> None:
         """The mount's device, once INIT settled whether the kernel passes files through
-        (None: it does not); before this, every open is served by the daemon."""
-        self._device = device
-        self.enabled = self.wanted and device is not None
-        metrics.PASSTHROUGH_ENABLED.set(1 if self.enabled else 0)
+        (None: it does not); before this, every open is served by the daemon. Without the
+        kernel, ``native`` (:class:`cachefs.fuse.native.NativeReads`), when given, takes
+        its place: files are registered with it under the same rules, and the request
+        workers' native loop answers the reads of their handles (:attr:`native`)."""
+        kernel = self.wanted and device is not None
+        self._device = device if kernel else native
+        self.native = not kernel and native is not None
+        self.enabled = self._device is not None
+        metrics.PASSTHROUGH_ENABLED.set(1 if kernel else 0)
+        metrics.NATIVE_READS_ENABLED.set(1 if self.native else 0)
 
     async def run(self, *, threads: int = PREPARE_THREADS,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -533,13 +541,13 @@ class Passthrough:
                         return 0, "refused"
                     backing_id = device.backing_open(fd)
                 except OSError as exc:
-                    if exc.errno in _UNSUPPORTED:
+                    if exc.errno in _UNSUPPORTED and not self.native:
                         return 0, exc
-                    log.warning("the kernel refused to read a cache file itself (%s); "
-                                "serving it", exc.strerror or exc)
+                    log.warning("cannot register a cache file for reads without the daemon's "
+                                "Python (%s); serving it", exc.strerror or exc)
                     return 0, "refused"
             finally:
-                os.close(fd)  # the kernel holds its own reference to the file
+                os.close(fd)  # the kernel (or the native loop) holds its own reference
         finally:
             if not backing_id:
                 self.cache.unpin(oid)

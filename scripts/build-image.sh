@@ -24,13 +24,13 @@ die() { echo "build-image: $*" >&2; exit 1; }
 
 command -v buildah >/dev/null || die "buildah not installed (apt-get install buildah)"
 shopt -s nullglob
-wheels=("$dist"/cachefs-*-py3-none-any.whl)
+wheels=("$dist"/cachefs-*.whl)
 shopt -u nullglob
 [ ${#wheels[@]} -eq 1 ] || die "expected one cachefs wheel in $dist, found ${#wheels[@]} (run make dist)"
 wheel=${wheels[0]}
 wheel_name=$(basename "$wheel")
 version=${wheel_name#cachefs-}
-version=${version%-py3-none-any.whl}
+version=${version%%-*}  # (then the wheel's tags: cp311-cp311-linux_x86_64 with the native loop)
 tag=${version//+/-}
 
 cd "$repo"

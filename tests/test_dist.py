@@ -5,6 +5,7 @@ from __future__ import annotations
 import email
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def test_make_dist_builds_a_wheel_that_installs_and_reports_the_git_version(
 
     (wheel,) = out.glob("cachefs-*.whl")
     (sdist,) = out.glob("cachefs-*.tar.gz")
-    assert wheel.name == f"cachefs-{expected}-py3-none-any.whl"
+    # A platform wheel: it carries the native request loop (cachefs/fuse/_native.c).
+    assert wheel.name.startswith(f"cachefs-{expected}-cp3"), wheel.name
     assert sdist.name == f"cachefs-{expected}.tar.gz"
     with zipfile.ZipFile(wheel) as zf:
         meta = email.message_from_bytes(zf.read(f"cachefs-{expected}.dist-info/METADATA"))
@@ -44,6 +46,10 @@ def test_make_dist_builds_a_wheel_that_installs_and_reports_the_git_version(
     assert meta["License-Expression"] == "Apache-2.0"
     assert "cachefs/cli.py" in names or "cachefs/cli/__init__.py" in names
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    assert any(n.startswith("cachefs/fuse/_native") and n.endswith(".so") for n in names), \
+        "the wheel was built without the native request loop"
+    with tarfile.open(sdist) as tf:  # a pip install from source builds it (or goes without)
+        assert f"cachefs-{expected}/cachefs/fuse/_native.c" in tf.getnames()
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)

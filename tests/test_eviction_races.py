@@ -369,7 +369,7 @@ def test_an_eviction_never_punches_a_file_the_kernel_reads(bucket, mount_factory
 @pytest.mark.fuse
 def test_a_daemon_read_racing_an_eviction_is_a_miss_not_corruption(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
     files = _objects(bucket, {"a.bin": 2 * MNT_BLOCK, "b.bin": MNT_BLOCK})
-    m = _mount(mount_factory, bucket, 2, "--passthrough", "off")
+    m = _mount(mount_factory, bucket, 2, "--passthrough", "off", "--native-reads", "off")
     _cached(m, m.path / "a.bin", files["a.bin"], 2)  # memory holds block 1 only
     _drop_page_cache()
     holds.hold("read.indexed")

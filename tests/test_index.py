@@ -200,7 +200,7 @@ def test_many_readers_of_cached_files_hold_few_reader_slots(bucket, mount_factor
     for key, body in files.items():
         client.put_object(Bucket=name, Key=key, Body=body)
     m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off",
-                      "--memory-budget", "4M")  # most reads go to the disk
+                      "--native-reads", "off", "--memory-budget", "4M")  # most reads go to the disk
     for key, body in files.items():
         assert (m.path / key).read_bytes() == body
     deadline = time.monotonic() + 60

@@ -186,7 +186,8 @@ def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory
 
 def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     _, name, data = shard
-    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off",
+                      "--native-reads", "off")  # (with them: tests/test_native_reads.py)
     path = m.path / "shards" / "s0.tar"
     assert _read(path) == data
     _drop_page_cache()
@@ -203,7 +204,8 @@ def test_a_walk_without_passthrough_finds_its_cached_files_in_the_page_cache(buc
     ahead (not loaded into the daemon's memory through the request loop), and every
     byte the workers then read and verify is the object's."""
     name, files = _walk_files(bucket, seed=400, size=20_000)
-    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off",
+                      "--native-reads", "off")
     for key in sorted(files):
         assert _read(m.path / key) == files[key]
     _wait_for(m, "cachefs_cache_blocks", len(files))

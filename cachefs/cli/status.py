@@ -75,6 +75,7 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         "corrupt_blocks": int(stats.get("cachefs_cache_corrupt_blocks_total", 0)),
         "warm_bytes": int(stats.get("cachefs_warm_bytes_total", 0)),
         "passthrough_enabled": bool(stats.get("cachefs_passthrough_enabled", 0)),
+        "native_reads_enabled": bool(stats.get("cachefs_native_reads_enabled", 0)),
         "passthrough_files": int(stats.get("cachefs_passthrough_backing_files", 0)),
         "passthrough_opens": int(stats.get("cachefs_passthrough_opens_total", 0)),
         "warm_target_bytes": int(stats.get("cachefs_warm_target_bytes", 0)),
@@ -168,6 +169,9 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         if r["passthrough_enabled"]:
             print(f"  kernel  reads {r['passthrough_files']} cached files directly (passthrough; "
                   f"{r['passthrough_opens']} opens so far)")
+        elif r["native_reads_enabled"]:
+            print(f"  kernel  passthrough off; {r['passthrough_files']} verified cached files are "
+                  f"read by the native loop ({r['passthrough_opens']} opens so far)")
         else:
             print("  kernel  passthrough off: every read goes through cachefs")
     return 0

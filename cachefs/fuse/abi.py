@@ -114,6 +114,7 @@ MAX_WRITE = 128 * 1024
 BUFFER_SIZE = MAX_WRITE + 4096
 #: The largest read request (max_pages x 4 KiB): 1 MiB, what --read-ahead may ask for.
 MAX_PAGES_VALUE = 256
+MAX_READ = MAX_PAGES_VALUE * 4096
 
 
 class ProtocolError(Exception):

@@ -59,6 +59,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.fuse import abi
+from cachefs.fuse.native import NativeReads
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class RequestServer:
     """Serves one FUSE connection with worker threads (see the module docstring)."""
 
     def __init__(self, open_fd: Callable[[], int], handlers: Handlers, *,
-                 workers: int = DEFAULT_WORKERS, want_passthrough: bool = False) -> None:
+                 workers: int = DEFAULT_WORKERS, want_passthrough: bool = False,
+                 native: NativeReads | None = None) -> None:
         self._open_fd = open_fd  # a new descriptor of the connection, owned by the caller
         self._handlers = handlers
         self._table = handlers.table()
@@ -154,6 +156,7 @@ class RequestServer:
         self._trio_stats = metrics.FUSE_STATS.shard()  # replies written on the trio thread
         self.workers = max(1, workers)
         self.want_passthrough = want_passthrough
+        self._native = native  # the C loop (None: every request is answered in Python)
         self.negotiated: abi.Negotiated | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
@@ -328,11 +331,38 @@ class RequestServer:
             return result
 
     def _worker(self, index: int, fd: int) -> None:
-        # The hot loop of the mount: every name is a local, and a request costs one
-        # readv, one header unpack, the handler and one writev.
         buf = bytearray(abi.BUFFER_SIZE)
+        handle = self._request_handler(index, fd, buf)
+        try:
+            if self._native is not None:
+                # The C loop answers what it can (see cachefs.fuse.native) and calls
+                # handle for the rest.
+                self._native.serve(fd, buf, handle, abi.MAX_READ)
+                return
+            bufs = [buf]
+            readv = os.readv
+            while True:
+                try:
+                    n = readv(fd, bufs)
+                except OSError as exc:
+                    if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                        continue  # ENOENT: the request was interrupted before we read it
+                    if exc.errno == errno.ENODEV:
+                        return  # unmounted (or aborted)
+                    raise
+                if n <= 0 or handle(n):
+                    return
+        except Exception:
+            log.exception("FUSE request worker failed; it stops")
+        finally:
+            self._worker_done()
+
+    def _request_handler(self, index: int, fd: int, buf: bytearray) -> Callable[[int], bool]:
+        """The function a worker calls for each request it read into ``buf`` (its length
+        ``n``): it answers it, or hands it over; returns True when the worker must stop."""
+        # The hot path of the mount: every name is a local, and a request costs one
+        # header unpack, the handler and one writev.
         view = memoryview(buf)
-        bufs = [buf]
         unpack = abi.IN_HEADER.unpack_from
         hsize = abi.IN_HEADER.size
         table = self._table
@@ -343,64 +373,51 @@ class RequestServer:
         clock = time.perf_counter
         pack_out = abi.OUT_HEADER.pack
         out_size = abi.OUT_HEADER.size
-        readv, writev = os.readv, os.writev
-        try:
-            while True:
-                try:
-                    n = readv(fd, bufs)
-                except OSError as exc:
-                    if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                        continue  # ENOENT: the request was interrupted before we read it
-                    if exc.errno == errno.ENODEV:
-                        return  # unmounted (or aborted)
-                    raise
-                if n <= 0:
-                    return
-                t0 = clock()
-                length, opcode, unique, nodeid, uid, _, pid, _, _ = unpack(buf)
-                entry = table.get(opcode)
-                if entry is None:
-                    if self._special(fd, opcode, unique, view[hsize:length], stats):
-                        return
-                    continue
-                name, inline, deferred = entry
-                req = Request(fd, opcode, unique, nodeid, uid, pid, view[hsize:length], t0)
-                if inline is None:
-                    assert deferred is not None
+        writev = os.writev
+
+        def handle(n: int) -> bool:
+            t0 = clock()
+            length, opcode, unique, nodeid, uid, _, pid, _, _ = unpack(buf)
+            entry = table.get(opcode)
+            if entry is None:
+                return self._special(fd, opcode, unique, view[hsize:length], stats)
+            name, inline, deferred = entry
+            req = Request(fd, opcode, unique, nodeid, uid, pid, view[hsize:length], t0)
+            if inline is None:
+                assert deferred is not None
+                self._defer(req, deferred)
+                return False
+            busy[index] = True
+            try:
+                if self._stopping:
+                    _write(fd, unique, -errno.EIO, None)
+                    return False
+                reply = inline(req)
+            except Deferred as wait:
+                assert deferred is not None
+                if wait.join is None or not self._join(req, wait.join, stats):
                     self._defer(req, deferred)
-                    continue
-                busy[index] = True
-                try:
-                    if self._stopping:
-                        _write(fd, unique, -errno.EIO, None)
-                        continue
-                    reply = inline(req)
-                except Deferred as wait:
-                    assert deferred is not None
-                    if wait.join is None or not self._join(req, wait.join, stats):
-                        self._defer(req, deferred)
-                    continue
-                except Exception as exc:
-                    self._reply_error(req, self._handlers.error_code(name, exc), stats)
-                    continue
-                finally:
-                    busy[index] = False
-                observe(op_index[opcode], clock() - t0)
-                if reply is None:
-                    parts: list[bytes | memoryview] = [pack_out(out_size, 0, unique)]
-                elif type(reply) is bytes:
-                    parts = [pack_out(out_size + len(reply), 0, unique), reply]
-                else:
-                    _write(fd, unique, 0, reply)
-                    continue
-                try:
-                    writev(fd, parts)
-                except OSError as exc:
-                    _write_failed(fd, unique, exc, parts)
-        except Exception:
-            log.exception("FUSE request worker failed; it stops")
-        finally:
-            self._worker_done()
+                return False
+            except Exception as exc:
+                self._reply_error(req, self._handlers.error_code(name, exc), stats)
+                return False
+            finally:
+                busy[index] = False
+            observe(op_index[opcode], clock() - t0)
+            if reply is None:
+                parts: list[bytes | memoryview] = [pack_out(out_size, 0, unique)]
+            elif type(reply) is bytes:
+                parts = [pack_out(out_size + len(reply), 0, unique), reply]
+            else:
+                _write(fd, unique, 0, reply)
+                return False
+            try:
+                writev(fd, parts)
+            except OSError as exc:
+                _write_failed(fd, unique, exc, parts)
+            return False
+
+        return handle
 
     def _special(self, fd: int, opcode: int, unique: int, body: memoryview,
                  stats: metrics.RequestShard) -> bool:

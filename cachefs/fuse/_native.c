@@ -1,0 +1,519 @@
+/*
+ * cachefs.fuse._native: the request workers' loop in C, for the requests it can answer
+ * without Python.
+ *
+ * A request worker calls serve(): it reads requests from its descriptor of the FUSE
+ * connection with the interpreter lock released and answers two kinds itself:
+ *
+ *   READ  of a handle bound to a verified cache file (bind(): the file passed the same
+ *         whole-object check as a file handed to the kernel by FUSE passthrough, and stays
+ *         pinned while bound; see cachefs/fuse/native.py): one pread of the file and one
+ *         writev of the answer. A read the file cannot answer in full (an error, a short
+ *         read inside the object) goes to Python, which serves and checks it as usual.
+ *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
+ *
+ * Every other request is handed to the Python callable given to serve(), with the lock
+ * held, as handle(n): the request is the first n bytes of the worker's buffer; a true
+ * answer ends serve() (DESTROY).
+ *
+ * Concurrency: any number of workers share one table (a capsule). Its mutex guards the
+ * handle map and each file's reference count; it is never held across a system call
+ * other than close(). A bound file holds its own duplicate of the descriptor, closed when
+ * the handle is unbound and no read of it is under way (refs), so a read never reaches a
+ * descriptor number reused for another file. Counters are updated with atomic adds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#define OP_READ 15
+#define OP_IOCTL 39
+#define MAX_BUCKETS 64
+
+struct in_header {
+    uint32_t len, opcode;
+    uint64_t unique, nodeid;
+    uint32_t uid, gid, pid;
+    uint16_t total_extlen, padding;
+};
+
+struct out_header {
+    uint32_t len;
+    int32_t error;
+    uint64_t unique;
+};
+
+struct read_in {
+    uint64_t fh, offset;
+    uint32_t size, read_flags;
+    uint64_t lock_owner;
+    uint32_t flags, padding;
+};
+
+struct bound_file {
+    int fd;
+    uint64_t size;
+    int refs;  /* the map's own reference, plus one per read under way */
+};
+
+struct slot {
+    uint64_t fh;  /* 0: empty */
+    struct bound_file *file;
+};
+
+struct table {
+    pthread_mutex_t lock;
+    struct slot *slots;
+    size_t capacity;  /* a power of two */
+    size_t used;
+    /* statistics (atomic adds) */
+    uint64_t reads, read_bytes, ioctls, fallbacks;
+    double read_seconds;
+    int n_bounds;
+    double bounds[MAX_BUCKETS];
+    uint64_t buckets[MAX_BUCKETS + 1];
+};
+
+#define CAPSULE_NAME "cachefs.fuse._native.table"
+
+static uint64_t hash_fh(uint64_t fh) {
+    fh ^= fh >> 33;
+    fh *= 0xff51afd7ed558ccdULL;
+    fh ^= fh >> 33;
+    return fh;
+}
+
+/* Under the lock. */
+static struct slot *find_slot(struct table *t, uint64_t fh) {
+    size_t mask = t->capacity - 1;
+    size_t i = hash_fh(fh) & mask;
+    while (t->slots[i].fh != 0) {
+        if (t->slots[i].fh == fh)
+            return &t->slots[i];
+        i = (i + 1) & mask;
+    }
+    return &t->slots[i];
+}
+
+/* Under the lock: insert into a table known to have room. */
+static void put_slot(struct table *t, uint64_t fh, struct bound_file *file) {
+    struct slot *s = find_slot(t, fh);
+    if (s->fh == 0)
+        t->used++;
+    s->fh = fh;
+    s->file = file;
+}
+
+static int grow(struct table *t) {
+    size_t old_cap = t->capacity;
+    struct slot *old = t->slots;
+    struct slot *slots = calloc(old_cap * 2, sizeof(struct slot));
+    if (slots == NULL)
+        return -1;
+    t->slots = slots;
+    t->capacity = old_cap * 2;
+    t->used = 0;
+    for (size_t i = 0; i < old_cap; i++)
+        if (old[i].fh != 0)
+            put_slot(t, old[i].fh, old[i].file);
+    free(old);
+    return 0;
+}
+
+/* Under the lock: remove a slot, shifting back the entries that probed past it. */
+static void remove_slot(struct table *t, struct slot *s) {
+    size_t mask = t->capacity - 1;
+    size_t i = (size_t)(s - t->slots);
+    size_t j = i;
+    t->slots[i].fh = 0;
+    t->slots[i].file = NULL;
+    t->used--;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (t->slots[j].fh == 0)
+            return;
+        size_t home = hash_fh(t->slots[j].fh) & mask;
+        /* may the entry at j move to the hole at i? (its home is not in (i, j]) */
+        if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
+            t->slots[i] = t->slots[j];
+            t->slots[j].fh = 0;
+            t->slots[j].file = NULL;
+            i = j;
+        }
+    }
+}
+
+/* Drop one reference (under the lock); returns the descriptor to close, or -1. */
+static int unref(struct bound_file *f) {
+    if (--f->refs > 0)
+        return -1;
+    int fd = f->fd;
+    free(f);
+    return fd;
+}
+
+static void table_free(PyObject *capsule) {
+    struct table *t = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+    if (t == NULL)
+        return;
+    for (size_t i = 0; i < t->capacity; i++) {
+        if (t->slots[i].fh != 0) {
+            int fd = unref(t->slots[i].file);
+            if (fd >= 0)
+                close(fd);
+        }
+    }
+    free(t->slots);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+}
+
+static struct table *get_table(PyObject *capsule) {
+    return PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+}
+
+/* new_table(bounds): a table; ``bounds`` are the latency histogram's upper bounds. */
+static PyObject *new_table(PyObject *self, PyObject *args) {
+    PyObject *bounds;
+    if (!PyArg_ParseTuple(args, "O", &bounds))
+        return NULL;
+    PyObject *seq = PySequence_Fast(bounds, "bounds must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_BUCKETS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many histogram bounds");
+        return NULL;
+    }
+    struct table *t = calloc(1, sizeof(struct table));
+    if (t == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        t->bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        free(t);
+        return NULL;
+    }
+    t->n_bounds = (int)n;
+    t->capacity = 1024;
+    t->slots = calloc(t->capacity, sizeof(struct slot));
+    if (t->slots == NULL) {
+        free(t);
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_init(&t->lock, NULL);
+    PyObject *capsule = PyCapsule_New(t, CAPSULE_NAME, table_free);
+    if (capsule == NULL) {
+        free(t->slots);
+        free(t);
+    }
+    return capsule;
+}
+
+/* bind(table, fh, fd, size): reads of handle ``fh`` are answered from a duplicate of
+ * ``fd`` (the caller keeps its own), up to ``size`` bytes. */
+static PyObject *bind(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long fh, size;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OKiK", &capsule, &fh, &fd, &size))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    if (fh == 0) {
+        PyErr_SetString(PyExc_ValueError, "handle 0 cannot be bound");
+        return NULL;
+    }
+    struct bound_file *f = malloc(sizeof(struct bound_file));
+    if (f == NULL)
+        return PyErr_NoMemory();
+    f->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (f->fd < 0) {
+        free(f);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    f->size = size;
+    f->refs = 1;
+    int old_fd = -1, failed = 0;
+    pthread_mutex_lock(&t->lock);
+    if ((t->used + 1) * 2 > t->capacity && grow(t) != 0) {
+        failed = 1;
+    } else {
+        struct slot *s = find_slot(t, fh);
+        if (s->fh != 0)
+            old_fd = unref(s->file);  /* a handle number bound twice: the newer wins */
+        put_slot(t, fh, f);
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (old_fd >= 0)
+        close(old_fd);
+    if (failed) {
+        close(f->fd);
+        free(f);
+        return PyErr_NoMemory();
+    }
+    Py_RETURN_NONE;
+}
+
+/* unbind(table, fh) -> bool: whether ``fh`` was bound; its reads go to Python from now. */
+static PyObject *unbind(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long fh;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &fh))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    int fd = -1, found = 0;
+    pthread_mutex_lock(&t->lock);
+    if (fh != 0) {
+        struct slot *s = find_slot(t, fh);
+        if (s->fh != 0) {
+            found = 1;
+            fd = unref(s->file);
+            remove_slot(t, s);
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (fd >= 0)
+        close(fd);
+    return PyBool_FromLong(found);
+}
+
+/* stats(table) -> (reads, read_bytes, read_seconds, buckets, ioctls, fallbacks, bound) */
+static PyObject *stats(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    PyObject *buckets = PyList_New(t->n_bounds + 1);
+    if (buckets == NULL)
+        return NULL;
+    for (int i = 0; i <= t->n_bounds; i++) {
+        PyList_SET_ITEM(buckets, i, PyLong_FromUnsignedLongLong(
+            __atomic_load_n(&t->buckets[i], __ATOMIC_RELAXED)));
+    }
+    double seconds;
+    __atomic_load(&t->read_seconds, &seconds, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&t->lock);
+    size_t bound = t->used;
+    pthread_mutex_unlock(&t->lock);
+    return Py_BuildValue("KKdNKKn",
+                         (unsigned long long)__atomic_load_n(&t->reads, __ATOMIC_RELAXED),
+                         (unsigned long long)__atomic_load_n(&t->read_bytes, __ATOMIC_RELAXED),
+                         seconds, buckets,
+                         (unsigned long long)__atomic_load_n(&t->ioctls, __ATOMIC_RELAXED),
+                         (unsigned long long)__atomic_load_n(&t->fallbacks, __ATOMIC_RELAXED),
+                         (Py_ssize_t)bound);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void add_seconds(struct table *t, double seconds) {
+    double old, new_;
+    __atomic_load(&t->read_seconds, &old, __ATOMIC_RELAXED);
+    do {
+        new_ = old + seconds;
+    } while (!__atomic_compare_exchange(&t->read_seconds, &old, &new_, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED));
+    int i = 0;
+    while (i < t->n_bounds && seconds > t->bounds[i])  /* bisect_left, as metrics.py */
+        i++;
+    __atomic_fetch_add(&t->buckets[i], 1, __ATOMIC_RELAXED);
+}
+
+/* Write an answer; errors of an interrupted request (ENOENT) or an ended connection
+ * (ENODEV) are dropped, as the Python loop drops them. Returns -1 on another error. */
+static int answer(int fd, uint64_t unique, int error, const void *data, size_t n) {
+    struct out_header oh = {(uint32_t)(sizeof(oh) + n), error, unique};
+    struct iovec iov[2] = {{&oh, sizeof(oh)}, {(void *)data, n}};
+    for (;;) {
+        ssize_t w = writev(fd, iov, n ? 2 : 1);
+        if (w >= 0)
+            return 0;
+        if (errno == EINTR)
+            continue;
+        if (errno == ENOENT || errno == ENODEV)
+            return 0;
+        return -1;
+    }
+}
+
+/* A READ of a bound handle: 1 when answered, 0 when Python must answer it. */
+static int serve_read(struct table *t, int fd, const struct in_header *h, const char *body,
+                      size_t body_len, char *data, size_t data_cap) {
+    if (body_len < 24)
+        return 0;
+    struct read_in in;
+    memcpy(&in, body, body_len < sizeof(in) ? body_len : sizeof(in));
+    if (in.fh == 0)
+        return 0;
+    double t0 = now();
+    struct bound_file *f = NULL;
+    pthread_mutex_lock(&t->lock);
+    struct slot *s = find_slot(t, in.fh);
+    if (s->fh != 0) {
+        f = s->file;
+        f->refs++;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (f == NULL)
+        return 0;
+    size_t want = 0;
+    if (in.offset < f->size) {
+        uint64_t left = f->size - in.offset;
+        want = in.size < left ? in.size : (size_t)left;
+    }
+    if (want > data_cap)
+        want = 0;  /* larger than negotiated: never sent; let Python answer */
+    size_t got = 0;
+    int ok = want > 0 || in.offset >= f->size;
+    while (ok && got < want) {
+        ssize_t r = pread(f->fd, data + got, want - got, (off_t)(in.offset + got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            ok = 0;  /* an error, or the file ends inside the object: Python serves it */
+            break;
+        }
+        got += (size_t)r;
+    }
+    pthread_mutex_lock(&t->lock);
+    int close_fd = unref(f);
+    pthread_mutex_unlock(&t->lock);
+    if (close_fd >= 0)
+        close(close_fd);
+    if (!ok) {
+        __atomic_fetch_add(&t->fallbacks, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    if (answer(fd, h->unique, 0, data, got) != 0)
+        answer(fd, h->unique, -EIO, NULL, 0);
+    __atomic_fetch_add(&t->reads, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&t->read_bytes, got, __ATOMIC_RELAXED);
+    add_seconds(t, now() - t0);
+    return 1;
+}
+
+/* serve(table, fd, buf, handle, data_size): the worker loop (see the module comment).
+ * Returns when the connection ended or handle() answered true; raises what handle()
+ * raised, or OSError for a failed read of the device. */
+static PyObject *serve(PyObject *self, PyObject *args) {
+    PyObject *capsule, *buf_obj, *handle;
+    int fd;
+    Py_ssize_t data_size;
+    if (!PyArg_ParseTuple(args, "OiOOn", &capsule, &fd, &buf_obj, &handle, &data_size))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf_obj, &view, PyBUF_WRITABLE) != 0)
+        return NULL;
+    char *data = malloc((size_t)data_size);
+    if (data == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    char *buf = view.buf;
+    size_t cap = (size_t)view.len;
+    PyObject *result = NULL;
+    int saved_errno = 0;
+    PyThreadState *ts = PyEval_SaveThread();
+    for (;;) {
+        ssize_t n = read(fd, buf, cap);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
+                continue;  /* ENOENT: the request was interrupted before we read it */
+            if (errno == ENODEV) {
+                PyEval_RestoreThread(ts);
+                result = Py_None;  /* unmounted (or aborted) */
+                Py_INCREF(result);
+                break;
+            }
+            saved_errno = errno;
+            PyEval_RestoreThread(ts);
+            break;
+        }
+        if (n == 0) {
+            PyEval_RestoreThread(ts);
+            result = Py_None;
+            Py_INCREF(result);
+            break;
+        }
+        if ((size_t)n >= sizeof(struct in_header)) {
+            const struct in_header *h = (const struct in_header *)buf;
+            if (h->opcode == OP_READ &&
+                serve_read(t, fd, h, buf + sizeof(*h), (size_t)n - sizeof(*h), data,
+                           (size_t)data_size))
+                continue;
+            if (h->opcode == OP_IOCTL) {
+                answer(fd, h->unique, -ENOTTY, NULL, 0);
+                __atomic_fetch_add(&t->ioctls, 1, __ATOMIC_RELAXED);
+                continue;
+            }
+        }
+        PyEval_RestoreThread(ts);
+        PyObject *arg = PyLong_FromSsize_t(n);
+        PyObject *r = arg ? PyObject_CallOneArg(handle, arg) : NULL;
+        Py_XDECREF(arg);
+        if (r == NULL)
+            break;  /* the exception propagates */
+        int stop = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (stop != 0) {
+            if (stop > 0) {
+                result = Py_None;
+                Py_INCREF(result);
+            }
+            break;
+        }
+        ts = PyEval_SaveThread();
+    }
+    free(data);
+    PyBuffer_Release(&view);
+    if (saved_errno) {
+        errno = saved_errno;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"new_table", new_table, METH_VARARGS, "A table of bound handles."},
+    {"bind", bind, METH_VARARGS, "Answer reads of a handle from a file."},
+    {"unbind", unbind, METH_VARARGS, "Stop answering reads of a handle."},
+    {"stats", stats, METH_VARARGS, "Counts of the requests answered here."},
+    {"serve", serve, METH_VARARGS, "A request worker's loop."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "cachefs.fuse._native",
+    "The request workers' loop in C (see cachefs/fuse/native.py).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    return PyModule_Create(&module);
+}

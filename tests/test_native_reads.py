@@ -1,0 +1,319 @@
+"""The native request loop (cachefs/fuse/_native.c, cachefs/fuse/native.py).
+
+Unit tests drive ``serve`` over a SOCK_SEQPACKET socket pair, which keeps message
+boundaries as /dev/fuse does: a READ of a bound handle is answered from its file (exact
+bytes, clipped to the object), an IOCTL with ENOTTY, everything else reaches the Python
+handler with the request in the worker's buffer; a file that cannot answer a read in full
+hands it to Python. Mount tests check the same on a real mount without passthrough: a
+verified cache file's reads are answered by the loop with the object's bytes, a corrupt
+cache file is never registered, and ``--native-reads off`` serves every read in Python.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefs.fuse import abi, native
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
+                                reason="cachefs was built without its native loop")
+
+IN_HEADER = abi.IN_HEADER
+READ_IN_FULL = struct.Struct("<QQIIQII")  # fh, offset, size, read_flags, lock_owner, flags, pad
+
+
+def test_the_native_loop_is_built_wherever_a_compiler_is() -> None:
+    """CI builds cachefs from source with gcc: the extension must be there (a build that
+    silently fell back to Python would make every read cost a Python request)."""
+    assert native.AVAILABLE
+
+
+def _request(opcode: int, unique: int, body: bytes, nodeid: int = 1) -> bytes:
+    return IN_HEADER.pack(IN_HEADER.size + len(body), opcode, unique, nodeid, 0, 0, 0, 0, 0) + body
+
+
+def _read_request(unique: int, fh: int, offset: int, size: int) -> bytes:
+    return _request(abi.READ, unique, READ_IN_FULL.pack(fh, offset, size, 0, 0, 0, 0))
+
+
+# (answers stay under the socket pair's message limit, about 200 KB; /dev/fuse has none)
+def _answer(sock: socket.socket) -> tuple[int, int, bytes]:
+    msg = sock.recv(abi.MAX_READ + 64)
+    length, error, unique = abi.OUT_HEADER.unpack_from(msg)
+    assert length == len(msg)
+    return unique, error, msg[abi.OUT_HEADER.size:]
+
+
+class Loop:
+    """One worker running ``serve`` on one end of a socket pair; the test speaks on the
+    other. Requests the loop gives to Python are recorded and answered with their
+    opcode as a 4-byte body; opcode DESTROY ends the loop."""
+
+    def __init__(self, reads: native.NativeReads) -> None:
+        self.reads = reads
+        self.kernel, self._worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.kernel.settimeout(10)
+        self.handed: list[tuple[int, int]] = []  # (opcode, unique) given to Python
+        self._buf = bytearray(abi.BUFFER_SIZE)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _handle(self, n: int) -> bool:
+        _, opcode, unique, *_ = IN_HEADER.unpack_from(self._buf)
+        assert IN_HEADER.unpack_from(self._buf)[0] == n
+        self.handed.append((opcode, unique))
+        if opcode == abi.DESTROY:
+            return True
+        body = struct.pack("<I", opcode)
+        os.write(self._worker.fileno(),
+                 abi.OUT_HEADER.pack(abi.OUT_HEADER.size + 4, 0, unique) + body)
+        return False
+
+    def _run(self) -> None:
+        try:
+            self.reads.serve(self._worker.fileno(), self._buf, self._handle, abi.MAX_READ)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def ask(self, request: bytes) -> tuple[int, int, bytes]:
+        self.kernel.send(request)
+        return _answer(self.kernel)
+
+    def close(self) -> None:
+        self.kernel.send(_request(abi.DESTROY, 999_999, b""))
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+        self.kernel.close()
+        self._worker.close()
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    lp = Loop(native.NativeReads())
+    try:
+        yield lp
+    finally:
+        lp.close()
+    assert lp.error is None, lp.error
+
+
+@pytest.fixture
+def cache_file(tmp_path: Path) -> tuple[Path, bytes]:
+    data = random.Random(5).randbytes(300_000)
+    path = tmp_path / "object"
+    path.write_bytes(data)
+    return path, data
+
+
+def _register(reads: native.NativeReads, path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return reads.backing_open(fd)
+    finally:
+        os.close(fd)  # the registration keeps its own descriptor
+
+
+def test_reads_of_a_bound_handle_are_answered_from_its_file(loop: Loop, cache_file: Any) -> None:
+    path, data = cache_file
+    backing = _register(loop.reads, path)
+    assert loop.reads.bind(7, backing, len(data))
+    for unique, (offset, size) in enumerate([(0, 4096), (12_345, 100_000), (299_990, 4096),
+                                             (len(data), 4096), (0, 150_000)], start=1):
+        got_unique, error, body = loop.ask(_read_request(unique, 7, offset, size))
+        assert (got_unique, error) == (unique, 0)
+        assert body == data[offset:offset + size]
+    assert loop.handed == []
+    reads, nbytes, _, buckets, _, fallbacks, bound = loop.reads.stats()
+    assert reads == 5 and fallbacks == 0 and bound == 1 and sum(buckets) == 5
+    assert nbytes == 4096 + 100_000 + 10 + 0 + 150_000
+
+
+def test_a_read_is_clipped_to_the_object_not_the_file(loop: Loop, cache_file: Any) -> None:
+    path, data = cache_file
+    backing = _register(loop.reads, path)
+    loop.reads.bind(3, backing, 1000)  # the object is shorter than the file
+    assert loop.ask(_read_request(1, 3, 900, 4096))[2] == data[900:1000]
+    assert loop.ask(_read_request(2, 3, 5000, 4096))[2] == b""
+
+
+def test_unbound_handles_and_other_requests_go_to_python(loop: Loop, cache_file: Any) -> None:
+    path, data = cache_file
+    loop.reads.bind(5, _register(loop.reads, path), len(data))
+    assert loop.ask(_read_request(1, 6, 0, 10)) == (1, 0, struct.pack("<I", abi.READ))
+    assert loop.ask(_request(abi.LOOKUP, 2, b"name\0")) == (2, 0, struct.pack("<I", abi.LOOKUP))
+    assert loop.ask(_request(abi.IOCTL, 3, b"\0" * 32)) == (3, -errno.ENOTTY, b"")
+    assert loop.reads.unbind(5) and not loop.reads.unbind(5)
+    assert loop.ask(_read_request(4, 5, 0, 10))[2] == struct.pack("<I", abi.READ)
+    assert loop.handed == [(abi.READ, 1), (abi.LOOKUP, 2), (abi.READ, 4)]
+    assert loop.reads.stats()[4] == 1  # the IOCTL
+
+
+def test_a_file_shorter_than_its_object_hands_the_read_to_python(loop: Loop, tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 1000)
+    loop.reads.bind(9, _register(loop.reads, path), 5000)  # 4,000 bytes missing
+    assert loop.ask(_read_request(1, 9, 0, 4096))[2] == struct.pack("<I", abi.READ)
+    assert loop.ask(_read_request(2, 9, 0, 500))[2] == b"x" * 500  # what it has, it answers
+    assert loop.reads.stats()[5] == 1
+
+
+def test_a_handle_keeps_its_file_after_the_registration_is_closed(loop: Loop, cache_file: Any) -> None:
+    """A handle's own descriptor: closing the registration (an idle backing dropped) or
+    reusing its descriptor number never makes a bound handle read another file."""
+    path, data = cache_file
+    backing = _register(loop.reads, path)
+    loop.reads.bind(11, backing, len(data))
+    loop.reads.backing_close(backing)
+    other = os.open(os.devnull, os.O_RDONLY)  # may take the closed descriptor's number
+    try:
+        assert loop.ask(_read_request(1, 11, 100, 50))[2] == data[100:150]
+    finally:
+        os.close(other)
+    assert not loop.reads.bind(12, backing, len(data)), "a closed registration was bound"
+
+
+def test_many_handles_bound_and_unbound_while_reads_run(loop: Loop, tmp_path: Path) -> None:
+    """The handle table grows and shrinks (open addressing with deletions) without losing
+    a live handle: 3,000 handles over 30 files, every other one unbound, all checked."""
+    files = []
+    for i in range(30):
+        p = tmp_path / f"f{i}"
+        body = random.Random(i).randbytes(2000 + i)
+        p.write_bytes(body)
+        files.append((_register(loop.reads, p), body))
+    for fh in range(1, 3001):
+        backing, body = files[fh % 30]
+        loop.reads.bind(fh, backing, len(body))
+    for fh in range(2, 3001, 2):
+        assert loop.reads.unbind(fh)
+    assert loop.reads.stats()[6] == 1500
+    for fh in range(1, 3001, 7):
+        _, error, answer = loop.ask(_read_request(fh, fh, 10, 100))
+        if fh % 2:
+            assert (error, answer) == (0, files[fh % 30][1][10:110]), fh
+        else:
+            assert answer == struct.pack("<I", abi.READ), fh
+
+
+def test_an_exception_in_the_python_handler_ends_serve_with_it(cache_file: Any) -> None:
+    reads = native.NativeReads()
+    kernel, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    buf = bytearray(abi.BUFFER_SIZE)
+
+    def handle(n: int) -> bool:
+        raise ValueError("a bug in a handler")
+
+    kernel.send(_request(abi.LOOKUP, 1, b"x\0"))
+    with pytest.raises(ValueError, match="a bug"):
+        reads.serve(worker.fileno(), buf, handle, abi.MAX_READ)
+    kernel.close()
+    # the peer is gone: the loop's read ends (0 bytes) and serve returns
+    reads.serve(worker.fileno(), buf, handle, abi.MAX_READ)
+    worker.close()
+
+
+# -- on a real mount, without passthrough ------------------------------------------------
+BLOCK = 64 * 1024
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def _drop_page_cache() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _python_reads(m: Any) -> float:
+    """Bytes the Python handlers read from the daemon's tiers (the native loop's are not)."""
+    s = m.metrics()
+    return sum(v for k, v in s.items() if k.startswith("cachefs_tier_read_bytes_total"))
+
+
+@pytest.fixture
+def shard(bucket: Any) -> tuple[str, bytes]:
+    client, name = bucket
+    data = random.Random(7).randbytes(5 * BLOCK + 777)
+    client.put_object(Bucket=name, Key="shards/s0.tar", Body=data)
+    return name, data
+
+
+@pytest.mark.fuse
+def test_without_passthrough_a_verified_file_is_read_by_the_native_loop(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data  # cold: through the daemon's Python, fills the cache
+    assert m.metric("cachefs_native_reads_enabled") == 1
+    assert m.metric("cachefs_passthrough_enabled") == 0
+    python_before = _python_reads(m)
+    read_before = m.metric("cachefs_read_bytes_total")
+    native_before = m.metric('cachefs_fuse_requests_total{op="read"}')
+    gets_before = m.gets()
+    for _ in range(2):
+        _drop_page_cache()
+        assert _read(path) == data
+        with open(path, "rb", buffering=0) as f:  # random offsets, not only sequential
+            for off in (0, BLOCK - 3, 3 * BLOCK + 5, len(data) - 10):
+                assert os.pread(f.fileno(), 100, off) == data[off:off + 100]
+    assert _python_reads(m) == python_before, "reads of a verified file reached Python"
+    assert m.metric("cachefs_read_bytes_total") >= read_before + 2 * len(data)
+    assert m.metric('cachefs_fuse_requests_total{op="read"}') > native_before
+    assert m.gets() == gets_before
+    assert m.metric("cachefs_passthrough_opens_total") == 4
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.fuse
+def test_without_passthrough_a_corrupt_cache_file_is_never_read_natively(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data
+    m.stop()
+    (cache_file,) = [f for f in (m.cache_dir / "objects").rglob("*") if f.is_file()]
+    raw = bytearray(cache_file.read_bytes())
+    raw[2 * BLOCK + 9] ^= 0x40  # one flipped bit in the third block
+    cache_file.write_bytes(bytes(raw))
+    m.start()
+    _drop_page_cache()
+    assert _read(path) == data
+    s = m.metrics()
+    assert s["cachefs_cache_corrupt_blocks_total"] == 1
+    assert s.get('cachefs_passthrough_declined_total{reason="unverified"}') == 1
+    assert s['cachefs_s3_requests_total{op="get"}'] == 1, "only the bad block is fetched"
+    assert s.get("cachefs_passthrough_opens_total", 0) == 0
+    # Repaired by that read: the next open is bound to the file, and reads it right.
+    python_before = _python_reads(m)
+    _drop_page_cache()
+    assert _read(path) == data
+    assert m.metric("cachefs_passthrough_opens_total") == 1
+    assert _python_reads(m) == python_before
+
+
+@pytest.mark.fuse
+def test_native_reads_off_serves_every_read_in_python(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    name, data = shard
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off",
+                      "--native-reads", "off")
+    path = m.path / "shards" / "s0.tar"
+    assert _read(path) == data
+    _drop_page_cache()
+    python_before = _python_reads(m)
+    assert _read(path) == data
+    assert m.metric("cachefs_native_reads_enabled") == 0
+    assert m.metric("cachefs_passthrough_opens_total") == 0
+    assert _python_reads(m) == python_before + len(data)
