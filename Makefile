@@ -64,7 +64,7 @@ image: dist
 
 deps: $(STAMP) $(PT_STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml cachefs/fuse/_native.c
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

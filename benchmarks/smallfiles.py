@@ -25,8 +25,10 @@ transactions, S3 GETs, thread hops and bytes copied, all per file, from the
 daemon's metrics. Every pass also reports the machine's busy share and the cores
 each process of the rig used (daemon, origin, WAN emulator, readers), so a pass
 bound by the rig's own CPU is told apart from one bound by the daemon.
-``cachefs-nopt`` is cachefs with ``--passthrough off`` (what a plain ``pip
-install`` without the passthrough build gets).
+``cachefs-nopt`` is cachefs with ``--passthrough off`` (a node whose kernel or
+privileges give no FUSE passthrough): reads of verified cache files are then
+answered by the native request loop (``--native-reads``); pass
+``--cachefs-arg=--native-reads=off`` too for the all-Python daemon.
 
 Wall-clock numbers need a quiet machine: the origin, the emulator, the daemon
 and the readers share the cores. The per-file counts and CPU are meaningful

@@ -330,12 +330,13 @@ class FileSystem:
     async def open(self, ino: int, reader: int = 0) -> tuple[int, bool, int]:
         return self.open_now(ino, reader)
 
-    def object_size(self, fh: int) -> int:
-        """The size of the object version open handle ``fh`` reads (any thread)."""
+    def object_of(self, fh: int) -> tuple[int, bool]:
+        """The size of the object version open handle ``fh`` reads, and whether its every
+        block is in the memory tier now (any thread)."""
         handle = self._handles.get(fh)
         if not isinstance(handle, FileHandle):
             raise FsError(errno.EBADF)
-        return handle.obj.size
+        return handle.obj.size, self.fetcher.in_memory(handle.obj)
 
     def read_now(self, fh: int, offset: int, size: int) -> bytes:
         """:meth:`read` of blocks in memory or on local disk (any thread: reads and

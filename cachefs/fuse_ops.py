@@ -200,8 +200,12 @@ class Operations(Handlers):
         native = self.native
         if backing_id and native is not None:
             # A verified file registered with the native loop, which answers this
-            # handle's reads (a handle it cannot bind is served here).
-            native.bind(fh, backing_id, self.fs.object_size(fh))
+            # handle's reads (a handle it cannot bind is served here) -- unless the memory
+            # tier holds the whole object: its answer from memory costs the worker less
+            # time than a read of the file that may wait for the disk.
+            size, in_memory = self.fs.object_of(fh)
+            if not in_memory:
+                native.bind(fh, backing_id, size)
             return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
         if backing_id:
             # The kernel reads the cache file itself; it refuses keep_cache with it. An

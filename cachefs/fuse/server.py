@@ -22,6 +22,11 @@ calls per request and no task switch. Handlers come from
   ends, by a plain call (:meth:`RequestServer._joined`): no hand-over to the
   trio thread and no task for the request itself.
 
+With the native loop (:mod:`cachefs.fuse.native`, given as ``native``) each worker's
+loop is C: it answers READs of handles bound to verified cache files and IOCTLs itself,
+without the interpreter, and hands every other request to the same Python function
+(:meth:`RequestServer._request_handler`) the Python loop calls.
+
 Per request the server counts ``cachefs_fuse_requests_total{op}`` and
 ``cachefs_fuse_request_duration_seconds{op}``; a handler's exception becomes
 the errno of :func:`cachefs.fuse_ops.errno_for` (EIO plus a logged traceback

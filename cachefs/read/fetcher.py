@@ -265,6 +265,11 @@ class Fetcher:
         flight = self._flights.get(bid)
         return flight is not None and not flight.event.is_set()
 
+    def in_memory(self, obj: ObjectVersion) -> bool:
+        """Every block of ``obj`` is in the memory tier now (any thread)."""
+        memory = self.memory
+        return all(bid in memory for bid in self.block_ids(obj))
+
     def is_loaded_or_loading(self, bid: bytes) -> bool:
         """In memory or being loaded: nothing more to do for a prefetcher."""
         return bid in self.memory or bid in self._flights
