@@ -109,6 +109,18 @@ def bucket(s3_endpoint: str) -> Iterator[tuple[Any, str]]:
     yield client, name
 
 
+def read_unbuffered(path: Path) -> bytes:
+    """A whole file with one open and unbuffered reads (what a data loader's open costs)."""
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def drop_page_cache() -> None:
+    """Drop the page cache, dentries and inodes: the next reads go to the file systems."""
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
 def scrape(addr: str) -> dict[str, float]:
     """Samples of a cachefs /metrics endpoint as {'name{label="v"}': value}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -185,6 +197,15 @@ class Mount:
     def log(self) -> str:
         p = self.cache_dir / "cachefs.log"
         return p.read_text() if p.exists() else ""
+
+    def corrupt_cache_file(self, offset: int) -> None:
+        """Stop the daemon, flip one bit at ``offset`` of its only cache file, start again."""
+        self.stop()
+        (cache_file,) = [f for f in (self.cache_dir / "objects").rglob("*") if f.is_file()]
+        raw = bytearray(cache_file.read_bytes())
+        raw[offset] ^= 0x40
+        cache_file.write_bytes(bytes(raw))
+        self.start()
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ boundaries as /dev/fuse does: a READ of a bound handle is answered from its file
 bytes, clipped to the object), an IOCTL with ENOTTY, everything else reaches the Python
 handler with the request in the worker's buffer; a file that cannot answer a read in full
 hands it to Python. Mount tests check the same on a real mount without passthrough: a
-verified cache file's reads are answered by the loop with the object's bytes, a corrupt
-cache file is never registered, and ``--native-reads off`` serves every read in Python.
+verified cache file's reads are answered by the loop with the object's bytes, and
+``--native-reads off`` serves every read in Python (that a corrupt cache file is never
+registered: tests/test_passthrough.py, for both readers).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import pytest
 
 from cachefs.fuse import abi, native
+from tests.conftest import drop_page_cache as _drop_page_cache
+from tests.conftest import read_unbuffered as _read
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
                                 reason="cachefs was built without its native loop")
@@ -227,16 +230,6 @@ def test_an_exception_in_the_python_handler_ends_serve_with_it(cache_file: Any) 
 BLOCK = 64 * 1024
 
 
-def _read(path: Path) -> bytes:
-    with open(path, "rb", buffering=0) as f:
-        return f.read()
-
-
-def _drop_page_cache() -> None:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def _python_reads(m: Any) -> float:
     """Bytes the Python handlers read from the daemon's tiers (the native loop's are not)."""
     s = m.metrics()
@@ -283,35 +276,6 @@ def test_without_passthrough_a_verified_file_is_read_by_the_native_loop(shard, m
     assert m.gets() == 0
     assert m.metric("cachefs_passthrough_opens_total") == 5
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
-
-
-@pytest.mark.fuse
-def test_without_passthrough_a_corrupt_cache_file_is_never_read_natively(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
-    name, data = shard
-    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
-    path = m.path / "shards" / "s0.tar"
-    assert _read(path) == data
-    m.stop()
-    (cache_file,) = [f for f in (m.cache_dir / "objects").rglob("*") if f.is_file()]
-    raw = bytearray(cache_file.read_bytes())
-    raw[2 * BLOCK + 9] ^= 0x40  # one flipped bit in the third block
-    cache_file.write_bytes(bytes(raw))
-    m.start()
-    _drop_page_cache()
-    assert _read(path) == data
-    s = m.metrics()
-    assert s["cachefs_cache_corrupt_blocks_total"] == 1
-    assert s.get('cachefs_passthrough_declined_total{reason="unverified"}') == 1
-    assert s['cachefs_s3_requests_total{op="get"}'] == 1, "only the bad block is fetched"
-    assert s.get("cachefs_passthrough_opens_total", 0) == 0
-    # Repaired by that read: a new daemon's open is bound to the file, and reads it right.
-    m.stop()
-    m.start()
-    _drop_page_cache()
-    assert _read(path) == data
-    assert m.metric("cachefs_passthrough_opens_total") == 1
-    assert _python_reads(m) == 0
-    assert m.gets() == 0
 
 
 @pytest.mark.fuse

@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import random
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cachefs import passthrough
+from tests.conftest import drop_page_cache as _drop_page_cache
+from tests.conftest import read_unbuffered as _read
 
 pytestmark = [
     pytest.mark.fuse,
@@ -32,16 +33,6 @@ BLOCK = 64 * 1024
 
 def _payload(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-def _read(path: Path) -> bytes:
-    with open(path, "rb", buffering=0) as f:
-        return f.read()
-
-
-def _drop_page_cache() -> None:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def _walk_files(bucket: Any, *, seed: int, size: int, n: int = 40) -> tuple[str, dict[str, bytes]]:
@@ -92,17 +83,16 @@ def test_cached_file_is_read_by_the_kernel_with_exact_bytes(shard, mount_factory
     assert _counter(m, "cachefs_passthrough_opens_total") == 1 and m.gets() == 0
 
 
-def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """Nor to the native loop (without passthrough: tests/test_native_reads.py), which
+    takes its files from the same registration."""
     _, name, data = shard
-    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    mode = ["--passthrough", "off"] if reader == "native" else []
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", *mode)
     path = m.path / "shards" / "s0.tar"
     assert _read(path) == data
-    m.stop()
-    (cache_file,) = [f for f in (m.cache_dir / "objects").rglob("*") if f.is_file()]
-    raw = bytearray(cache_file.read_bytes())
-    raw[2 * BLOCK + 9] ^= 0x40  # one flipped bit in the third block
-    cache_file.write_bytes(bytes(raw))
-    m.start()
+    m.corrupt_cache_file(2 * BLOCK + 9)  # one flipped bit in the third block
     _drop_page_cache()
     assert _read(path) == data
     metrics = m.metrics()
@@ -110,9 +100,16 @@ def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory) 
     assert metrics.get('cachefs_passthrough_declined_total{reason="unverified"}') == 1
     assert metrics['cachefs_s3_requests_total{op="get"}'] == 1, "only the bad block is fetched"
     assert metrics.get("cachefs_passthrough_opens_total", 0) == 0
-    # Repaired by that read: the next open is passed through.
+    # Repaired by that read: the next open (a new daemon's: an object in its memory tier
+    # is not bound to the native loop) reads the file without the daemon's Python.
+    m.stop()
+    m.start()
+    _drop_page_cache()
     assert _read(path) == data
     assert m.metric("cachefs_passthrough_opens_total") == 1
+    assert m.metric("cachefs_native_reads_enabled") == (reader == "native")
+    assert m.metric("cachefs_read_bytes_total") == (len(data) if reader == "native" else 0)
+    assert m.gets() == 0 and m.metric("cachefs_cache_corrupt_blocks_total") == 0
 
 
 def test_concurrent_opens_share_one_backing(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
