@@ -112,11 +112,18 @@ def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory, 
     assert m.gets() == 0 and m.metric("cachefs_cache_corrupt_blocks_total") == 0
 
 
-def test_concurrent_opens_share_one_backing(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_concurrent_opens_share_one_backing(shard, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """Three handles of one file read at once: one registration, exact bytes. With the
+    native loop (no passthrough) its two workers serve the handles' reads concurrently."""
     _, name, data = shard
-    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    mode = ["--passthrough", "off"] if reader == "native" else []
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", *mode)
     path = m.path / "shards" / "s0.tar"
     assert _read(path) == data
+    if reader == "native":
+        m.stop()
+        m.start()  # (an object in the memory tier is answered from there, not bound)
     _drop_page_cache()
     files = [open(path, "rb", buffering=0) for _ in range(3)]
     try:
@@ -141,6 +148,12 @@ def test_concurrent_opens_share_one_backing(shard, mount_factory) -> None:  # ty
             f.close()
     assert m.metric("cachefs_passthrough_opens_total") == 3
     assert m.metric("cachefs_passthrough_backing_files") == 1
+    if reader == "native":
+        s = m.metrics()
+        assert s['cachefs_fuse_requests_total{op="read"}'] > 0
+        assert not any(v for k, v in s.items() if k.startswith("cachefs_tier_read_bytes_total")), \
+            "a bound handle's read reached Python"
+        assert m.gets() == 0
 
 
 def test_a_handle_served_by_the_daemon_keeps_the_inode_out_of_passthrough(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
