@@ -198,6 +198,14 @@ class Operations(Handlers):
                                                      o_direct=o_direct)
         self._opened.inc()
         native = self.native
+        if backing_id and native is None:
+            # The kernel reads the cache file itself; it refuses keep_cache with it. An
+            # O_DIRECT handle is passed through only because its inode is (the kernel
+            # refuses it otherwise): direct I/O, which overrides passthrough, brings its
+            # reads to the daemon, since the kernel would read the cache file O_DIRECT too
+            # and fail EINVAL on any unaligned buffer.
+            flags = abi.FOPEN_PASSTHROUGH | (abi.FOPEN_DIRECT_IO if o_direct else 0)
+            return abi.open_out(fh, flags, backing_id)
         if backing_id and native is not None:
             # A verified file registered with the native loop, which answers this
             # handle's reads (a handle it cannot bind is served here) -- unless the memory
@@ -206,15 +214,6 @@ class Operations(Handlers):
             size, in_memory = self.fs.object_of(fh)
             if not in_memory:
                 native.bind(fh, backing_id, size)
-            return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
-        if backing_id:
-            # The kernel reads the cache file itself; it refuses keep_cache with it. An
-            # O_DIRECT handle is passed through only because its inode is (the kernel
-            # refuses it otherwise): direct I/O, which overrides passthrough, brings its
-            # reads to the daemon, since the kernel would read the cache file O_DIRECT too
-            # and fail EINVAL on any unaligned buffer.
-            flags = abi.FOPEN_PASSTHROUGH | (abi.FOPEN_DIRECT_IO if o_direct else 0)
-            return abi.open_out(fh, flags, backing_id)
         return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
 
     def read(self, req: Request) -> Reply:

@@ -121,6 +121,17 @@ def drop_page_cache() -> None:
         f.write("3\n")
 
 
+def reread_cold(path: Path, data: bytes, offsets: tuple[int, ...], rounds: int = 2) -> None:
+    """``rounds`` times: drop the page cache, then read ``path`` whole and 100 bytes at each
+    offset (random offsets, not only sequential); every byte must be ``data``'s."""
+    for _ in range(rounds):
+        drop_page_cache()
+        assert read_unbuffered(path) == data
+        with open(path, "rb", buffering=0) as f:
+            for off in offsets:
+                assert os.pread(f.fileno(), 100, off) == data[off:off + 100]
+
+
 def scrape(addr: str) -> dict[str, float]:
     """Samples of a cachefs /metrics endpoint as {'name{label="v"}': value}."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -27,6 +27,7 @@ import pytest
 from cachefs.fuse import abi, native
 from tests.conftest import drop_page_cache as _drop_page_cache
 from tests.conftest import read_unbuffered as _read
+from tests.conftest import reread_cold
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
                                 reason="cachefs was built without its native loop")
@@ -264,12 +265,7 @@ def test_without_passthrough_a_verified_file_is_read_by_the_native_loop(shard, m
     python_before = _python_reads(m)
     read_before = m.metric("cachefs_read_bytes_total")
     native_before = m.metric('cachefs_fuse_requests_total{op="read"}')
-    for _ in range(2):
-        _drop_page_cache()
-        assert _read(path) == data
-        with open(path, "rb", buffering=0) as f:  # random offsets, not only sequential
-            for off in (0, BLOCK - 3, 3 * BLOCK + 5, len(data) - 10):
-                assert os.pread(f.fileno(), 100, off) == data[off:off + 100]
+    reread_cold(path, data, (0, BLOCK - 3, 3 * BLOCK + 5, len(data) - 10))
     assert _python_reads(m) == python_before, "reads of a verified file reached Python"
     assert m.metric("cachefs_read_bytes_total") >= read_before + 2 * len(data)
     assert m.metric('cachefs_fuse_requests_total{op="read"}') > native_before

@@ -21,6 +21,7 @@ import pytest
 from cachefs import passthrough
 from tests.conftest import drop_page_cache as _drop_page_cache
 from tests.conftest import read_unbuffered as _read
+from tests.conftest import reread_cold
 
 pytestmark = [
     pytest.mark.fuse,
@@ -65,12 +66,7 @@ def test_cached_file_is_read_by_the_kernel_with_exact_bytes(shard, mount_factory
     assert m.metric("cachefs_passthrough_enabled") == 1
     read_before = m.metric("cachefs_read_bytes_total")
     gets_before = m.gets()
-    for _ in range(2):
-        _drop_page_cache()
-        assert _read(path) == data
-        with open(path, "rb", buffering=0) as f:  # random offsets, not only sequential
-            for off in (0, BLOCK - 3, 3 * BLOCK + 5, len(data) - 10):
-                assert os.pread(f.fileno(), 100, off) == data[off:off + 100]
+    reread_cold(path, data, (0, BLOCK - 3, 3 * BLOCK + 5, len(data) - 10))
     assert _counter(m, "cachefs_passthrough_opens_total") == 4
     assert m.metric("cachefs_read_bytes_total") == read_before, "reads reached the daemon"
     assert m.gets() == gets_before
