@@ -130,10 +130,12 @@ class SeaweedOrigin:
                 if self.bucket:
                     self.ensure_bucket(self.bucket)
                 return self
-            except Exception as e:
-                last_err = str(e)
+            except BaseException as e:
                 alive = self.proc.poll() is None
                 self.stop()
+                if not isinstance(e, Exception):
+                    raise  # interrupted while it started (SIGTERM, Ctrl-C): stopped first
+                last_err = str(e)
                 if alive:
                     break
         tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from benchmarks import report
 from benchmarks.datasets import Dataset, DatasetSpec, generate, upload, verify_sample
 from benchmarks.origin import SeaweedOrigin, raw_get_throughput, weed_binary
 from benchmarks.systems import ALL_SYSTEMS, available, mount
-from benchmarks.util import drop_caches, fuse_usable, proc_sample, terminate
+from benchmarks.util import drop_caches, fuse_usable, proc_sample, stop_cleanly_on_signals, terminate
 from benchmarks.wan import WanLink
 
 HERE = Path(__file__).resolve().parent
@@ -138,10 +137,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _versions() -> dict[str, str]:
@@ -342,8 +337,7 @@ def link_selfcheck(args: argparse.Namespace, origin: SeaweedOrigin, objects: lis
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _sigterm)
-    signal.signal(signal.SIGHUP, _sigterm)
+    stop_cleanly_on_signals()
     started = dt.datetime.now(dt.UTC)
     command = "python -m benchmarks.run " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])

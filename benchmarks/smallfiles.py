@@ -57,7 +57,14 @@ from typing import Any
 
 from benchmarks.origin import SeaweedOrigin
 from benchmarks.systems import Mounted, mount_cachefs, mount_rclone, mount_s3fs
-from benchmarks.util import CLK_TCK, drop_caches, fuse_usable, proc_sample, thread_samples
+from benchmarks.util import (
+    CLK_TCK,
+    drop_caches,
+    fuse_usable,
+    proc_sample,
+    stop_cleanly_on_signals,
+    thread_samples,
+)
 from benchmarks.wan import WanLink
 
 BUCKET = "small"
@@ -451,6 +458,7 @@ def summary(rows: list[dict[str, Any]], link_MBps: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_cleanly_on_signals()
     ap = argparse.ArgumentParser(prog="python -m benchmarks.smallfiles",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -498,24 +506,26 @@ def main(argv: list[str] | None = None) -> int:
     items = dataset(args.files, args.folders, args.min_kb, args.max_kb, args.seed)
     local = work / "local"
     rows: list[dict[str, Any]] = []
-    with SeaweedOrigin(work / "s3") as origin:
-        prepare(origin, local, items)
-        with WanLink(origin.s3_port, args.rtt_ms, args.bandwidth_MBps, args.conn_bandwidth_MBps,
-                     log_path=str(work / "wan.log")) as wan:
-            if origin.proc is not None:
-                RIG_PIDS["origin"] = origin.proc.pid
-            if wan.proc is not None:
-                RIG_PIDS["emulator"] = wan.proc.pid
-            for system in systems:
-                rows += run_system(system, passes, wan.endpoint, work, local, items, args.threads,
-                                   args.seed, args.cachefs_arg, args.py_spy, args.sample_inflight,
-                                   args.py_spy_gil)
-    print(summary(rows, args.bandwidth_MBps))
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows}, indent=2))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
+    try:
+        with SeaweedOrigin(work / "s3") as origin:
+            prepare(origin, local, items)
+            with WanLink(origin.s3_port, args.rtt_ms, args.bandwidth_MBps, args.conn_bandwidth_MBps,
+                         log_path=str(work / "wan.log")) as wan:
+                if origin.proc is not None:
+                    RIG_PIDS["origin"] = origin.proc.pid
+                if wan.proc is not None:
+                    RIG_PIDS["emulator"] = wan.proc.pid
+                for system in systems:
+                    rows += run_system(system, passes, wan.endpoint, work, local, items, args.threads,
+                                       args.seed, args.cachefs_arg, args.py_spy, args.sample_inflight,
+                                       args.py_spy_gil)
+        print(summary(rows, args.bandwidth_MBps))
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "rows": rows}, indent=2))
+    finally:  # (also when interrupted: SIGTERM ends it like Ctrl-C)
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -16,6 +16,18 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
+def stop_cleanly_on_signals() -> None:
+    """SIGTERM and SIGHUP end the benchmark like Ctrl-C: its ``finally`` blocks unmount
+    what it mounted and stop the servers it started (the default action would leave them)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGHUP, interrupt)
+
+
+
 def free_ports(n: int) -> list[int]:
     """Return ``n`` distinct TCP ports free on 127.0.0.1 right now."""
     socks = []
@@ -135,17 +147,26 @@ def terminate(proc: subprocess.Popen, timeout: float = 10.0, group: bool = True)
     """SIGTERM (the process group when ``group``), then SIGKILL after ``timeout``."""
     if proc.poll() is not None:
         return
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+
+    def send(sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if group:
                 os.killpg(proc.pid, sig)
             else:
                 proc.send_signal(sig)
+
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        send(sig)
         try:
             proc.wait(wait)
             return
         except subprocess.TimeoutExpired:
             continue
+        except KeyboardInterrupt:  # interrupted while stopping it: never leave it running
+            send(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+            raise
 
 
 def kill_pid(pid: int, timeout: float = 10.0) -> None:

@@ -670,7 +670,11 @@ class WanLink:
         if self.log_path:
             err.close()  # type: ignore[union-attr]
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        try:
+            line = self.proc.stdout.readline()
+        except BaseException:  # interrupted while it started (SIGTERM, Ctrl-C): stop it first
+            self.stop()
+            raise
         if not line:
             self.stop()
             raise RuntimeError("WAN emulator failed to start")

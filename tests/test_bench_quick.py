@@ -232,3 +232,51 @@ def test_smallfiles_quick_reports_cost_per_file_and_the_rigs_cores(tmp_path: Pat
     assert "| host busy; cores by process |" in r.stdout
     mounts, procs = _leftovers(str(tmp_path))
     assert not mounts and not procs, f"left behind: {mounts} {procs}"
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids whose command line contains ``text``."""
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _mounted_under(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return str(path) in f.read()
+
+
+@pytest.mark.parametrize("when", ["origin starting", "mounted"])
+def test_smallfiles_stopped_by_sigterm_leaves_no_server_or_mount(tmp_path: Path, when: str) -> None:
+    """SIGTERM in the middle of a run (an operator's kill, a CI timeout) stops the origin,
+    the emulator and the mount it started, like Ctrl-C; the default action left the
+    origin (its own session) running, and so did an interrupt while it started."""
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "benchmarks.smallfiles", "--quick", "--systems", "cachefs,local",
+           "--passes", "cold,warm", "--workdir", str(work)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        ready = ((lambda: bool(_processes_naming(f"{work}/s3"))) if when == "origin starting"
+                 else (lambda: _mounted_under(work)))
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, f"never {when}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(work)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in _processes_naming(str(work))}
+    assert left == {}, "a process of the run outlived it"
+    assert not _mounted_under(work)
