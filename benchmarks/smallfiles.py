@@ -319,6 +319,7 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
     if m.metrics_url:
         met1 = scrape(m.metrics_url)
         row["fuse_per_file"] = per_file(met0, met1, "cachefs_fuse_requests_total", n)
+        row["fuse_native_per_file"] = per_file(met0, met1, "cachefs_fuse_native_answers_total", n)
         row["lmdb_txn_per_file"] = per_file(met0, met1, "cachefs_lmdb_transactions_total", n)
         row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
         row["fuse_handed_over_per_file"] = per_file(met0, met1, "cachefs_fuse_handed_over_total",

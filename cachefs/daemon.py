@@ -285,6 +285,7 @@ class Daemon:
         native = NativeReads() if cfg.native_reads == "auto" and native_available else None
         if native is not None:
             native.publish()
+            metadata.add_listener(native.forget_lookups)
         fetcher.on_settled = passthrough.settled  # predicted files registered once landed
         if cfg.passthrough == "auto" and not passthrough.wanted:
             log.info("FUSE passthrough unavailable (it needs Linux 6.9 or newer): "
@@ -352,6 +353,7 @@ class Daemon:
             attr_timeout=min(cfg.metadata_ttl, 86400.0),
             statfs_bytes=lambda: (cache.capacity, cache.used),
             on_init=on_init)
+        ops.native_loop = native
 
         options = set(DEFAULT_OPTIONS)
         options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}

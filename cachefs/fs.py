@@ -203,19 +203,25 @@ class FileSystem:
     def lookup_now(self, parent_ino: int, name: bytes) -> Node:
         """:meth:`lookup` without waiting (any thread); NeedsWait when the directory's
         listing has not reached ``name`` yet."""
+        return self.lookup_fresh_now(parent_ino, name)[0]
+
+    def lookup_fresh_now(self, parent_ino: int, name: bytes) -> tuple[Node, float]:
+        """:meth:`lookup_now` and for how many seconds the same answer holds unless the
+        metadata's listeners are called first (see
+        :meth:`cachefs.cache.metadata.Metadata.lookup_fresh_now`; 0: no promise)."""
         if name == b".":  # also of a file: the kernel resolving a file handle (export)
-            return self.node(parent_ino)
+            return self.node(parent_ino), 0.0
         parent = self._dir(parent_ino)
         if name == b"..":
-            return self._parent_of(parent)
-        known, entry, due = self.metadata.lookup_now(parent.path, name)
+            return self._parent_of(parent), 0.0
+        known, entry, due, fresh_for = self.metadata.lookup_fresh_now(parent.path, name)
         if due:
             self.post(self.metadata.view, parent.path)
         if not known:
             raise NeedsWait
         if entry is None:
             raise FsError(errno.ENOENT)
-        return self._node_for(parent.path, entry)
+        return self._node_for(parent.path, entry), fresh_for
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""

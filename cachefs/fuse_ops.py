@@ -110,6 +110,9 @@ class Operations(Handlers):
         # Set at INIT when the native loop answers the reads of registered files (see
         # cachefs.fuse.native): a handle opened on one is bound to it.
         self.native: NativeReads | None = None
+        # The request workers' native loop, when they run it (with or without
+        # passthrough): lookups are remembered in it.
+        self.native_loop: NativeReads | None = None
 
     # -- the server's interface ----------------------------------------------------------
     def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
@@ -159,10 +162,24 @@ class Operations(Handlers):
 
     # -- metadata --------------------------------------------------------------------------
     def lookup(self, req: Request) -> Reply:
+        loop = self.native_loop
+        if loop is None:
+            try:
+                return self._entry(self.fs.lookup_now(req.nodeid, _name(req.body)))
+            except NeedsWait:
+                raise Deferred from None
+        # The native loop answers this name again while the answer holds (see
+        # cachefs.fuse.native): the epoch is read before the lookup reads anything.
+        epoch = loop.lookup_epoch()
+        name = _name(req.body)
         try:
-            return self._entry(self.fs.lookup_now(req.nodeid, _name(req.body)))
+            node, fresh_for = self.fs.lookup_fresh_now(req.nodeid, name)
         except NeedsWait:
             raise Deferred from None
+        answer = self._entry(node)
+        if fresh_for > 0:
+            loop.remember_lookup(epoch, req.nodeid, name, answer, fresh_for)
+        return answer
 
     async def lookup_async(self, req: Request) -> Reply:
         return self._entry(await self.fs.lookup(req.nodeid, _name(req.body)))

@@ -180,6 +180,32 @@ NATIVE_READS_ENABLED = Gauge(
     "cachefs_native_reads_enabled", "1 while reads of verified cache files are answered by "
     "the native request loop (without FUSE passthrough)", registry=REGISTRY)
 
+
+class NativeAnswers:
+    """``cachefs_fuse_native_answers_total{op}``: the FUSE requests the native loop
+    answered without Python (:mod:`cachefs.fuse.native`), read from its counts at scrape
+    time (they are also in ``cachefs_fuse_requests_total``)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, int]] | None = None
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "cachefs_fuse_native_answers", "FUSE requests answered by the native loop "
+            "without Python (reads of verified files, remembered lookups, ioctls)",
+            labels=["op"])
+        source = self.source
+        for op, value in sorted((source() if source is not None else {}).items()):
+            family.add_metric([op], value)
+        yield family
+
+
+NATIVE_ANSWERS = NativeAnswers()
+REGISTRY.register(NATIVE_ANSWERS)
+
 # --- S3 --------------------------------------------------------------------
 S3_REQUESTS = Counter(
     "cachefs_s3_requests", "S3 requests sent (each attempt counts)", ["op"], registry=REGISTRY)

@@ -18,6 +18,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,10 @@ def test_reads_of_a_bound_handle_are_answered_from_its_file(loop: Loop, cache_fi
         assert (got_unique, error) == (unique, 0)
         assert body == data[offset:offset + size]
     assert loop.handed == []
-    reads, nbytes, _, buckets, _, fallbacks, bound = loop.reads.stats()
-    assert reads == 5 and fallbacks == 0 and bound == 1 and sum(buckets) == 5
-    assert nbytes == 4096 + 100_000 + 10 + 0 + 150_000
+    st = loop.reads.stats()
+    reads, _, buckets = st["read"]
+    assert reads == 5 and st["fallbacks"] == 0 and st["bound"] == 1 and sum(buckets) == 5
+    assert st["read_bytes"] == 4096 + 100_000 + 10 + 0 + 150_000
 
 
 def test_a_read_is_clipped_to_the_object_not_the_file(loop: Loop, cache_file: Any) -> None:
@@ -160,7 +162,7 @@ def test_unbound_handles_and_other_requests_go_to_python(loop: Loop, cache_file:
     assert loop.reads.unbind(5) and not loop.reads.unbind(5)
     assert loop.ask(_read_request(4, 5, 0, 10))[2] == struct.pack("<I", abi.READ)
     assert loop.handed == [(abi.READ, 1), (abi.LOOKUP, 2), (abi.READ, 4)]
-    assert loop.reads.stats()[4] == 1  # the IOCTL
+    assert loop.reads.stats()["ioctls"] == 1
 
 
 def test_a_file_shorter_than_its_object_hands_the_read_to_python(loop: Loop, tmp_path: Path) -> None:
@@ -169,7 +171,7 @@ def test_a_file_shorter_than_its_object_hands_the_read_to_python(loop: Loop, tmp
     loop.reads.bind(9, _register(loop.reads, path), 5000)  # 4,000 bytes missing
     assert loop.ask(_read_request(1, 9, 0, 4096))[2] == struct.pack("<I", abi.READ)
     assert loop.ask(_read_request(2, 9, 0, 500))[2] == b"x" * 500  # what it has, it answers
-    assert loop.reads.stats()[5] == 1
+    assert loop.reads.stats()["fallbacks"] == 1
 
 
 def test_a_handle_keeps_its_file_after_the_registration_is_closed(loop: Loop, cache_file: Any) -> None:
@@ -201,13 +203,67 @@ def test_many_handles_bound_and_unbound_while_reads_run(loop: Loop, tmp_path: Pa
         loop.reads.bind(fh, backing, len(body))
     for fh in range(2, 3001, 2):
         assert loop.reads.unbind(fh)
-    assert loop.reads.stats()[6] == 1500
+    assert loop.reads.stats()["bound"] == 1500
     for fh in range(1, 3001, 7):
         _, error, answer = loop.ask(_read_request(fh, fh, 10, 100))
         if fh % 2:
             assert (error, answer) == (0, files[fh % 30][1][10:110]), fh
         else:
             assert answer == struct.pack("<I", abi.READ), fh
+
+
+def _lookup(loop: Loop, unique: int, parent: int, name: bytes) -> tuple[int, int, bytes]:
+    return loop.ask(_request(abi.LOOKUP, unique, name + b"\0", nodeid=parent))
+
+
+def test_a_remembered_lookup_is_answered_while_fresh_and_in_its_epoch(loop: Loop) -> None:
+    reads = loop.reads
+    answer = bytes(range(128))
+    python = struct.pack("<I", abi.LOOKUP)  # what the test's Python handler answers
+    epoch = reads.lookup_epoch()
+    assert reads.remember_lookup(epoch, 5, b"img.jpg", answer, 60.0)
+    assert _lookup(loop, 1, 5, b"img.jpg") == (1, 0, answer)
+    # another directory, another name, a longer or shorter name: Python answers
+    assert _lookup(loop, 2, 6, b"img.jpg")[2] == python
+    assert _lookup(loop, 3, 5, b"img.jpeg")[2] == python
+    assert _lookup(loop, 4, 5, b"img.jp")[2] == python
+    assert loop.handed == [(abi.LOOKUP, 2), (abi.LOOKUP, 3), (abi.LOOKUP, 4)]
+    assert reads.stats()["lookup"][0] == 1
+    # a new epoch (a listing made current): never again, and an answer read in the old
+    # epoch is refused
+    reads.forget_lookups()
+    assert _lookup(loop, 5, 5, b"img.jpg")[2] == python
+    assert not reads.remember_lookup(epoch, 5, b"img.jpg", answer, 60.0)
+    assert _lookup(loop, 6, 5, b"img.jpg")[2] == python
+    # expiry: an answer fresh for 50 ms is given now, not after
+    assert reads.remember_lookup(reads.lookup_epoch(), 5, b"img.jpg", answer, 0.05)
+    assert _lookup(loop, 7, 5, b"img.jpg")[2] == answer
+    time.sleep(0.1)
+    assert _lookup(loop, 8, 5, b"img.jpg")[2] == python
+    assert not reads.remember_lookup(reads.lookup_epoch(), 5, b"x", answer, 0.0)
+
+
+def test_remembered_lookups_are_bounded_by_their_slots() -> None:
+    """A table of 4 slots holds at most 4 answers; a newer answer replaces the one in its
+    slot, and whatever a slot holds is the answer of its own name."""
+    reads = native.NativeReads(lookup_slots=4)
+    lp = Loop(reads)
+    try:
+        epoch = reads.lookup_epoch()
+        names = [f"n{i}".encode() for i in range(64)]
+        for i, name in enumerate(names):
+            assert reads.remember_lookup(epoch, 1, name, bytes([i]) * 128, 60.0)
+        answered = 0
+        for i, name in enumerate(names):
+            _, error, body = _lookup(lp, 100 + i, 1, name)
+            if body != struct.pack("<I", abi.LOOKUP):
+                assert (error, body) == (0, bytes([i]) * 128), name
+                answered += 1
+        assert 1 <= answered <= 4
+        with pytest.raises(ValueError):
+            native.NativeReads(lookup_slots=3)
+    finally:
+        lp.close()
 
 
 def test_an_exception_in_the_python_handler_ends_serve_with_it(cache_file: Any) -> None:
@@ -287,3 +343,44 @@ def test_native_reads_off_serves_every_read_in_python(shard, mount_factory) -> N
     assert m.metric("cachefs_native_reads_enabled") == 0
     assert m.metric("cachefs_passthrough_opens_total") == 0
     assert _python_reads(m) == python_before + len(data)
+
+
+def _drop_dentries() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2\n")  # dentries and inodes: the next stat looks the name up again
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_a_name_looked_up_again_is_answered_by_the_native_loop_while_its_listing_is_fresh(
+        bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """After the kernel dropped its entry, a name looked up again is answered by the
+    native loop (no Python) -- and only while its listing is fresh: once it is not, the
+    lookup reaches Python again, which refreshes the listing, and a changed object is
+    seen with its new size."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"1" * 100)
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    m = mount_factory(f"s3://{name}", "--metadata-ttl", "2s", *extra)
+    path = m.path / "d" / "a.bin"
+    native_lookups = 'cachefs_fuse_native_answers_total{op="lookup"}'
+    assert path.stat().st_size == 100  # (waits for the first listing)
+    _drop_dentries()
+    assert path.stat().st_size == 100  # looked up in Python, remembered in the loop
+    before = m.metric(native_lookups)
+    python_before = m.metric('cachefs_fuse_requests_total{op="lookup"}') - before
+    _drop_dentries()
+    assert path.read_bytes() == b"1" * 100
+    assert m.metric(native_lookups) > before
+    assert m.metric('cachefs_fuse_requests_total{op="lookup"}') - m.metric(native_lookups) \
+        == python_before, "a remembered lookup reached Python"
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"2" * 300)
+    deadline = time.monotonic() + 60
+    while True:
+        _drop_dentries()
+        if path.stat().st_size == 300:
+            break
+        assert time.monotonic() < deadline, "a remembered lookup outlived its listing"
+        time.sleep(0.3)
+    assert path.read_bytes() == b"2" * 300
+    m.stop()

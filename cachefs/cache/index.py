@@ -120,6 +120,8 @@ class Index:
         #: *before* the snapshot). Writers take ``_generation_lock``; readers just read.
         self.generation = 0
         self._generation_lock = threading.Lock()
+        #: Called after every generation change (set up before the index is used).
+        self.listeners: list[Callable[[], None]] = []
         self.listings = env.db("listings")
         self.names = env.db("names")
         self.inodes = env.db("inodes")
@@ -209,9 +211,12 @@ class Index:
 
     # -- writes (worker threads) ------------------------------------------------------
     def listings_changed(self) -> None:
-        """A commit made a listing current (call after the commit)."""
+        """A commit made a listing current (call after the commit): the generation moves
+        on, then every listener is told (any thread)."""
         with self._generation_lock:
             self.generation += 1
+        for listener in self.listeners:
+            listener()
 
     def recover(self) -> int:
         """Delete the names of versions a previous daemon did not finish; returns how many."""

@@ -221,6 +221,7 @@ class Metadata:
         # the mark only if it started after that (it may predate the change otherwise).
         self._stale: dict[str, int] = {}
         self._tick = 0
+        self._listeners: list[Callable[[], None]] = []  # (see add_listener)
         self._retry_after: dict[str, float] = {}  # failed refreshes wait before the next
         self._inflight: dict[str, _Listing] = {}
         self._inflight_ids: dict[bytes, _Listing] = {}
@@ -273,6 +274,13 @@ class Metadata:
         at = self.listed_at(prefix)
         return at is not None and self._clock() - at < self._ttl
 
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on any thread) after every change that may change an answer
+        of :meth:`lookup_fresh_now` before its ``fresh_for`` ran out: a listing made
+        current, a prefix marked stale. (Set up before the mount serves.)"""
+        self._index.listeners.append(listener)
+        self._listeners.append(listener)
+
     def invalidate(self, prefix: str) -> None:
         """Refresh ``prefix`` in the background now (e.g. after ESTALE); its listing is
         served until the new one is complete."""
@@ -280,6 +288,8 @@ class Metadata:
             return
         self._tick += 1
         self._stale[prefix] = self._tick
+        for listener in self._listeners:
+            listener()
         self._retry_after.pop(prefix, None)
         running = self._inflight.get(prefix)
         if running is not None:
@@ -345,19 +355,36 @@ class Metadata:
     def lookup_now(self, prefix: str, name: bytes) -> tuple[bool, Entry | None, bool]:
         """(known, entry, refresh due): ``known`` False when lookup() would wait for a
         listing (then ask it on the trio thread). Any thread."""
+        return self.lookup_fresh_now(prefix, name)[:3]
+
+    def lookup_fresh_now(self, prefix: str, name: bytes
+                         ) -> tuple[bool, Entry | None, bool, float]:
+        """:meth:`lookup_now` and ``fresh_for``: for how many seconds from now the same
+        name gives the same answer unless a listener (:meth:`add_listener`) is called
+        first -- the rest of a complete listing's freshness; 0 for any other answer (a
+        listing in progress, a stale one, none). Any thread."""
         generation = self._index.generation  # before the snapshot (see _recent)
         found = self._index.lookup(prefix, name)  # the listing and the name: one snapshot
         if found is not None:
             row, entry = found
             if entry is not None:
                 self._remember(entry.ino, (generation, prefix, entry, row[1]))
-            return True, entry, self._due(prefix, row[1])
+            return True, entry, self._due(prefix, row[1]), self._fresh_for(prefix, row[1])
         v, due = self.view_now(prefix)  # a first listing in progress, or none
         if v is not None and (v.limit is None or name < v.limit):
-            return True, self._get(v.version, name), due
+            return True, self._get(v.version, name), due, 0.0
         if v is None and self._store is None:
-            return True, None, False  # a manifest mount: not there
-        return False, None, due
+            return True, None, False, 0.0  # a manifest mount: not there
+        return False, None, due, 0.0
+
+    def _fresh_for(self, prefix: str, listed_at: float) -> float:
+        """Seconds until a complete listing listed at ``listed_at`` needs a refresh (a
+        manifest's never does: a day)."""
+        if self._store is None:
+            return 86400.0
+        if prefix in self._stale:
+            return 0.0
+        return max(0.0, min(86400.0, listed_at + self._ttl - self._clock()))
 
     def _remember(self, ino: int, item: tuple[int, str, Entry, float]) -> None:
         with self._recent_lock:

@@ -11,14 +11,21 @@
  *         writev of the answer. A read the file cannot answer in full (an error, a short
  *         read inside the object) goes to Python, which serves and checks it as usual.
  *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
+ *   LOOKUP of a name whose answer Python remembered here (remember_lookup()): the same
+ *         bytes again, while they are fresh. Python says for how long (the rest of the
+ *         directory listing's freshness) and with the epoch it read before looking the
+ *         name up; forget_lookups() starts a new epoch whenever a listing is made current
+ *         or marked stale, and answers of an older epoch are never given. So the loop
+ *         answers what Python would answer, without the interpreter.
  *
  * Every other request is handed to the Python callable given to serve(), with the lock
  * held, as handle(n): the request is the first n bytes of the worker's buffer; a true
  * answer ends serve() (DESTROY).
  *
  * Concurrency: any number of workers share one table (a capsule). Its mutex guards the
- * handle map and each file's reference count; it is never held across a system call
- * other than close(). A bound file holds its own duplicate of the descriptor, closed when
+ * handle map, each file's reference count and the remembered lookups; it is never held
+ * across a system call other than close(). The lookup epoch is read and advanced with
+ * atomics, and checked again under the mutex when an answer is remembered. A bound file holds its own duplicate of the descriptor, closed when
  * the handle is unbound and no read of it is under way (refs), so a read never reaches a
  * descriptor number reused for another file. Counters are updated with atomic adds.
  */
@@ -35,9 +42,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#define OP_LOOKUP 1
 #define OP_READ 15
 #define OP_IOCTL 39
 #define MAX_BUCKETS 64
+#define MAX_LOOKUP_ANSWER 256  /* a fuse_entry_out is 128 bytes */
+#define MAX_NAME 1024
+
+/* The requests the loop times, as stats() reports them. */
+enum { KIND_READ, KIND_LOOKUP, KINDS };
+static const char *const KIND_NAMES[KINDS] = {"read", "lookup"};
 
 struct in_header {
     uint32_t len, opcode;
@@ -70,17 +84,36 @@ struct slot {
     struct bound_file *file;
 };
 
+/* A remembered LOOKUP answer: the name, then the answer's bytes. */
+struct lookup_entry {
+    uint64_t parent;
+    uint64_t epoch;
+    double expires;  /* CLOCK_MONOTONIC seconds */
+    uint32_t name_len, answer_len;
+    char bytes[];
+};
+
+struct op_stats {
+    uint64_t count;
+    double seconds;
+    uint64_t buckets[MAX_BUCKETS + 1];
+};
+
 struct table {
     pthread_mutex_t lock;
     struct slot *slots;
     size_t capacity;  /* a power of two */
     size_t used;
+    /* remembered lookups: direct-mapped by (parent, name); a newer answer replaces
+     * whatever held its slot (the bound on memory) */
+    struct lookup_entry **lookups;
+    size_t lookup_mask;  /* slots - 1, a power of two */
+    uint64_t lookup_epoch;  /* atomic */
     /* statistics (atomic adds) */
-    uint64_t reads, read_bytes, ioctls, fallbacks;
-    double read_seconds;
+    struct op_stats ops[KINDS];
+    uint64_t read_bytes, ioctls, fallbacks, lookups_remembered;
     int n_bounds;
     double bounds[MAX_BUCKETS];
-    uint64_t buckets[MAX_BUCKETS + 1];
 };
 
 #define CAPSULE_NAME "cachefs.fuse._native.table"
@@ -173,6 +206,9 @@ static void table_free(PyObject *capsule) {
         }
     }
     free(t->slots);
+    for (size_t i = 0; i <= t->lookup_mask; i++)
+        free(t->lookups[i]);
+    free(t->lookups);
     pthread_mutex_destroy(&t->lock);
     free(t);
 }
@@ -181,11 +217,17 @@ static struct table *get_table(PyObject *capsule) {
     return PyCapsule_GetPointer(capsule, CAPSULE_NAME);
 }
 
-/* new_table(bounds): a table; ``bounds`` are the latency histogram's upper bounds. */
+/* new_table(bounds, lookup_slots): a table; ``bounds`` are the latency histograms'
+ * upper bounds, ``lookup_slots`` (a power of two) how many lookup answers it may hold. */
 static PyObject *new_table(PyObject *self, PyObject *args) {
     PyObject *bounds;
-    if (!PyArg_ParseTuple(args, "O", &bounds))
+    Py_ssize_t lookup_slots;
+    if (!PyArg_ParseTuple(args, "On", &bounds, &lookup_slots))
         return NULL;
+    if (lookup_slots < 1 || (lookup_slots & (lookup_slots - 1)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "lookup_slots must be a power of two");
+        return NULL;
+    }
     PyObject *seq = PySequence_Fast(bounds, "bounds must be a sequence");
     if (seq == NULL)
         return NULL;
@@ -211,14 +253,20 @@ static PyObject *new_table(PyObject *self, PyObject *args) {
     t->n_bounds = (int)n;
     t->capacity = 1024;
     t->slots = calloc(t->capacity, sizeof(struct slot));
-    if (t->slots == NULL) {
+    t->lookups = calloc((size_t)lookup_slots, sizeof(struct lookup_entry *));
+    if (t->slots == NULL || t->lookups == NULL) {
+        free(t->slots);
+        free(t->lookups);
         free(t);
         return PyErr_NoMemory();
     }
+    t->lookup_mask = (size_t)lookup_slots - 1;
+    t->lookup_epoch = 1;
     pthread_mutex_init(&t->lock, NULL);
     PyObject *capsule = PyCapsule_New(t, CAPSULE_NAME, table_free);
     if (capsule == NULL) {
         free(t->slots);
+        free(t->lookups);
         free(t);
     }
     return capsule;
@@ -295,7 +343,9 @@ static PyObject *unbind(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* stats(table) -> (reads, read_bytes, read_seconds, buckets, ioctls, fallbacks, bound) */
+/* stats(table) -> dict: per timed request kind (read, lookup) (count, seconds, buckets);
+ * read_bytes, ioctls, fallbacks (reads given to Python), bound (handles), and
+ * lookups_remembered (answers stored so far). */
 static PyObject *stats(PyObject *self, PyObject *args) {
     PyObject *capsule;
     if (!PyArg_ParseTuple(args, "O", &capsule))
@@ -303,25 +353,52 @@ static PyObject *stats(PyObject *self, PyObject *args) {
     struct table *t = get_table(capsule);
     if (t == NULL)
         return NULL;
-    PyObject *buckets = PyList_New(t->n_bounds + 1);
-    if (buckets == NULL)
+    PyObject *out = PyDict_New();
+    if (out == NULL)
         return NULL;
-    for (int i = 0; i <= t->n_bounds; i++) {
-        PyList_SET_ITEM(buckets, i, PyLong_FromUnsignedLongLong(
-            __atomic_load_n(&t->buckets[i], __ATOMIC_RELAXED)));
+    for (int k = 0; k < KINDS; k++) {
+        struct op_stats *o = &t->ops[k];
+        PyObject *buckets = PyList_New(t->n_bounds + 1);
+        if (buckets == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        for (int i = 0; i <= t->n_bounds; i++) {
+            PyList_SET_ITEM(buckets, i, PyLong_FromUnsignedLongLong(
+                __atomic_load_n(&o->buckets[i], __ATOMIC_RELAXED)));
+        }
+        double seconds;
+        __atomic_load(&o->seconds, &seconds, __ATOMIC_RELAXED);
+        PyObject *item = Py_BuildValue(
+            "KdN", (unsigned long long)__atomic_load_n(&o->count, __ATOMIC_RELAXED), seconds,
+            buckets);
+        if (item == NULL || PyDict_SetItemString(out, KIND_NAMES[k], item) != 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
     }
-    double seconds;
-    __atomic_load(&t->read_seconds, &seconds, __ATOMIC_RELAXED);
     pthread_mutex_lock(&t->lock);
     size_t bound = t->used;
     pthread_mutex_unlock(&t->lock);
-    return Py_BuildValue("KKdNKKn",
-                         (unsigned long long)__atomic_load_n(&t->reads, __ATOMIC_RELAXED),
-                         (unsigned long long)__atomic_load_n(&t->read_bytes, __ATOMIC_RELAXED),
-                         seconds, buckets,
-                         (unsigned long long)__atomic_load_n(&t->ioctls, __ATOMIC_RELAXED),
-                         (unsigned long long)__atomic_load_n(&t->fallbacks, __ATOMIC_RELAXED),
-                         (Py_ssize_t)bound);
+    const struct { const char *name; unsigned long long value; } counts[] = {
+        {"read_bytes", __atomic_load_n(&t->read_bytes, __ATOMIC_RELAXED)},
+        {"ioctls", __atomic_load_n(&t->ioctls, __ATOMIC_RELAXED)},
+        {"fallbacks", __atomic_load_n(&t->fallbacks, __ATOMIC_RELAXED)},
+        {"bound", bound},
+        {"lookups_remembered", __atomic_load_n(&t->lookups_remembered, __ATOMIC_RELAXED)},
+    };
+    for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(counts[i].value);
+        if (v == NULL || PyDict_SetItemString(out, counts[i].name, v) != 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return out;
 }
 
 static double now(void) {
@@ -330,17 +407,20 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void add_seconds(struct table *t, double seconds) {
+/* Count one request of ``kind`` that took ``seconds``. */
+static void count_request(struct table *t, int kind, double seconds) {
+    struct op_stats *o = &t->ops[kind];
+    __atomic_fetch_add(&o->count, 1, __ATOMIC_RELAXED);
     double old, new_;
-    __atomic_load(&t->read_seconds, &old, __ATOMIC_RELAXED);
+    __atomic_load(&o->seconds, &old, __ATOMIC_RELAXED);
     do {
         new_ = old + seconds;
-    } while (!__atomic_compare_exchange(&t->read_seconds, &old, &new_, 1, __ATOMIC_RELAXED,
+    } while (!__atomic_compare_exchange(&o->seconds, &old, &new_, 1, __ATOMIC_RELAXED,
                                         __ATOMIC_RELAXED));
     int i = 0;
     while (i < t->n_bounds && seconds > t->bounds[i])  /* bisect_left, as metrics.py */
         i++;
-    __atomic_fetch_add(&t->buckets[i], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&o->buckets[i], 1, __ATOMIC_RELAXED);
 }
 
 /* Write an answer; errors of an interrupted request (ENOENT) or an ended connection
@@ -410,9 +490,121 @@ static int serve_read(struct table *t, int fd, const struct in_header *h, const 
     }
     if (answer(fd, h->unique, 0, data, got) != 0)
         answer(fd, h->unique, -EIO, NULL, 0);
-    __atomic_fetch_add(&t->reads, 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&t->read_bytes, got, __ATOMIC_RELAXED);
-    add_seconds(t, now() - t0);
+    count_request(t, KIND_READ, now() - t0);
+    return 1;
+}
+
+/* -- remembered lookups ---------------------------------------------------------------- */
+
+static size_t lookup_slot(const struct table *t, uint64_t parent, const char *name,
+                          size_t len) {
+    uint64_t h = 0xcbf29ce484222325ULL ^ hash_fh(parent);  /* FNV-1a over the name */
+    for (size_t i = 0; i < len; i++) {
+        h ^= (unsigned char)name[i];
+        h *= 0x100000001b3ULL;
+    }
+    return (size_t)hash_fh(h) & t->lookup_mask;
+}
+
+/* lookup_epoch(table) -> int: the epoch to give remember_lookup() for a lookup that
+ * starts now (read before the lookup reads anything). */
+static PyObject *lookup_epoch(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE));
+}
+
+/* forget_lookups(table): no answer remembered so far is given again. */
+static PyObject *forget_lookups(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    __atomic_fetch_add(&t->lookup_epoch, 1, __ATOMIC_ACQ_REL);
+    Py_RETURN_NONE;
+}
+
+/* remember_lookup(table, epoch, parent, name, answer, fresh_for) -> bool: answer LOOKUPs
+ * of ``name`` in directory ``parent`` with ``answer`` (a fuse_entry_out) for the next
+ * ``fresh_for`` seconds, unless the epoch moved past ``epoch`` (then False). */
+static PyObject *remember_lookup(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long epoch, parent;
+    const char *name, *answer;
+    Py_ssize_t name_len, answer_len;
+    double fresh_for;
+    if (!PyArg_ParseTuple(args, "OKKy#y#d", &capsule, &epoch, &parent, &name, &name_len,
+                          &answer, &answer_len, &fresh_for))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    if (name_len > MAX_NAME || answer_len > MAX_LOOKUP_ANSWER) {
+        PyErr_SetString(PyExc_ValueError, "name or answer too long to remember");
+        return NULL;
+    }
+    if (!(fresh_for > 0) || epoch != __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE))
+        Py_RETURN_FALSE;
+    struct lookup_entry *e = malloc(sizeof(*e) + (size_t)name_len + (size_t)answer_len);
+    if (e == NULL)
+        return PyErr_NoMemory();
+    e->parent = parent;
+    e->epoch = epoch;
+    e->expires = now() + fresh_for;
+    e->name_len = (uint32_t)name_len;
+    e->answer_len = (uint32_t)answer_len;
+    memcpy(e->bytes, name, (size_t)name_len);
+    memcpy(e->bytes + name_len, answer, (size_t)answer_len);
+    size_t i = lookup_slot(t, parent, name, (size_t)name_len);
+    struct lookup_entry *old = NULL;
+    int stored = 0;
+    pthread_mutex_lock(&t->lock);
+    /* (checked again here: a forget_lookups() since the first check must win) */
+    if (epoch == __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE)) {
+        old = t->lookups[i];
+        t->lookups[i] = e;
+        stored = 1;
+    }
+    pthread_mutex_unlock(&t->lock);
+    free(stored ? old : e);
+    if (stored)
+        __atomic_fetch_add(&t->lookups_remembered, 1, __ATOMIC_RELAXED);
+    return PyBool_FromLong(stored);
+}
+
+/* A LOOKUP: 1 when answered from a remembered answer, 0 when Python must answer it. */
+static int serve_lookup(struct table *t, int fd, const struct in_header *h, const char *body,
+                        size_t body_len) {
+    size_t len = strnlen(body, body_len);
+    if (len == body_len || len == 0)
+        return 0;  /* not NUL-terminated, or empty: Python decides */
+    double t0 = now();
+    char answer_buf[MAX_LOOKUP_ANSWER];
+    size_t answer_len = 0;
+    int hit = 0;
+    size_t i = lookup_slot(t, h->nodeid, body, len);
+    uint64_t epoch = __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE);
+    pthread_mutex_lock(&t->lock);
+    const struct lookup_entry *e = t->lookups[i];
+    if (e != NULL && e->parent == h->nodeid && e->name_len == len && e->epoch == epoch &&
+        t0 < e->expires && memcmp(e->bytes, body, len) == 0) {
+        answer_len = e->answer_len;
+        memcpy(answer_buf, e->bytes + e->name_len, answer_len);
+        hit = 1;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (!hit)
+        return 0;
+    if (answer(fd, h->unique, 0, answer_buf, answer_len) != 0)
+        answer(fd, h->unique, -EIO, NULL, 0);
+    count_request(t, KIND_LOOKUP, now() - t0);
     return 1;
 }
 
@@ -468,6 +660,9 @@ static PyObject *serve(PyObject *self, PyObject *args) {
                 serve_read(t, fd, h, buf + sizeof(*h), (size_t)n - sizeof(*h), data,
                            (size_t)data_size))
                 continue;
+            if (h->opcode == OP_LOOKUP &&
+                serve_lookup(t, fd, h, buf + sizeof(*h), (size_t)n - sizeof(*h)))
+                continue;
             if (h->opcode == OP_IOCTL) {
                 answer(fd, h->unique, -ENOTTY, NULL, 0);
                 __atomic_fetch_add(&t->ioctls, 1, __ATOMIC_RELAXED);
@@ -505,6 +700,9 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "Answer reads of a handle from a file."},
     {"unbind", unbind, METH_VARARGS, "Stop answering reads of a handle."},
     {"stats", stats, METH_VARARGS, "Counts of the requests answered here."},
+    {"lookup_epoch", lookup_epoch, METH_VARARGS, "The epoch of lookups starting now."},
+    {"forget_lookups", forget_lookups, METH_VARARGS, "Give no remembered lookup again."},
+    {"remember_lookup", remember_lookup, METH_VARARGS, "Answer a name's lookups."},
     {"serve", serve, METH_VARARGS, "A request worker's loop."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,4 +1,5 @@
-"""Reads answered in C: the request workers' native loop and the files it reads.
+"""Requests answered in C: the request workers' native loop, the files it reads and the
+lookups it answers.
 
 Without FUSE passthrough (a kernel older than 6.9, a daemon without CAP_SYS_ADMIN, or
 ``--passthrough off``) every read of a cached file costs a request answered in Python.
@@ -15,6 +16,16 @@ The guarantee is the passthrough one: bytes served from a bound file were checke
 the whole object when it was registered, and the file stays pinned (never punched) while
 registered, so a bound handle never reads bytes that failed or escaped the check. A read
 the file cannot answer in full goes to Python, which reads and checks the blocks itself.
+
+The loop also answers LOOKUPs whose answers Python remembered in it
+(:meth:`NativeReads.remember_lookup`; both with and without passthrough): a name looked
+up again while its directory listing is fresh -- after the kernel dropped its entry, as
+it does under memory pressure or a ``drop_caches`` -- costs no Python. An answer is
+given only while fresh (Python says how long: the rest of the listing's freshness) and
+in the epoch it was read in: :meth:`NativeReads.forget_lookups`, called whenever a
+listing is made current or marked stale (:meth:`cachefs.cache.metadata.Metadata.add_listener`),
+ends the epoch. Answers are held in a fixed number of slots (``lookup_slots``; a newer
+answer replaces an older one in its slot), about 200 bytes each.
 
 The extension is optional (a ``pip install`` without a compiler builds without it):
 :data:`AVAILABLE` says whether it is here; without it the workers run the Python loop
@@ -42,14 +53,17 @@ except ImportError:  # built without the extension (no compiler at install time)
 
 AVAILABLE = _native is not None
 
+#: Remembered lookup answers by default: 65,536 slots, at most about 13 MiB.
+LOOKUP_SLOTS = 1 << 16
+
 
 class NativeReads:
     """The files registered for reads answered in C, and the handles bound to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, lookup_slots: int = LOOKUP_SLOTS) -> None:
         if _native is None:
             raise RuntimeError("cachefs was built without its native request loop")
-        self._table: Any = _native.new_table(metrics.LATENCY_BUCKETS)
+        self._table: Any = _native.new_table(metrics.LATENCY_BUCKETS, lookup_slots)
         self._lock = threading.Lock()
         self._files: dict[int, int] = {}  # backing id -> our descriptor of the file
         self._next_id = 1
@@ -90,9 +104,32 @@ class NativeReads:
         assert _native is not None
         return _native.unbind(self._table, fh)
 
-    def stats(self) -> tuple[int, int, float, list[int], int, int, int]:
-        """(reads, read bytes, read seconds, latency buckets, ioctls, reads given to
-        Python, handles bound) answered by the native loop so far."""
+    # -- lookups ------------------------------------------------------------------------
+    def lookup_epoch(self) -> int:
+        """The epoch to pass to :meth:`remember_lookup` for a lookup starting now (read it
+        before the lookup reads anything)."""
+        assert _native is not None
+        return _native.lookup_epoch(self._table)
+
+    def remember_lookup(self, epoch: int, parent: int, name: bytes, answer: bytes,
+                        fresh_for: float) -> bool:
+        """Answer LOOKUPs of ``name`` in directory inode ``parent`` with ``answer`` (the
+        fuse_entry_out Python gave) for ``fresh_for`` seconds -- unless
+        :meth:`forget_lookups` was called since ``epoch`` was read (then False)."""
+        assert _native is not None
+        return _native.remember_lookup(self._table, epoch, parent, name, answer, fresh_for)
+
+    def forget_lookups(self) -> None:
+        """No answer remembered so far is given again (any thread; a listing was made
+        current or marked stale)."""
+        assert _native is not None
+        _native.forget_lookups(self._table)
+
+    def stats(self) -> dict[str, Any]:
+        """What the native loop answered so far: per timed request kind ("read",
+        "lookup") (count, seconds, latency buckets); "read_bytes", "ioctls",
+        "fallbacks" (reads given to Python), "bound" (handles now) and
+        "lookups_remembered"."""
         assert _native is not None
         return _native.stats(self._table)
 
@@ -105,11 +142,18 @@ class NativeReads:
 
     def publish(self) -> None:
         """Count this loop's requests and bytes in the mount's metrics
-        (``cachefs_fuse_requests_total``, its latency histogram, ``cachefs_read_bytes_total``)."""
+        (``cachefs_fuse_requests_total``, its latency histogram, ``cachefs_read_bytes_total``,
+        ``cachefs_fuse_native_answers_total``)."""
         metrics.FUSE_STATS.add_source(self._request_counts)
-        metrics.READ_BYTES.add_source(lambda: self.stats()[1])
+        metrics.READ_BYTES.add_source(lambda: self.stats()["read_bytes"])
+        metrics.NATIVE_ANSWERS.source = self._answered
+
+    def _answered(self) -> dict[str, int]:
+        st = self.stats()
+        return {"read": st["read"][0], "lookup": st["lookup"][0], "ioctl": st["ioctls"]}
 
     def _request_counts(self) -> dict[str, tuple[int, float, list[int]]]:
-        reads, _, seconds, buckets, ioctls, _, _ = self.stats()
-        untimed = [ioctls] + [0] * (len(buckets) - 1)  # (as the Python loop counts them)
-        return {"read": (reads, seconds, buckets), "ioctl": (ioctls, 0.0, untimed)}
+        st = self.stats()
+        ioctls = st["ioctls"]
+        untimed = [ioctls] + [0] * len(metrics.LATENCY_BUCKETS)  # (as Python counts them)
+        return {"read": st["read"], "lookup": st["lookup"], "ioctl": (ioctls, 0.0, untimed)}
