@@ -285,7 +285,7 @@ class Daemon:
         native = NativeReads() if cfg.native_reads == "auto" and native_available else None
         if native is not None:
             native.publish()
-            metadata.add_listener(native.forget_lookups)
+            metadata.add_listener(native.forget_dir)
         fetcher.on_settled = passthrough.settled  # predicted files registered once landed
         if cfg.passthrough == "auto" and not passthrough.wanted:
             log.info("FUSE passthrough unavailable (it needs Linux 6.9 or newer): "

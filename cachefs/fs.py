@@ -205,15 +205,20 @@ class FileSystem:
         listing has not reached ``name`` yet."""
         return self.lookup_fresh_now(parent_ino, name)[0]
 
-    def lookup_fresh_now(self, parent_ino: int, name: bytes) -> tuple[Node, float]:
-        """:meth:`lookup_now` and for how many seconds the same answer holds unless the
-        metadata's listeners are called first (see
-        :meth:`cachefs.cache.metadata.Metadata.lookup_fresh_now`; 0: no promise)."""
+    def lookup_fresh_now(self, parent_ino: int, name: bytes,
+                         before: Callable[[str], int] | None = None
+                         ) -> tuple[Node, float, str, int]:
+        """:meth:`lookup_now`, for how many seconds the same answer holds unless the
+        metadata's listeners are called for its directory first (see
+        :meth:`cachefs.cache.metadata.Metadata.lookup_fresh_now`; 0: no promise), the
+        directory's prefix, and what ``before(prefix)`` returned, called before the
+        directory's listing is read (0 without it)."""
         if name == b".":  # also of a file: the kernel resolving a file handle (export)
-            return self.node(parent_ino), 0.0
+            return self.node(parent_ino), 0.0, "", 0
         parent = self._dir(parent_ino)
         if name == b"..":
-            return self._parent_of(parent), 0.0
+            return self._parent_of(parent), 0.0, "", 0
+        token = before(parent.path) if before is not None else 0
         known, entry, due, fresh_for = self.metadata.lookup_fresh_now(parent.path, name)
         if due:
             self.post(self.metadata.view, parent.path)
@@ -221,7 +226,7 @@ class FileSystem:
             raise NeedsWait
         if entry is None:
             raise FsError(errno.ENOENT)
-        return self._node_for(parent.path, entry), fresh_for
+        return self._node_for(parent.path, entry), fresh_for, parent.path, token
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""

@@ -169,16 +169,16 @@ class Operations(Handlers):
             except NeedsWait:
                 raise Deferred from None
         # The native loop answers this name again while the answer holds (see
-        # cachefs.fuse.native): the epoch is read before the lookup reads anything.
-        epoch = loop.lookup_epoch()
+        # cachefs.fuse.native): the epoch is read before the listing is.
         name = _name(req.body)
         try:
-            node, fresh_for = self.fs.lookup_fresh_now(req.nodeid, name)
+            node, fresh_for, prefix, token = self.fs.lookup_fresh_now(
+                req.nodeid, name, loop.lookup_epoch)
         except NeedsWait:
             raise Deferred from None
         answer = self._entry(node)
         if fresh_for > 0:
-            loop.remember_lookup(epoch, req.nodeid, name, answer, fresh_for)
+            loop.remember_lookup(token, prefix, req.nodeid, name, answer, fresh_for)
         return answer
 
     async def lookup_async(self, req: Request) -> Reply:

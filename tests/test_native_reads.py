@@ -220,8 +220,8 @@ def test_a_remembered_lookup_is_answered_while_fresh_and_in_its_epoch(loop: Loop
     reads = loop.reads
     answer = bytes(range(128))
     python = struct.pack("<I", abi.LOOKUP)  # what the test's Python handler answers
-    epoch = reads.lookup_epoch()
-    assert reads.remember_lookup(epoch, 5, b"img.jpg", answer, 60.0)
+    token = reads.lookup_epoch("d/")
+    assert reads.remember_lookup(token, "d/", 5, b"img.jpg", answer, 60.0)
     assert _lookup(loop, 1, 5, b"img.jpg") == (1, 0, answer)
     # another directory, another name, a longer or shorter name: Python answers
     assert _lookup(loop, 2, 6, b"img.jpg")[2] == python
@@ -229,18 +229,25 @@ def test_a_remembered_lookup_is_answered_while_fresh_and_in_its_epoch(loop: Loop
     assert _lookup(loop, 4, 5, b"img.jp")[2] == python
     assert loop.handed == [(abi.LOOKUP, 2), (abi.LOOKUP, 3), (abi.LOOKUP, 4)]
     assert reads.stats()["lookup"][0] == 1
-    # a new epoch (a listing made current): never again, and an answer read in the old
-    # epoch is refused
-    reads.forget_lookups()
-    assert _lookup(loop, 5, 5, b"img.jpg")[2] == python
-    assert not reads.remember_lookup(epoch, 5, b"img.jpg", answer, 60.0)
+    # another directory's listing changed: still answered
+    reads.forget_dir("e/")
+    assert _lookup(loop, 5, 5, b"img.jpg")[2] == answer
+    # its own directory's listing changed: never again, and an answer read before is refused
+    reads.forget_dir("d/")
     assert _lookup(loop, 6, 5, b"img.jpg")[2] == python
+    assert not reads.remember_lookup(token, "d/", 5, b"img.jpg", answer, 60.0)
+    # a new table epoch: the same
+    token = reads.lookup_epoch("d/")
+    assert reads.remember_lookup(token, "d/", 5, b"img.jpg", answer, 60.0)
+    reads.forget_lookups()
+    assert _lookup(loop, 7, 5, b"img.jpg")[2] == python
+    assert not reads.remember_lookup(token, "d/", 5, b"img.jpg", answer, 60.0)
     # expiry: an answer fresh for 50 ms is given now, not after
-    assert reads.remember_lookup(reads.lookup_epoch(), 5, b"img.jpg", answer, 0.05)
-    assert _lookup(loop, 7, 5, b"img.jpg")[2] == answer
+    assert reads.remember_lookup(reads.lookup_epoch("d/"), "d/", 5, b"img.jpg", answer, 0.05)
+    assert _lookup(loop, 8, 5, b"img.jpg")[2] == answer
     time.sleep(0.1)
-    assert _lookup(loop, 8, 5, b"img.jpg")[2] == python
-    assert not reads.remember_lookup(reads.lookup_epoch(), 5, b"x", answer, 0.0)
+    assert _lookup(loop, 9, 5, b"img.jpg")[2] == python
+    assert not reads.remember_lookup(reads.lookup_epoch("d/"), "d/", 5, b"x", answer, 0.0)
 
 
 def test_remembered_lookups_are_bounded_by_their_slots() -> None:
@@ -249,10 +256,10 @@ def test_remembered_lookups_are_bounded_by_their_slots() -> None:
     reads = native.NativeReads(lookup_slots=4)
     lp = Loop(reads)
     try:
-        epoch = reads.lookup_epoch()
+        token = reads.lookup_epoch("")
         names = [f"n{i}".encode() for i in range(64)]
         for i, name in enumerate(names):
-            assert reads.remember_lookup(epoch, 1, name, bytes([i]) * 128, 60.0)
+            assert reads.remember_lookup(token, "", 1, name, bytes([i]) * 128, 60.0)
         answered = 0
         for i, name in enumerate(names):
             _, error, body = _lookup(lp, 100 + i, 1, name)

@@ -120,8 +120,9 @@ class Index:
         #: *before* the snapshot). Writers take ``_generation_lock``; readers just read.
         self.generation = 0
         self._generation_lock = threading.Lock()
-        #: Called after every generation change (set up before the index is used).
-        self.listeners: list[Callable[[], None]] = []
+        #: Called with the prefix after every generation change (set up before the index
+        #: is used).
+        self.listeners: list[Callable[[str], None]] = []
         self.listings = env.db("listings")
         self.names = env.db("names")
         self.inodes = env.db("inodes")
@@ -210,13 +211,13 @@ class Index:
         return pid, name, (version, listed_at, prefix)
 
     # -- writes (worker threads) ------------------------------------------------------
-    def listings_changed(self) -> None:
-        """A commit made a listing current (call after the commit): the generation moves
-        on, then every listener is told (any thread)."""
+    def listings_changed(self, prefix: str) -> None:
+        """A commit made the listing of ``prefix`` current (call after the commit): the
+        generation moves on, then every listener is told (any thread)."""
         with self._generation_lock:
             self.generation += 1
         for listener in self.listeners:
-            listener()
+            listener(prefix)
 
     def recover(self) -> int:
         """Delete the names of versions a previous daemon did not finish; returns how many."""
@@ -355,7 +356,7 @@ class VersionWriter:
             if final:
                 self._make_current(txn)
         if final:
-            index.listings_changed()
+            index.listings_changed(self.prefix)
         return last_key
 
     def finish(self) -> None:
@@ -363,7 +364,7 @@ class VersionWriter:
             if self.version is None:  # an empty directory
                 self.version = self.index.next_version(txn)
             self._make_current(txn)
-        self.index.listings_changed()
+        self.index.listings_changed(self.prefix)
 
     def _make_current(self, txn: Any) -> None:
         index = self.index

@@ -221,7 +221,7 @@ class Metadata:
         # the mark only if it started after that (it may predate the change otherwise).
         self._stale: dict[str, int] = {}
         self._tick = 0
-        self._listeners: list[Callable[[], None]] = []  # (see add_listener)
+        self._listeners: list[Callable[[str], None]] = []  # (see add_listener)
         self._retry_after: dict[str, float] = {}  # failed refreshes wait before the next
         self._inflight: dict[str, _Listing] = {}
         self._inflight_ids: dict[bytes, _Listing] = {}
@@ -274,10 +274,10 @@ class Metadata:
         at = self.listed_at(prefix)
         return at is not None and self._clock() - at < self._ttl
 
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` (on any thread) after every change that may change an answer
-        of :meth:`lookup_fresh_now` before its ``fresh_for`` ran out: a listing made
-        current, a prefix marked stale. (Set up before the mount serves.)"""
+    def add_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(prefix)`` (on any thread) after every change that may change an
+        answer of :meth:`lookup_fresh_now` in ``prefix`` before its ``fresh_for`` ran out:
+        its listing made current, or marked stale. (Set up before the mount serves.)"""
         self._index.listeners.append(listener)
         self._listeners.append(listener)
 
@@ -289,7 +289,7 @@ class Metadata:
         self._tick += 1
         self._stale[prefix] = self._tick
         for listener in self._listeners:
-            listener()
+            listener(prefix)
         self._retry_after.pop(prefix, None)
         running = self._inflight.get(prefix)
         if running is not None:

@@ -13,10 +13,13 @@
  *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
  *   LOOKUP of a name whose answer Python remembered here (remember_lookup()): the same
  *         bytes again, while they are fresh. Python says for how long (the rest of the
- *         directory listing's freshness) and with the epoch it read before looking the
- *         name up; forget_lookups() starts a new epoch whenever a listing is made current
- *         or marked stale, and answers of an older epoch are never given. So the loop
- *         answers what Python would answer, without the interpreter.
+ *         directory listing's freshness) and with the epoch token it read before looking
+ *         the name up (lookup_epoch(): the table's epoch and its directory's).
+ *         forget_dir() moves a directory's epoch on whenever its listing is made current
+ *         or marked stale (forget_lookups() every directory's), and answers of an older
+ *         epoch are never given. So the loop answers what Python would answer, without
+ *         the interpreter. Directories share DIR_EPOCHS epochs by a hash of their prefix
+ *         (a collision only forgets more).
  *
  * Every other request is handed to the Python callable given to serve(), with the lock
  * held, as handle(n): the request is the first n bytes of the worker's buffer; a true
@@ -48,6 +51,7 @@
 #define MAX_BUCKETS 64
 #define MAX_LOOKUP_ANSWER 256  /* a fuse_entry_out is 128 bytes */
 #define MAX_NAME 1024
+#define DIR_EPOCHS 4096  /* a power of two */
 
 /* The requests the loop times, as stats() reports them. */
 enum { KIND_READ, KIND_LOOKUP, KINDS };
@@ -87,7 +91,7 @@ struct slot {
 /* A remembered LOOKUP answer: the name, then the answer's bytes. */
 struct lookup_entry {
     uint64_t parent;
-    uint64_t epoch;
+    uint32_t epoch, dir_slot, dir_epoch;
     double expires;  /* CLOCK_MONOTONIC seconds */
     uint32_t name_len, answer_len;
     char bytes[];
@@ -108,7 +112,8 @@ struct table {
      * whatever held its slot (the bound on memory) */
     struct lookup_entry **lookups;
     size_t lookup_mask;  /* slots - 1, a power of two */
-    uint64_t lookup_epoch;  /* atomic */
+    uint32_t lookup_epoch;  /* atomic */
+    uint32_t dir_epochs[DIR_EPOCHS];  /* atomic */
     /* statistics (atomic adds) */
     struct op_stats ops[KINDS];
     uint64_t read_bytes, ioctls, fallbacks, lookups_remembered;
@@ -507,16 +512,37 @@ static size_t lookup_slot(const struct table *t, uint64_t parent, const char *na
     return (size_t)hash_fh(h) & t->lookup_mask;
 }
 
-/* lookup_epoch(table) -> int: the epoch to give remember_lookup() for a lookup that
- * starts now (read before the lookup reads anything). */
+static uint64_t epoch_token(struct table *t, size_t dir_slot) {
+    return ((uint64_t)__atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE) << 32) |
+           __atomic_load_n(&t->dir_epochs[dir_slot], __ATOMIC_ACQUIRE);
+}
+
+/* lookup_epoch(table, dir_key) -> int: the epoch token to give remember_lookup() for a
+ * lookup in the directory ``dir_key`` (a hash of its prefix) that starts now (read before
+ * the lookup reads anything). */
 static PyObject *lookup_epoch(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule))
+    unsigned long long dir_key;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &dir_key))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
         return NULL;
-    return PyLong_FromUnsignedLongLong(__atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE));
+    return PyLong_FromUnsignedLongLong(epoch_token(t, dir_key & (DIR_EPOCHS - 1)));
+}
+
+/* forget_dir(table, dir_key): no answer remembered so far for directory ``dir_key`` is
+ * given again. */
+static PyObject *forget_dir(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long dir_key;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &dir_key))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    __atomic_fetch_add(&t->dir_epochs[dir_key & (DIR_EPOCHS - 1)], 1, __ATOMIC_ACQ_REL);
+    Py_RETURN_NONE;
 }
 
 /* forget_lookups(table): no answer remembered so far is given again. */
@@ -531,17 +557,18 @@ static PyObject *forget_lookups(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* remember_lookup(table, epoch, parent, name, answer, fresh_for) -> bool: answer LOOKUPs
- * of ``name`` in directory ``parent`` with ``answer`` (a fuse_entry_out) for the next
- * ``fresh_for`` seconds, unless the epoch moved past ``epoch`` (then False). */
+/* remember_lookup(table, token, dir_key, parent, name, answer, fresh_for) -> bool: answer
+ * LOOKUPs of ``name`` in directory inode ``parent`` (whose prefix hashes to ``dir_key``)
+ * with ``answer`` (a fuse_entry_out) for the next ``fresh_for`` seconds, unless an epoch
+ * moved past ``token`` (lookup_epoch()) meanwhile (then False). */
 static PyObject *remember_lookup(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long epoch, parent;
+    unsigned long long token, dir_key, parent;
     const char *name, *answer;
     Py_ssize_t name_len, answer_len;
     double fresh_for;
-    if (!PyArg_ParseTuple(args, "OKKy#y#d", &capsule, &epoch, &parent, &name, &name_len,
-                          &answer, &answer_len, &fresh_for))
+    if (!PyArg_ParseTuple(args, "OKKKy#y#d", &capsule, &token, &dir_key, &parent, &name,
+                          &name_len, &answer, &answer_len, &fresh_for))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
@@ -550,13 +577,16 @@ static PyObject *remember_lookup(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "name or answer too long to remember");
         return NULL;
     }
-    if (!(fresh_for > 0) || epoch != __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE))
+    size_t dir_slot = dir_key & (DIR_EPOCHS - 1);
+    if (!(fresh_for > 0) || token != epoch_token(t, dir_slot))
         Py_RETURN_FALSE;
     struct lookup_entry *e = malloc(sizeof(*e) + (size_t)name_len + (size_t)answer_len);
     if (e == NULL)
         return PyErr_NoMemory();
     e->parent = parent;
-    e->epoch = epoch;
+    e->epoch = (uint32_t)(token >> 32);
+    e->dir_slot = (uint32_t)dir_slot;
+    e->dir_epoch = (uint32_t)token;
     e->expires = now() + fresh_for;
     e->name_len = (uint32_t)name_len;
     e->answer_len = (uint32_t)answer_len;
@@ -566,8 +596,9 @@ static PyObject *remember_lookup(PyObject *self, PyObject *args) {
     struct lookup_entry *old = NULL;
     int stored = 0;
     pthread_mutex_lock(&t->lock);
-    /* (checked again here: a forget_lookups() since the first check must win) */
-    if (epoch == __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE)) {
+    /* (checked again here: a forget since the first check must win; one after this is
+     * seen by every answer, which compares the entry's epochs with the current ones) */
+    if (token == epoch_token(t, dir_slot)) {
         old = t->lookups[i];
         t->lookups[i] = e;
         stored = 1;
@@ -590,10 +621,11 @@ static int serve_lookup(struct table *t, int fd, const struct in_header *h, cons
     size_t answer_len = 0;
     int hit = 0;
     size_t i = lookup_slot(t, h->nodeid, body, len);
-    uint64_t epoch = __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE);
+    uint32_t epoch = __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE);
     pthread_mutex_lock(&t->lock);
     const struct lookup_entry *e = t->lookups[i];
     if (e != NULL && e->parent == h->nodeid && e->name_len == len && e->epoch == epoch &&
+        e->dir_epoch == __atomic_load_n(&t->dir_epochs[e->dir_slot], __ATOMIC_ACQUIRE) &&
         t0 < e->expires && memcmp(e->bytes, body, len) == 0) {
         answer_len = e->answer_len;
         memcpy(answer_buf, e->bytes + e->name_len, answer_len);
@@ -702,6 +734,7 @@ static PyMethodDef methods[] = {
     {"stats", stats, METH_VARARGS, "Counts of the requests answered here."},
     {"lookup_epoch", lookup_epoch, METH_VARARGS, "The epoch of lookups starting now."},
     {"forget_lookups", forget_lookups, METH_VARARGS, "Give no remembered lookup again."},
+    {"forget_dir", forget_dir, METH_VARARGS, "Give no remembered lookup of a directory again."},
     {"remember_lookup", remember_lookup, METH_VARARGS, "Answer a name's lookups."},
     {"serve", serve, METH_VARARGS, "A request worker's loop."},
     {NULL, NULL, 0, NULL},

@@ -22,9 +22,9 @@ The loop also answers LOOKUPs whose answers Python remembered in it
 up again while its directory listing is fresh -- after the kernel dropped its entry, as
 it does under memory pressure or a ``drop_caches`` -- costs no Python. An answer is
 given only while fresh (Python says how long: the rest of the listing's freshness) and
-in the epoch it was read in: :meth:`NativeReads.forget_lookups`, called whenever a
-listing is made current or marked stale (:meth:`cachefs.cache.metadata.Metadata.add_listener`),
-ends the epoch. Answers are held in a fixed number of slots (``lookup_slots``; a newer
+in the epoch of its directory it was read in: :meth:`NativeReads.forget_dir`, called
+whenever a directory's listing is made current or marked stale
+(:meth:`cachefs.cache.metadata.Metadata.add_listener`), ends that directory's epoch. Answers are held in a fixed number of slots (``lookup_slots``; a newer
 answer replaces an older one in its slot), about 200 bytes each.
 
 The extension is optional (a ``pip install`` without a compiler builds without it):
@@ -55,6 +55,11 @@ AVAILABLE = _native is not None
 
 #: Remembered lookup answers by default: 65,536 slots, at most about 13 MiB.
 LOOKUP_SLOTS = 1 << 16
+
+
+def _dir_key(prefix: str) -> int:
+    """The key the C table's directory epochs use for ``prefix`` (stable in this process)."""
+    return hash(prefix) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class NativeReads:
@@ -105,23 +110,30 @@ class NativeReads:
         return _native.unbind(self._table, fh)
 
     # -- lookups ------------------------------------------------------------------------
-    def lookup_epoch(self) -> int:
-        """The epoch to pass to :meth:`remember_lookup` for a lookup starting now (read it
-        before the lookup reads anything)."""
+    def lookup_epoch(self, prefix: str) -> int:
+        """The epoch token to pass to :meth:`remember_lookup` for a lookup in directory
+        ``prefix`` starting now (read it before the lookup reads anything)."""
         assert _native is not None
-        return _native.lookup_epoch(self._table)
+        return _native.lookup_epoch(self._table, _dir_key(prefix))
 
-    def remember_lookup(self, epoch: int, parent: int, name: bytes, answer: bytes,
-                        fresh_for: float) -> bool:
-        """Answer LOOKUPs of ``name`` in directory inode ``parent`` with ``answer`` (the
-        fuse_entry_out Python gave) for ``fresh_for`` seconds -- unless
-        :meth:`forget_lookups` was called since ``epoch`` was read (then False)."""
+    def remember_lookup(self, token: int, prefix: str, parent: int, name: bytes,
+                        answer: bytes, fresh_for: float) -> bool:
+        """Answer LOOKUPs of ``name`` in directory inode ``parent`` (``prefix``) with
+        ``answer`` (the fuse_entry_out Python gave) for ``fresh_for`` seconds -- unless
+        :meth:`forget_dir` of ``prefix`` or :meth:`forget_lookups` was called since
+        ``token`` was read (then False)."""
         assert _native is not None
-        return _native.remember_lookup(self._table, epoch, parent, name, answer, fresh_for)
+        return _native.remember_lookup(self._table, token, _dir_key(prefix), parent, name,
+                                       answer, fresh_for)
+
+    def forget_dir(self, prefix: str) -> None:
+        """No answer remembered so far for a name in ``prefix`` is given again (any
+        thread; its listing was made current or marked stale)."""
+        assert _native is not None
+        _native.forget_dir(self._table, _dir_key(prefix))
 
     def forget_lookups(self) -> None:
-        """No answer remembered so far is given again (any thread; a listing was made
-        current or marked stale)."""
+        """No answer remembered so far is given again (any thread)."""
         assert _native is not None
         _native.forget_lookups(self._table)
 
