@@ -24,8 +24,10 @@ it does under memory pressure or a ``drop_caches`` -- costs no Python. An answer
 given only while fresh (Python says how long: the rest of the listing's freshness) and
 in the epoch of its directory it was read in: :meth:`NativeReads.forget_dir`, called
 whenever a directory's listing is made current or marked stale
-(:meth:`cachefs.cache.metadata.Metadata.add_listener`), ends that directory's epoch. Answers are held in a fixed number of slots (``lookup_slots``; a newer
-answer replaces an older one in its slot), about 200 bytes each.
+(:meth:`cachefs.cache.metadata.Metadata.add_listener`), ends that directory's epoch.
+Answers are held in a fixed number of slots (``lookup_slots``; a newer answer replaces
+an older one in its slot), about 200 bytes each. Only answers from a complete listing
+looked up by a request worker are remembered (a lookup that waited for a listing is not).
 
 The extension is optional (a ``pip install`` without a compiler builds without it):
 :data:`AVAILABLE` says whether it is here; without it the workers run the Python loop
