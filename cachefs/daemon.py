@@ -341,7 +341,8 @@ class Daemon:
             if passthrough.wanted and not result.passthrough:
                 log.info("FUSE passthrough unavailable (the kernel did not grant it): "
                          "cachefs serves reads itself")
-            passthrough.attach_device(self.device if result.passthrough else None, native)
+            passthrough.attach_device(self.device if result.passthrough else None, native,
+                                      loop=native)
             if passthrough.native:
                 ops.native = native
                 log.info("reads of verified cache files are answered by the native loop")
@@ -354,6 +355,7 @@ class Daemon:
             statfs_bytes=lambda: (cache.capacity, cache.used),
             on_init=on_init)
         ops.native_loop = native
+        metrics.CATCH_UP.add(ops.drain_native)  # (metrics count the loop's opens at once)
 
         options = set(DEFAULT_OPTIONS)
         options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}
@@ -372,7 +374,8 @@ class Daemon:
         try:
             # (started in this order, each once the previous one is running)
             services: list[Callable[..., Awaitable[None]]] = [
-                read_order.run, sweeper.run, control.serve, passthrough.run, readahead.run]
+                read_order.run, sweeper.run, control.serve, passthrough.run, readahead.run,
+                ops.run_native_events]
             trio.run(self._serve, server, origin, fetcher, metadata, services, passthrough,
                      cache, env, shared, on_ready)
             unmounted = True

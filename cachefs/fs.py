@@ -29,6 +29,7 @@ worker threads (index reads only; O(position) must not hold up the trio thread).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import functools
@@ -70,6 +71,15 @@ class BackingFiles(Protocol):
 
     def release(self, ino: int, backing_id: int) -> None:
         """The handle opened with answer ``backing_id`` is closed."""
+        ...
+
+    def add_template(self, ino: int, obj: ObjectVersion, backing_id: int) -> bool:
+        """Let the native loop answer the next opens of ``ino`` as this one (answer
+        ``backing_id``) was; whether it will."""
+        ...
+
+    def adopted(self, obj: ObjectVersion) -> None:
+        """The native loop opened a handle of ``obj`` with its template."""
         ...
 
 
@@ -117,6 +127,7 @@ class FileHandle:
     obj: ObjectVersion
     backing_id: int = 0  # > 0: the kernel reads the cache file itself (passthrough)
     stream: ReadStream | None = None  # made at the first read through the trio thread
+    adopted: bool = False  # opened by the native loop (its backing's use is counted there)
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,6 +143,10 @@ class DirHandle:
 # Directory inodes whose prefix is remembered (a directory's prefix never changes for
 # its inode number, so this only saves index reads; one entry per directory).
 DIR_CACHE = 65536
+# Files whose opens the native loop may answer, remembered for the handles it reports
+# (an inode is one version, so its node never changes; an inode forgotten here is
+# resolved again).
+ADOPTABLE = 65536
 
 
 class FileSystem:
@@ -153,6 +168,11 @@ class FileSystem:
         self.post: Callable[..., None] = _call
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
+        # inode -> (node, object) of files given an open template (see offer_template);
+        # oldest first, bounded by ADOPTABLE; any thread, under _adoptable_lock
+        self._adoptable: collections.OrderedDict[int, tuple[Node, ObjectVersion]] = (
+            collections.OrderedDict())
+        self._adoptable_lock = threading.Lock()
         # Files that will be read next: the sampler's order (hints) and directory walks;
         # directories read in no predictable order are swept.
         self.read_order = read_order
@@ -415,8 +435,53 @@ class FileSystem:
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
-        if isinstance(handle, FileHandle) and self.backing is not None:
+        if isinstance(handle, FileHandle) and self.backing is not None and not handle.adopted:
             self.backing.release(handle.node.ino, handle.backing_id)
+
+    # -- opens answered by the native loop (cachefs.fuse.native) ------------------------
+    def offer_template(self, fh: int) -> bool:
+        """Let the native loop answer the next opens of open handle ``fh``'s inode itself,
+        as this one was answered (any thread; see
+        :meth:`cachefs.passthrough.Passthrough.add_template`). Its handles are reported
+        afterwards, in order (:meth:`adopt_open`, :meth:`adopt_release`)."""
+        handle = self._handles.get(fh)
+        if (not isinstance(handle, FileHandle) or not handle.backing_id or handle.adopted
+                or self.backing is None):
+            return False
+        node = handle.node
+        if node.ino in self._adoptable:
+            return False
+        with self._adoptable_lock:
+            self._adoptable[node.ino] = (node, handle.obj)
+            if len(self._adoptable) > ADOPTABLE:
+                self._adoptable.popitem(last=False)
+        return self.backing.add_template(node.ino, handle.obj, handle.backing_id)
+
+    def adopt_open(self, fh: int, ino: int, reader: int) -> None:
+        """The native loop opened handle ``fh`` of ``ino`` for ``reader`` (any thread,
+        after the fact, in order): what :meth:`open_now` does for an open besides the
+        answer -- the hint cursor, the directory walk, the handle (a read of it may still
+        reach Python)."""
+        found = self._adoptable.get(ino)
+        if found is None:
+            try:
+                node = self.node(ino)
+            except FsError:
+                return  # no longer listed: a read of it reaching Python fails EBADF
+            found = (node, ObjectVersion(node.path, node.etag, node.size))
+        node, obj = found
+        if self.read_order.opened(node.path):
+            self.post(self.read_order.wake)
+        due = self.lookahead.observe(node.parent_prefix, node.name, ino, reader)
+        if due:
+            self.post(self.lookahead.issue, due)
+        if self.backing is not None:
+            self.backing.adopted(obj)
+        self._handles[fh] = FileHandle(fh, node, obj, 0, adopted=True)
+
+    def adopt_release(self, fh: int) -> None:
+        """The native loop released handle ``fh`` (any thread, after the fact)."""
+        self._handles.pop(fh, None)
 
     @property
     def open_handles(self) -> int:

@@ -26,6 +26,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import trio
+
 from cachefs import metrics
 from cachefs.errors import (
     AccessDenied,
@@ -39,7 +41,7 @@ from cachefs.errors import (
 )
 from cachefs.fs import FileSystem, FsError, NeedsWait, Node
 from cachefs.fuse import abi
-from cachefs.fuse.native import NativeReads
+from cachefs.fuse.native import OPENED, NativeReads
 from cachefs.fuse.server import AsyncHandler, Deferred, Handlers, InlineHandler, Reply, Request
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,10 @@ OP_NAMES: dict[int, str] = {
 #: Open flags that may write: EROFS (the kernel answers most first; it strips O_CREAT). As
 #: on any read-only mount, O_APPEND of a read-only open is no write: it opens.
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
+#: How long the events of opens the native loop answered wait to be drained in one batch
+#: when no request reaches Python meanwhile (the walk's lookahead sees those opens this
+#: late; any request Python answers drains them first).
+EVENT_BATCH_DELAY = 0.02
 _ENOATTR = getattr(errno, "ENOATTR", errno.ENODATA)
 
 
@@ -221,6 +227,8 @@ class Operations(Handlers):
             # refuses it otherwise): direct I/O, which overrides passthrough, brings its
             # reads to the daemon, since the kernel would read the cache file O_DIRECT too
             # and fail EINVAL on any unaligned buffer.
+            if not o_direct and self.native_loop is not None:
+                self.fs.offer_template(fh)  # the loop answers the next opens the same way
             flags = abi.FOPEN_PASSTHROUGH | (abi.FOPEN_DIRECT_IO if o_direct else 0)
             return abi.open_out(fh, flags, backing_id)
         if backing_id and native is not None:
@@ -229,8 +237,8 @@ class Operations(Handlers):
             # tier holds the whole object: its answer from memory costs the worker less
             # time than a read of the file that may wait for the disk.
             size, in_memory = self.fs.object_of(fh)
-            if not in_memory:
-                native.bind(fh, backing_id, size)
+            if not in_memory and native.bind(fh, backing_id, size) and not o_direct:
+                self.fs.offer_template(fh)  # the loop answers the next opens the same way
         return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
 
     def read(self, req: Request) -> Reply:
@@ -260,11 +268,45 @@ class Operations(Handlers):
 
     def release(self, req: Request) -> Reply:
         fh = abi.RELEASE_IN.unpack_from(req.body)[0]
-        if self.native is not None:
-            self.native.unbind(fh)  # (before the file's registration may be dropped)
+        if self.native_loop is not None:
+            # (before the file's registration may be dropped; a handle the loop opened is
+            # released there too, when it handed this RELEASE over)
+            self.native_loop.unbind(fh)
         self.fs.release(fh)
         self._released.inc()
         return None
+
+    # -- opens and releases the native loop answered ---------------------------------------
+    def drain_native(self) -> None:
+        """Do the bookkeeping of the handles the native loop opened and released since the
+        last drain (any thread; the request server calls it before every request Python
+        answers, so that a request of such a handle finds it)."""
+        loop = self.native_loop
+        if loop is not None:
+            loop.drain(self._native_event)
+
+    def _native_event(self, kind: int, fh: int, ino: int, reader: int) -> None:
+        if kind == OPENED:
+            self.fs.adopt_open(fh, ino, reader)
+            self._opened.inc()
+        else:
+            self.fs.adopt_release(fh)
+            self._released.inc()
+
+    async def run_native_events(self, *, task_status: trio.TaskStatus[None]
+                                = trio.TASK_STATUS_IGNORED) -> None:
+        """Drain the native loop's events on the trio thread while no request reaches
+        Python (a warm pass): woken when the loop queues some, then once more after
+        :data:`EVENT_BATCH_DELAY`, so a busy loop costs one drain per batch. Until
+        cancelled."""
+        loop = self.native_loop
+        task_status.started()
+        if loop is None:
+            return
+        while True:
+            await loop.wait_events()
+            await trio.sleep(EVENT_BATCH_DELAY)
+            loop.drain(self._native_event, blocking=False)  # (a worker drains meanwhile)
 
     # -- directories ---------------------------------------------------------------------
     async def opendir(self, req: Request) -> Reply:

@@ -37,6 +37,31 @@ from cachefs import __version__
 from cachefs.errors import ConfigError
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+
+
+class CatchUp:
+    """Registered first, so it runs first at every collection (a scrape, a status report):
+    calls each function given to :meth:`add` -- work that changes counters after the fact,
+    such as the bookkeeping of the opens the native loop answered (cachefs.fuse_ops) --
+    so that what is collected includes it. Yields no metric."""
+
+    def __init__(self) -> None:
+        self._hooks: list[Callable[[], None]] = []
+
+    def add(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for hook in list(self._hooks):
+            hook()
+        return iter(())
+
+
+CATCH_UP = CatchUp()
+REGISTRY.register(CATCH_UP)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
@@ -205,6 +230,9 @@ class NativeAnswers:
 
 NATIVE_ANSWERS = NativeAnswers()
 REGISTRY.register(NATIVE_ANSWERS)
+NATIVE_OPEN_TEMPLATES = Gauge(
+    "cachefs_native_open_templates", "Files whose opens the native loop answers without "
+    "Python (registered files opened before)", registry=REGISTRY)
 
 # --- S3 --------------------------------------------------------------------
 S3_REQUESTS = Counter(

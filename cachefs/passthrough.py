@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import logging
 import os
 import threading
@@ -132,6 +133,18 @@ def supported() -> bool:
         return False
 
 
+class OpenLoop(Protocol):
+    """The request workers' native loop (:class:`cachefs.fuse.native.NativeReads`), which
+    answers the opens of inodes it has a template for."""
+
+    def add_template(self, ino: int, *, kernel_backing: int = 0, native_backing: int = 0,
+                     size: int = 0) -> bool:
+        ...
+
+    def drop_template(self, ino: int) -> bool:
+        ...
+
+
 class BackingDevice(Protocol):
     """Registers backing files with the kernel (:class:`cachefs.fuse.device.Device`)."""
 
@@ -150,7 +163,9 @@ class _Backing:
     size: int
     ready: threading.Event
     backing_id: int = 0
-    opens: int = 0  # open handles using it, over all inodes
+    opens: int = 0  # open handles using it, over all inodes (Python's; see templates)
+    # Inodes whose opens the native loop answers with this backing (open templates).
+    templates: set[int] = dataclasses.field(default_factory=set)
 
 
 class Passthrough:
@@ -168,6 +183,12 @@ class Passthrough:
         self.enabled = False  # files are registered (with the kernel or the native loop)
         self.native = False  # ... with the native loop (attach_device)
         self._device: BackingDevice | None = None
+        # The native loop, when the workers run it: it answers the opens of inodes with a
+        # template (add_template), without Python.
+        self._loop: OpenLoop | None = None
+        # Inodes with a template -> their object id, oldest first (bounded: max_templates).
+        self._templates: OrderedDict[int, bytes] = OrderedDict()
+        self.max_templates = max_idle
         self._lock = threading.Lock()
         self._backings: dict[bytes, _Backing] = {}  # by object id
         self._active: dict[int, tuple[bytes, int]] = {}  # inode -> (object id, handles)
@@ -196,14 +217,17 @@ class Passthrough:
         metrics.PASSTHROUGH_ENABLED.set(0)
 
     def attach_device(self, device: BackingDevice | None,
-                      native: BackingDevice | None = None) -> None:
+                      native: BackingDevice | None = None,
+                      loop: OpenLoop | None = None) -> None:
         """The mount's device, once INIT settled whether the kernel passes files through
         (None: it does not); before this, every open is served by the daemon. Without the
         kernel, ``native`` (:class:`cachefs.fuse.native.NativeReads`), when given, takes
         its place: files are registered with it under the same rules, and the request
-        workers' native loop answers the reads of their handles (:attr:`native`)."""
+        workers' native loop answers the reads of their handles (:attr:`native`). ``loop``,
+        when given, answers the opens of inodes given a template (:meth:`add_template`)."""
         kernel = self.wanted and device is not None
         self._device = device if kernel else native
+        self._loop = loop
         self.native = not kernel and native is not None
         self.enabled = self._device is not None
         metrics.PASSTHROUGH_ENABLED.set(1 if kernel else 0)
@@ -348,6 +372,10 @@ class Passthrough:
         while True:
             with self._lock:
                 active = self._active.get(ino)
+                if active is None and ino in self._templates:
+                    # The native loop may have handles of it open, passed through to the
+                    # template's backing: the same rule as for handles opened here.
+                    active = (self._templates[ino], 0)
                 if active is not None:
                     # Handles of this inode are passed through: the new one must be too,
                     # on the same file (the kernel refuses two modes or two files per inode).
@@ -416,7 +444,75 @@ class Passthrough:
             # next epoch's, needs neither verification nor the daemon's reads.
             self._enqueue(fetched, True)
 
+    # -- opens answered by the native loop ------------------------------------------------
+    def add_template(self, ino: int, obj: ObjectVersion, backing_id: int) -> bool:
+        """Let the native loop answer the next opens of ``ino`` itself, as this open with
+        answer ``backing_id`` (> 0) was answered (any thread; a handle of it is open now).
+        The template lasts while the registration does: a registration closed for the
+        idle bounds drops its templates first, and stays while the loop has handles open
+        with one (they use its pin, and the kernel's backing). Returns whether one was
+        added (not when the inode has one, the loop is absent, or the bound on templates,
+        :attr:`max_templates`, is reached and the oldest cannot be dropped)."""
+        loop = self._loop
+        if loop is None or not self.enabled:
+            return False
+        oid = self.fetcher.object_id(obj)
+        with self._lock:
+            if ino in self._templates:
+                return False
+            backing = self._backings.get(oid)
+            active = self._active.get(ino)
+            if (backing is None or backing.backing_id != backing_id or active is None
+                    or active[0] != oid):
+                return False
+            if len(self._templates) >= self.max_templates and not self._drop_oldest_template():
+                return False
+            if self.native:
+                added = loop.add_template(ino, native_backing=backing_id, size=obj.size)
+            else:
+                added = loop.add_template(ino, kernel_backing=backing_id)
+            if added:
+                self._templates[ino] = oid
+                backing.templates.add(ino)
+        return added
+
+    def adopted(self, obj: ObjectVersion) -> None:
+        """The native loop opened a handle of ``obj`` with its template (any thread; told
+        in batches, after the fact): counted as an open of a registered file."""
+        metrics.PASSTHROUGH_OPENS.inc()
+        if self.ledger.pending:
+            self.ledger.mark_used(self.fetcher.block_ids(obj))
+
+    @property
+    def templates(self) -> int:
+        """Inodes whose opens the native loop answers."""
+        return len(self._templates)
+
     # -- under _lock ------------------------------------------------------------------------
+    def _drop_templates(self, backing: _Backing) -> bool:
+        """Drop the templates of ``backing``'s inodes; False if the loop still has handles
+        open with one (that one and those not tried yet are kept)."""
+        loop = self._loop
+        for ino in list(backing.templates):
+            if loop is not None and not loop.drop_template(ino):
+                return False
+            backing.templates.discard(ino)
+            self._templates.pop(ino, None)
+        return True
+
+    def _drop_oldest_template(self) -> bool:
+        """Make room for a template: drop the oldest that has no handle open (of the first
+        few tried)."""
+        loop = self._loop
+        for ino in list(itertools.islice(self._templates, 8)):
+            if loop is None or loop.drop_template(ino):
+                oid = self._templates.pop(ino)
+                backing = self._backings.get(oid)
+                if backing is not None:
+                    backing.templates.discard(ino)
+                return True
+        return False
+
     def _release_backing(self, ino: int, backing_id: int) -> None:
         active = self._active.get(ino)
         backing = self._backings.get(active[0]) if active else None
@@ -450,14 +546,22 @@ class Passthrough:
             return
         self._idle[backing.oid] = None
         self._idle_bytes += backing.size
-        while self._idle and (len(self._idle) > self.max_idle
-                              or self._idle_bytes > self.max_idle_bytes):
-            self._close(next(iter(self._idle)))
+        tries = len(self._idle)  # (a backing the loop still uses goes to the end, once)
+        while self._idle and tries > 0 and (len(self._idle) > self.max_idle
+                                            or self._idle_bytes > self.max_idle_bytes):
+            tries -= 1
+            oid = next(iter(self._idle))
+            if not self._close(oid):
+                self._idle.move_to_end(oid)
 
-    def _close(self, oid: bytes) -> None:
+    def _close(self, oid: bytes) -> bool:
         """Drop an idle backing: an ioctl that only drops the kernel's reference to the
-        file (no I/O, no wait), so it runs under the lock."""
-        backing = self._backings.pop(oid)
+        file (no I/O, no wait), so it runs under the lock. False (nothing done) while the
+        native loop has handles open with it (see :meth:`add_template`)."""
+        backing = self._backings[oid]
+        if backing.templates and not self._drop_templates(backing):
+            return False
+        del self._backings[oid]
         del self._idle[oid]
         self._idle_bytes -= backing.size
         metrics.PASSTHROUGH_BACKINGS.dec()
@@ -468,6 +572,7 @@ class Passthrough:
             log.warning("cannot close passthrough backing %d: %s", backing.backing_id,
                         exc.strerror)
         self.cache.unpin(oid)
+        return True
 
     # -- internals -------------------------------------------------------------------------
     def _direct_open(self, ino: int, reason: str, obj: ObjectVersion | None = None) -> int:

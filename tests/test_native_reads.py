@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from cachefs.fuse import abi, native
 from tests.conftest import drop_page_cache as _drop_page_cache
@@ -390,4 +391,164 @@ def test_a_name_looked_up_again_is_answered_by_the_native_loop_while_its_listing
         assert time.monotonic() < deadline, "a remembered lookup outlived its listing"
         time.sleep(0.3)
     assert path.read_bytes() == b"2" * 300
+    m.stop()
+
+
+# -- opens answered by the loop (open templates) ------------------------------------------
+def _open_request(unique: int, ino: int, flags: int = os.O_RDONLY, pid: int = 77) -> bytes:
+    body = abi.OPEN_IN.pack(flags, 0)
+    return IN_HEADER.pack(IN_HEADER.size + len(body), abi.OPEN, unique, ino, 0, 0, pid, 0, 0) + body
+
+
+def _release_request(unique: int, fh: int) -> bytes:
+    return _request(abi.RELEASE, unique, abi.RELEASE_IN.pack(fh, 0, 0) + b"\0" * 8)
+
+
+def _events(reads: native.NativeReads) -> list[tuple[int, int, int, int]]:
+    got: list[tuple[int, int, int, int]] = []
+    reads.drain(lambda kind, fh, ino, pid: got.append((kind, fh, ino, pid)))
+    return got
+
+
+def test_an_inode_with_a_template_is_opened_and_released_by_the_loop(loop: Loop) -> None:
+    reads = loop.reads
+    python_open = struct.pack("<I", abi.OPEN)
+    assert reads.add_template(10, kernel_backing=7)
+    assert not reads.add_template(10, kernel_backing=8), "a second template replaced the first"
+    _, error, body = loop.ask(_open_request(1, 10))
+    fh, flags, backing = abi.OPEN_OUT.unpack(body)
+    assert error == 0 and fh >= native.FIRST_LOOP_FH
+    assert (flags, backing) == (abi.FOPEN_PASSTHROUGH, 7)
+    # what the loop does not answer: another inode, O_DIRECT, a write
+    assert loop.ask(_open_request(2, 11))[2] == python_open
+    assert loop.ask(_open_request(3, 10, os.O_RDONLY | os.O_DIRECT))[2] == python_open
+    assert loop.ask(_open_request(4, 10, os.O_RDWR))[2] == python_open
+    assert _events(reads) == [(native.OPENED, fh, 10, 77)]
+    assert _events(reads) == []
+    # the template stays while the handle is open
+    assert not reads.drop_template(10)
+    assert loop.ask(_release_request(5, fh)) == (5, 0, b"")
+    assert loop.ask(_release_request(6, 12345))[2] == struct.pack("<I", abi.RELEASE)  # Python's
+    assert _events(reads) == [(native.RELEASED, fh, 10, 0)]
+    assert reads.drop_template(10) and reads.drop_template(10)
+    assert loop.ask(_open_request(7, 10))[2] == python_open
+    st = reads.stats()
+    assert st["open"][0] == 1 and st["release"][0] == 1 and st["templates"] == 0
+
+
+def test_a_handle_the_loop_opened_on_its_own_file_is_read_there(loop: Loop, cache_file: Any) -> None:
+    path, data = cache_file
+    reads = loop.reads
+    backing = _register(reads, path)
+    assert reads.add_template(20, native_backing=backing, size=len(data))
+    reads.backing_close(backing)  # the template keeps its own descriptor
+    handles = []
+    for unique in (1, 2):
+        _, error, body = loop.ask(_open_request(unique, 20))
+        fh, flags, _ = abi.OPEN_OUT.unpack(body)
+        assert error == 0 and flags == abi.FOPEN_KEEP_CACHE
+        handles.append(fh)
+    assert handles[0] != handles[1]
+    assert loop.ask(_read_request(3, handles[1], 1000, 5000))[2] == data[1000:6000]
+    # Python releases a handle the loop opened (a RELEASE handed over): no event, and the
+    # template may go once no handle is open
+    assert reads.unbind(handles[0])
+    assert loop.ask(_release_request(4, handles[1]))[1] == 0
+    assert [e[0] for e in _events(reads)] == [native.OPENED, native.OPENED, native.RELEASED]
+    assert reads.drop_template(20)
+    assert loop.ask(_read_request(5, handles[1], 0, 10))[2] == struct.pack("<I", abi.READ)
+    assert not reads.add_template(21, native_backing=backing, size=1), "a closed registration"
+
+
+def test_opens_go_to_python_while_the_event_ring_is_full(loop: Loop) -> None:
+    """Events are never dropped: with the ring full, the loop hands OPENs to Python, which
+    takes the events first; releases of the loop's handles likewise."""
+    reads = loop.reads
+    assert reads.add_template(30, kernel_backing=3)
+    handles = []
+    unique = 0
+    while True:
+        unique += 1
+        _, _, body = loop.ask(_open_request(unique, 30))
+        if body == struct.pack("<I", abi.OPEN):
+            break
+        handles.append(abi.OPEN_OUT.unpack(body)[0])
+    assert len(handles) == 16384 and reads.stats()["open_handovers"] == 1
+    assert loop.ask(_release_request(unique + 1, handles[0]))[2] == struct.pack("<I", abi.RELEASE)
+    events = _events(reads)
+    assert [fh for _, fh, _, _ in events] == handles and reads.stats()["events"] == 0
+    assert loop.ask(_release_request(unique + 2, handles[1])) == (unique + 2, 0, b"")
+    assert _events(reads) == [(native.RELEASED, handles[1], 30, 0)]
+
+
+def test_the_event_fd_wakes_a_waiter_when_events_arrive(loop: Loop) -> None:
+    reads = loop.reads
+    assert reads.add_template(40, kernel_backing=3)
+
+    async def main() -> list[tuple[int, int, int, int]]:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, loop.ask, _open_request(1, 40))
+                await reads.wait_events()
+        return _events(reads)
+
+    assert [e[0] for e in trio.run(main)] == [native.OPENED]
+
+
+def _payload(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _wait_metric(m: Any, metric: str, value: float) -> None:
+    deadline = time.monotonic() + 10
+    while m.metric(metric) != value:
+        assert time.monotonic() < deadline, f"{metric} stayed {m.metric(metric)}, not {value}"
+        time.sleep(0.05)
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
+        bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """A file opened once is opened by the native loop afterwards (no Python), and a
+    handle the loop opened keeps the file's registration (its pin, the kernel's backing)
+    while the idle bound would close it: its bytes stay right, and the registration goes
+    only once the handle is closed."""
+    client, name = bucket
+    a, b = _payload(1, 100_000), _payload(2, 100_000)
+    client.put_object(Bucket=name, Key="a.bin", Body=a)
+    client.put_object(Bucket=name, Key="b.bin", Body=b)
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    # Idle registrations may pin a quarter of the cache: 128 KiB here, one file.
+    args = ("--block-size", "64K", "--cache-size", "512K", "--memory-budget", "256K", *extra)
+    m = mount_factory(f"s3://{name}", *args)
+    assert _read(m.path / "a.bin") == a and _read(m.path / "b.bin") == b
+    _wait_metric(m, "cachefs_cache_blocks", 4)
+    m.stop()
+    m.start()  # (an empty memory tier: the native loop reads the files)
+    assert _read(m.path / "a.bin") == a  # opened in Python: registered, given a template
+    _wait_metric(m, "cachefs_native_open_templates", 1)
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    before = m.metric(opens)
+    _drop_page_cache()
+    fd = os.open(m.path / "a.bin", os.O_RDONLY)  # opened by the loop
+    try:
+        assert m.metric(opens) == before + 1
+        assert m.metric("cachefs_open_file_handles") == 1  # (its bookkeeping caught up)
+        for _ in range(2):  # b registered, idle: the bound would close a's registration
+            assert _read(m.path / "b.bin") == b
+        # a's registration and template stayed: another open of it is the loop's too
+        _drop_page_cache()
+        assert _read(m.path / "a.bin") == a
+        assert m.metric(opens) == before + 2
+        _drop_page_cache()
+        assert os.pread(fd, len(a) + 10, 0) == a
+    finally:
+        os.close(fd)
+    _wait_metric(m, "cachefs_open_file_handles", 0)
+    for _ in range(2):  # now a's registration may go
+        assert _read(m.path / "b.bin") == b
+    assert _read(m.path / "a.bin") == a
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+    assert m.gets() == 0
     m.stop()

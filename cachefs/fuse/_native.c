@@ -3,7 +3,7 @@
  * without Python.
  *
  * A request worker calls serve(): it reads requests from its descriptor of the FUSE
- * connection with the interpreter lock released and answers two kinds itself:
+ * connection with the interpreter lock released and answers these itself:
  *
  *   READ  of a handle bound to a verified cache file (bind(): the file passed the same
  *         whole-object check as a file handed to the kernel by FUSE passthrough, and stays
@@ -20,17 +20,30 @@
  *         epoch are never given. So the loop answers what Python would answer, without
  *         the interpreter. Directories share DIR_EPOCHS epochs by a hash of their prefix
  *         (a collision only forgets more).
+ *   OPEN  of an inode Python gave a template (add_template(): a file registered for
+ *         passthrough or for reads here, see cachefs/passthrough.py), read-only and without
+ *         O_DIRECT: a new handle (numbered from FIRST_LOOP_FH up), answered as the
+ *         template says (the kernel's backing id, or bound to the template's file here).
+ *   RELEASE of a handle opened here.
+ *         Each is an event for Python (take_events(): a ring of MAX_EVENTS, queued before
+ *         the answer is written; an eventfd is written when the ring stops being empty),
+ *         which does the bookkeeping of the handle in order, in batches, and takes the
+ *         events before it answers any request itself. A template is dropped only while
+ *         no handle opened with it is open (drop_template()), so whatever the caller's
+ *         registration holds for them (the pin, the kernel's backing) outlives them.
  *
  * Every other request is handed to the Python callable given to serve(), with the lock
  * held, as handle(n): the request is the first n bytes of the worker's buffer; a true
  * answer ends serve() (DESTROY).
  *
  * Concurrency: any number of workers share one table (a capsule). Its mutex guards the
- * handle map, each file's reference count and the remembered lookups; it is never held
- * across a system call other than close(). The lookup epoch is read and advanced with
- * atomics, and checked again under the mutex when an answer is remembered. A bound file holds its own duplicate of the descriptor, closed when
- * the handle is unbound and no read of it is under way (refs), so a read never reaches a
- * descriptor number reused for another file. Counters are updated with atomic adds.
+ * handle map, the template map, each template's handle count, each file's reference
+ * count, the event ring and the remembered lookups; it is never held across a system
+ * call other than close(). The lookup epochs are read and advanced with atomics, and
+ * checked again under the mutex when an answer is remembered. A bound file (of a handle
+ * or a template) holds its own duplicate of the descriptor, closed when the last handle
+ * or template using it lets go and no read of it is under way (refs), so a read never
+ * reaches a descriptor number reused for another file. Counters are atomic adds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -52,10 +65,21 @@
 #define MAX_LOOKUP_ANSWER 256  /* a fuse_entry_out is 128 bytes */
 #define MAX_NAME 1024
 #define DIR_EPOCHS 4096  /* a power of two */
+#define OP_OPEN 14
+#define OP_RELEASE 18
+#define EVENT_OPENED 1
+#define EVENT_RELEASED 2
+/* Events waiting for Python; when full, OPENs and RELEASEs go to Python (which takes the
+ * events first). 16,384 events: 384 KiB. */
+#define MAX_EVENTS 16384
+/* Handles the loop opens are numbered from here (Python's count from 1). */
+#define FIRST_LOOP_FH (1ULL << 62)
+/* Open flags the loop answers (others, e.g. O_DIRECT or any write, go to Python). */
+#define LOOP_OPEN_REFUSED (O_ACCMODE | O_TRUNC | O_DIRECT | O_APPEND | O_CREAT)
 
 /* The requests the loop times, as stats() reports them. */
-enum { KIND_READ, KIND_LOOKUP, KINDS };
-static const char *const KIND_NAMES[KINDS] = {"read", "lookup"};
+enum { KIND_READ, KIND_LOOKUP, KIND_OPEN, KIND_RELEASE, KINDS };
+static const char *const KIND_NAMES[KINDS] = {"read", "lookup", "open", "release"};
 
 struct in_header {
     uint32_t len, opcode;
@@ -83,9 +107,36 @@ struct bound_file {
     int refs;  /* the map's own reference, plus one per read under way */
 };
 
+/* An open template: how the loop answers an OPEN of one inode itself (see
+ * add_template()). */
+struct open_template {
+    uint64_t ino;
+    uint32_t open_flags;
+    int32_t backing_id;  /* the kernel's (passthrough), or 0 */
+    struct bound_file *file;  /* the loop's (native reads), or NULL */
+    uint64_t handles;  /* handles the loop opened with it and not released yet */
+};
+
+/* A slot of a map (open addressing, linear probing). In the handle map: key = fh, file =
+ * the bound file or NULL, tpl = the template the loop opened it with or NULL (Python
+ * opened it). In the template map: key = inode, tpl = its template. */
 struct slot {
-    uint64_t fh;  /* 0: empty */
+    uint64_t fh;  /* the key; 0: empty */
     struct bound_file *file;
+    struct open_template *tpl;
+};
+
+struct map {
+    struct slot *slots;
+    size_t capacity;  /* a power of two */
+    size_t used;
+};
+
+/* An event for Python (take_events()): a handle the loop opened or released. */
+struct event {
+    uint32_t kind;  /* EVENT_OPENED, EVENT_RELEASED */
+    uint32_t pid;
+    uint64_t fh, ino;
 };
 
 /* A remembered LOOKUP answer: the name, then the answer's bytes. */
@@ -105,9 +156,13 @@ struct op_stats {
 
 struct table {
     pthread_mutex_t lock;
-    struct slot *slots;
-    size_t capacity;  /* a power of two */
-    size_t used;
+    struct map handles;  /* bound handles and handles the loop opened */
+    struct map templates;  /* open templates by inode */
+    uint64_t next_fh;
+    /* events for Python: a ring */
+    struct event *events;
+    size_t event_head, event_count;
+    int event_fd;  /* written when the ring stops being empty; -1: none */
     /* remembered lookups: direct-mapped by (parent, name); a newer answer replaces
      * whatever held its slot (the bound on memory) */
     struct lookup_entry **lookups;
@@ -116,7 +171,7 @@ struct table {
     uint32_t dir_epochs[DIR_EPOCHS];  /* atomic */
     /* statistics (atomic adds) */
     struct op_stats ops[KINDS];
-    uint64_t read_bytes, ioctls, fallbacks, lookups_remembered;
+    uint64_t read_bytes, ioctls, fallbacks, lookups_remembered, open_handovers;
     int n_bounds;
     double bounds[MAX_BUCKETS];
 };
@@ -131,68 +186,82 @@ static uint64_t hash_fh(uint64_t fh) {
 }
 
 /* Under the lock. */
-static struct slot *find_slot(struct table *t, uint64_t fh) {
-    size_t mask = t->capacity - 1;
-    size_t i = hash_fh(fh) & mask;
-    while (t->slots[i].fh != 0) {
-        if (t->slots[i].fh == fh)
-            return &t->slots[i];
+static struct slot *find_slot(struct map *m, uint64_t key) {
+    size_t mask = m->capacity - 1;
+    size_t i = hash_fh(key) & mask;
+    while (m->slots[i].fh != 0) {
+        if (m->slots[i].fh == key)
+            return &m->slots[i];
         i = (i + 1) & mask;
     }
-    return &t->slots[i];
+    return &m->slots[i];
 }
 
-/* Under the lock: insert into a table known to have room. */
-static void put_slot(struct table *t, uint64_t fh, struct bound_file *file) {
-    struct slot *s = find_slot(t, fh);
+/* Under the lock: insert into a map known to have room. */
+static void put_slot(struct map *m, uint64_t key, struct bound_file *file,
+                     struct open_template *tpl) {
+    struct slot *s = find_slot(m, key);
     if (s->fh == 0)
-        t->used++;
-    s->fh = fh;
+        m->used++;
+    s->fh = key;
     s->file = file;
+    s->tpl = tpl;
 }
 
-static int grow(struct table *t) {
-    size_t old_cap = t->capacity;
-    struct slot *old = t->slots;
+static int grow(struct map *m) {
+    size_t old_cap = m->capacity;
+    struct slot *old = m->slots;
     struct slot *slots = calloc(old_cap * 2, sizeof(struct slot));
     if (slots == NULL)
         return -1;
-    t->slots = slots;
-    t->capacity = old_cap * 2;
-    t->used = 0;
+    m->slots = slots;
+    m->capacity = old_cap * 2;
+    m->used = 0;
     for (size_t i = 0; i < old_cap; i++)
         if (old[i].fh != 0)
-            put_slot(t, old[i].fh, old[i].file);
+            put_slot(m, old[i].fh, old[i].file, old[i].tpl);
     free(old);
     return 0;
 }
 
+/* Under the lock: room for one more entry (0), or -1 (out of memory). */
+static int make_room(struct map *m) {
+    if ((m->used + 1) * 2 > m->capacity)
+        return grow(m);
+    return 0;
+}
+
 /* Under the lock: remove a slot, shifting back the entries that probed past it. */
-static void remove_slot(struct table *t, struct slot *s) {
-    size_t mask = t->capacity - 1;
-    size_t i = (size_t)(s - t->slots);
+static void remove_slot(struct map *m, struct slot *s) {
+    size_t mask = m->capacity - 1;
+    size_t i = (size_t)(s - m->slots);
     size_t j = i;
-    t->slots[i].fh = 0;
-    t->slots[i].file = NULL;
-    t->used--;
+    m->slots[i] = (struct slot){0, NULL, NULL};
+    m->used--;
     for (;;) {
         j = (j + 1) & mask;
-        if (t->slots[j].fh == 0)
+        if (m->slots[j].fh == 0)
             return;
-        size_t home = hash_fh(t->slots[j].fh) & mask;
+        size_t home = hash_fh(m->slots[j].fh) & mask;
         /* may the entry at j move to the hole at i? (its home is not in (i, j]) */
         if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
-            t->slots[i] = t->slots[j];
-            t->slots[j].fh = 0;
-            t->slots[j].file = NULL;
+            m->slots[i] = m->slots[j];
+            m->slots[j] = (struct slot){0, NULL, NULL};
             i = j;
         }
     }
 }
 
+static int map_init(struct map *m) {
+    m->capacity = 1024;
+    m->used = 0;
+    m->slots = calloc(m->capacity, sizeof(struct slot));
+    return m->slots == NULL ? -1 : 0;
+}
+
 /* Drop one reference (under the lock); returns the descriptor to close, or -1. */
 static int unref(struct bound_file *f) {
-    if (--f->refs > 0)
+    if (f == NULL || --f->refs > 0)
         return -1;
     int fd = f->fd;
     free(f);
@@ -203,14 +272,25 @@ static void table_free(PyObject *capsule) {
     struct table *t = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
     if (t == NULL)
         return;
-    for (size_t i = 0; i < t->capacity; i++) {
-        if (t->slots[i].fh != 0) {
-            int fd = unref(t->slots[i].file);
+    for (size_t i = 0; i < t->handles.capacity; i++) {
+        if (t->handles.slots[i].fh != 0) {
+            int fd = unref(t->handles.slots[i].file);
             if (fd >= 0)
                 close(fd);
         }
     }
-    free(t->slots);
+    for (size_t i = 0; i < t->templates.capacity; i++) {
+        struct open_template *tpl = t->templates.slots[i].tpl;
+        if (t->templates.slots[i].fh != 0 && tpl != NULL) {
+            int fd = unref(tpl->file);
+            if (fd >= 0)
+                close(fd);
+            free(tpl);
+        }
+    }
+    free(t->handles.slots);
+    free(t->templates.slots);
+    free(t->events);
     for (size_t i = 0; i <= t->lookup_mask; i++)
         free(t->lookups[i]);
     free(t->lookups);
@@ -256,22 +336,28 @@ static PyObject *new_table(PyObject *self, PyObject *args) {
         return NULL;
     }
     t->n_bounds = (int)n;
-    t->capacity = 1024;
-    t->slots = calloc(t->capacity, sizeof(struct slot));
+    int failed = map_init(&t->handles) | map_init(&t->templates);
     t->lookups = calloc((size_t)lookup_slots, sizeof(struct lookup_entry *));
-    if (t->slots == NULL || t->lookups == NULL) {
-        free(t->slots);
+    t->events = calloc(MAX_EVENTS, sizeof(struct event));
+    if (failed || t->lookups == NULL || t->events == NULL) {
+        free(t->handles.slots);
+        free(t->templates.slots);
         free(t->lookups);
+        free(t->events);
         free(t);
         return PyErr_NoMemory();
     }
+    t->next_fh = FIRST_LOOP_FH;
+    t->event_fd = -1;
     t->lookup_mask = (size_t)lookup_slots - 1;
     t->lookup_epoch = 1;
     pthread_mutex_init(&t->lock, NULL);
     PyObject *capsule = PyCapsule_New(t, CAPSULE_NAME, table_free);
     if (capsule == NULL) {
-        free(t->slots);
+        free(t->handles.slots);
+        free(t->templates.slots);
         free(t->lookups);
+        free(t->events);
         free(t);
     }
     return capsule;
@@ -304,13 +390,16 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     f->refs = 1;
     int old_fd = -1, failed = 0;
     pthread_mutex_lock(&t->lock);
-    if ((t->used + 1) * 2 > t->capacity && grow(t) != 0) {
+    struct slot *s = find_slot(&t->handles, fh);
+    if (s->fh != 0 && s->tpl != NULL) {
+        failed = 2;  /* a handle the loop opened: it has its file */
+    } else if (make_room(&t->handles) != 0) {
         failed = 1;
     } else {
-        struct slot *s = find_slot(t, fh);
+        s = find_slot(&t->handles, fh);
         if (s->fh != 0)
             old_fd = unref(s->file);  /* a handle number bound twice: the newer wins */
-        put_slot(t, fh, f);
+        put_slot(&t->handles, fh, f, NULL);
     }
     pthread_mutex_unlock(&t->lock);
     if (old_fd >= 0)
@@ -318,12 +407,18 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     if (failed) {
         close(f->fd);
         free(f);
+        if (failed == 2) {
+            PyErr_SetString(PyExc_ValueError, "the handle was opened by the loop");
+            return NULL;
+        }
         return PyErr_NoMemory();
     }
     Py_RETURN_NONE;
 }
 
-/* unbind(table, fh) -> bool: whether ``fh`` was bound; its reads go to Python from now. */
+/* unbind(table, fh) -> bool: whether ``fh`` was bound (or opened by the loop: then it is
+ * released here, as a RELEASE the loop answered would be, without an event); its reads go
+ * to Python from now. */
 static PyObject *unbind(PyObject *self, PyObject *args) {
     PyObject *capsule;
     unsigned long long fh;
@@ -335,11 +430,13 @@ static PyObject *unbind(PyObject *self, PyObject *args) {
     int fd = -1, found = 0;
     pthread_mutex_lock(&t->lock);
     if (fh != 0) {
-        struct slot *s = find_slot(t, fh);
+        struct slot *s = find_slot(&t->handles, fh);
         if (s->fh != 0) {
             found = 1;
             fd = unref(s->file);
-            remove_slot(t, s);
+            if (s->tpl != NULL)
+                s->tpl->handles--;
+            remove_slot(&t->handles, s);
         }
     }
     pthread_mutex_unlock(&t->lock);
@@ -385,7 +482,7 @@ static PyObject *stats(PyObject *self, PyObject *args) {
         Py_DECREF(item);
     }
     pthread_mutex_lock(&t->lock);
-    size_t bound = t->used;
+    size_t bound = t->handles.used, templates = t->templates.used, events = t->event_count;
     pthread_mutex_unlock(&t->lock);
     const struct { const char *name; unsigned long long value; } counts[] = {
         {"read_bytes", __atomic_load_n(&t->read_bytes, __ATOMIC_RELAXED)},
@@ -393,6 +490,9 @@ static PyObject *stats(PyObject *self, PyObject *args) {
         {"fallbacks", __atomic_load_n(&t->fallbacks, __ATOMIC_RELAXED)},
         {"bound", bound},
         {"lookups_remembered", __atomic_load_n(&t->lookups_remembered, __ATOMIC_RELAXED)},
+        {"templates", templates},
+        {"events", events},
+        {"open_handovers", __atomic_load_n(&t->open_handovers, __ATOMIC_RELAXED)},
     };
     for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(counts[i].value);
@@ -457,8 +557,8 @@ static int serve_read(struct table *t, int fd, const struct in_header *h, const 
     double t0 = now();
     struct bound_file *f = NULL;
     pthread_mutex_lock(&t->lock);
-    struct slot *s = find_slot(t, in.fh);
-    if (s->fh != 0) {
+    struct slot *s = find_slot(&t->handles, in.fh);
+    if (s->fh != 0 && s->file != NULL) {
         f = s->file;
         f->refs++;
     }
@@ -640,6 +740,265 @@ static int serve_lookup(struct table *t, int fd, const struct in_header *h, cons
     return 1;
 }
 
+/* -- open templates and the events Python takes ---------------------------------------- */
+
+struct open_in {
+    uint32_t flags, open_flags;
+};
+
+struct open_out {
+    uint64_t fh;
+    uint32_t open_flags;
+    int32_t backing_id;
+};
+
+struct release_in {
+    uint64_t fh;
+    uint32_t flags, release_flags;
+    uint64_t lock_owner;
+};
+
+/* add_template(table, ino, open_flags, backing_id, fd, size) -> bool: answer OPENs of inode
+ * ``ino`` here (read-only opens without O_DIRECT): a new handle, answered with
+ * ``open_flags`` and ``backing_id`` (the kernel's passthrough backing, or 0), and bound to
+ * a duplicate of ``fd`` up to ``size`` bytes unless ``fd`` is -1. False if the inode has a
+ * template already (it is kept). Each handle opened and released here is an event for
+ * Python (take_events()). */
+static PyObject *add_template(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long ino, size;
+    unsigned int open_flags;
+    int backing_id, fd;
+    if (!PyArg_ParseTuple(args, "OKIiiK", &capsule, &ino, &open_flags, &backing_id, &fd, &size))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    if (ino == 0) {
+        PyErr_SetString(PyExc_ValueError, "inode 0 has no template");
+        return NULL;
+    }
+    struct open_template *tpl = calloc(1, sizeof(*tpl));
+    if (tpl == NULL)
+        return PyErr_NoMemory();
+    tpl->ino = ino;
+    tpl->open_flags = open_flags;
+    tpl->backing_id = backing_id;
+    if (fd >= 0) {
+        tpl->file = malloc(sizeof(struct bound_file));
+        if (tpl->file == NULL) {
+            free(tpl);
+            return PyErr_NoMemory();
+        }
+        tpl->file->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (tpl->file->fd < 0) {
+            free(tpl->file);
+            free(tpl);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        tpl->file->size = size;
+        tpl->file->refs = 1;  /* the template's */
+    }
+    int added = 0, failed = 0;
+    pthread_mutex_lock(&t->lock);
+    if (find_slot(&t->templates, ino)->fh == 0) {
+        if (make_room(&t->templates) != 0) {
+            failed = 1;
+        } else {
+            put_slot(&t->templates, ino, NULL, tpl);
+            added = 1;
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (!added) {
+        if (tpl->file != NULL) {
+            close(tpl->file->fd);
+            free(tpl->file);
+        }
+        free(tpl);
+        if (failed)
+            return PyErr_NoMemory();
+    }
+    return PyBool_FromLong(added);
+}
+
+/* drop_template(table, ino) -> bool: the loop no longer opens inode ``ino`` (True; also
+ * when it had no template), or -- while handles the loop opened with it are not released
+ * -- the template is kept (False): whatever the caller's registration holds for them
+ * (a pin, the kernel's backing) must stay. */
+static PyObject *drop_template(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &ino))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    struct open_template *tpl = NULL;
+    int dropped = 1, fd = -1;
+    pthread_mutex_lock(&t->lock);
+    struct slot *s = ino != 0 ? find_slot(&t->templates, ino) : NULL;
+    if (s != NULL && s->fh != 0) {
+        if (s->tpl->handles > 0) {
+            dropped = 0;
+        } else {
+            tpl = s->tpl;
+            fd = unref(tpl->file);
+            remove_slot(&t->templates, s);
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (fd >= 0)
+        close(fd);
+    free(tpl);
+    return PyBool_FromLong(dropped);
+}
+
+/* set_event_fd(table, fd): an eventfd written whenever the event ring stops being empty. */
+static PyObject *set_event_fd(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    int fd;
+    if (!PyArg_ParseTuple(args, "Oi", &capsule, &fd))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    pthread_mutex_lock(&t->lock);
+    t->event_fd = fd;
+    pthread_mutex_unlock(&t->lock);
+    Py_RETURN_NONE;
+}
+
+/* take_events(table) -> bytes: the events since the last call, oldest first, each
+ * struct.pack("<IIQQ", kind, pid, fh, ino) (kind 1: opened, 2: released). */
+static PyObject *take_events(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    if (__atomic_load_n(&t->event_count, __ATOMIC_ACQUIRE) == 0)
+        return PyBytes_FromStringAndSize(NULL, 0);
+    struct event *copy = NULL;
+    size_t n;
+    for (;;) {
+        n = __atomic_load_n(&t->event_count, __ATOMIC_ACQUIRE);
+        free(copy);
+        copy = malloc((n + 1) * sizeof(struct event));
+        if (copy == NULL)
+            return PyErr_NoMemory();
+        pthread_mutex_lock(&t->lock);
+        if (t->event_count <= n) {
+            n = t->event_count;
+            for (size_t i = 0; i < n; i++)
+                copy[i] = t->events[(t->event_head + i) % MAX_EVENTS];
+            t->event_head = (t->event_head + n) % MAX_EVENTS;
+            __atomic_store_n(&t->event_count, 0, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&t->lock);
+            break;
+        }
+        pthread_mutex_unlock(&t->lock);  /* more arrived meanwhile: a larger copy */
+    }
+    PyObject *out = PyBytes_FromStringAndSize((const char *)copy, (Py_ssize_t)(n * sizeof(struct event)));
+    free(copy);
+    return out;
+}
+
+/* Under the lock: queue an event; returns whether the ring was empty (then the caller
+ * writes the event fd, after unlocking). The caller checked there is room. */
+static int push_event(struct table *t, uint32_t kind, uint32_t pid, uint64_t fh, uint64_t ino) {
+    size_t n = t->event_count;
+    t->events[(t->event_head + n) % MAX_EVENTS] = (struct event){kind, pid, fh, ino};
+    __atomic_store_n(&t->event_count, n + 1, __ATOMIC_RELEASE);
+    return n == 0;
+}
+
+static void signal_events(struct table *t) {
+    int fd = t->event_fd;
+    if (fd >= 0) {
+        uint64_t one = 1;
+        ssize_t w = write(fd, &one, sizeof(one));
+        (void)w;  /* EAGAIN: the counter is full, a wake-up is pending anyway */
+    }
+}
+
+/* An OPEN: 1 when answered from the inode's template, 0 when Python must answer it. */
+static int serve_open(struct table *t, int fd, const struct in_header *h, const char *body,
+                      size_t body_len) {
+    if (body_len < sizeof(struct open_in))
+        return 0;
+    struct open_in in;
+    memcpy(&in, body, sizeof(in));
+    if (in.flags & LOOP_OPEN_REFUSED)
+        return 0;
+    double t0 = now();
+    struct open_out out = {0, 0, 0};
+    int answered = 0, was_empty = 0;
+    pthread_mutex_lock(&t->lock);
+    struct slot *ts = find_slot(&t->templates, h->nodeid);
+    if (ts->fh != 0) {
+        struct open_template *tpl = ts->tpl;
+        if (t->event_count >= MAX_EVENTS || make_room(&t->handles) != 0) {
+            __atomic_fetch_add(&t->open_handovers, 1, __ATOMIC_RELAXED);
+        } else {
+            uint64_t fh = t->next_fh++;
+            if (tpl->file != NULL)
+                tpl->file->refs++;
+            put_slot(&t->handles, fh, tpl->file, tpl);
+            tpl->handles++;
+            /* (the event is queued before the answer is written: any request of this
+             * handle that reaches Python finds it taken first) */
+            was_empty = push_event(t, EVENT_OPENED, h->pid, fh, h->nodeid);
+            out = (struct open_out){fh, tpl->open_flags, tpl->backing_id};
+            answered = 1;
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (!answered)
+        return 0;
+    if (was_empty)
+        signal_events(t);
+    if (answer(fd, h->unique, 0, &out, sizeof(out)) != 0)
+        answer(fd, h->unique, -EIO, NULL, 0);
+    count_request(t, KIND_OPEN, now() - t0);
+    return 1;
+}
+
+/* A RELEASE: 1 when the handle was opened here and is released here, 0 when Python must
+ * answer it (its own handle, or the event ring is full: then Python takes the events and
+ * releases it with unbind()). */
+static int serve_release(struct table *t, int fd, const struct in_header *h,
+                         const char *body, size_t body_len) {
+    if (body_len < 8)
+        return 0;
+    uint64_t fh;
+    memcpy(&fh, body, sizeof(fh));
+    if (fh < FIRST_LOOP_FH)
+        return 0;
+    double t0 = now();
+    int answered = 0, was_empty = 0, close_fd = -1;
+    pthread_mutex_lock(&t->lock);
+    struct slot *s = find_slot(&t->handles, fh);
+    if (s->fh != 0 && s->tpl != NULL && t->event_count < MAX_EVENTS) {
+        s->tpl->handles--;
+        close_fd = unref(s->file);
+        was_empty = push_event(t, EVENT_RELEASED, h->pid, fh, s->tpl->ino);
+        remove_slot(&t->handles, s);
+        answered = 1;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (!answered)
+        return 0;
+    if (close_fd >= 0)
+        close(close_fd);
+    if (was_empty)
+        signal_events(t);
+    answer(fd, h->unique, 0, NULL, 0);
+    count_request(t, KIND_RELEASE, now() - t0);
+    return 1;
+}
+
 /* serve(table, fd, buf, handle, data_size): the worker loop (see the module comment).
  * Returns when the connection ended or handle() answered true; raises what handle()
  * raised, or OSError for a failed read of the device. */
@@ -695,6 +1054,12 @@ static PyObject *serve(PyObject *self, PyObject *args) {
             if (h->opcode == OP_LOOKUP &&
                 serve_lookup(t, fd, h, buf + sizeof(*h), (size_t)n - sizeof(*h)))
                 continue;
+            if (h->opcode == OP_OPEN &&
+                serve_open(t, fd, h, buf + sizeof(*h), (size_t)n - sizeof(*h)))
+                continue;
+            if (h->opcode == OP_RELEASE &&
+                serve_release(t, fd, h, buf + sizeof(*h), (size_t)n - sizeof(*h)))
+                continue;
             if (h->opcode == OP_IOCTL) {
                 answer(fd, h->unique, -ENOTTY, NULL, 0);
                 __atomic_fetch_add(&t->ioctls, 1, __ATOMIC_RELAXED);
@@ -735,6 +1100,10 @@ static PyMethodDef methods[] = {
     {"lookup_epoch", lookup_epoch, METH_VARARGS, "The epoch of lookups starting now."},
     {"forget_lookups", forget_lookups, METH_VARARGS, "Give no remembered lookup again."},
     {"forget_dir", forget_dir, METH_VARARGS, "Give no remembered lookup of a directory again."},
+    {"add_template", add_template, METH_VARARGS, "Answer an inode's opens."},
+    {"drop_template", drop_template, METH_VARARGS, "Stop answering an inode's opens."},
+    {"set_event_fd", set_event_fd, METH_VARARGS, "An eventfd told of new events."},
+    {"take_events", take_events, METH_VARARGS, "The handles opened and released since."},
     {"remember_lookup", remember_lookup, METH_VARARGS, "Answer a name's lookups."},
     {"serve", serve, METH_VARARGS, "A request worker's loop."},
     {NULL, NULL, 0, NULL},

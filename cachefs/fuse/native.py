@@ -42,11 +42,15 @@ release), :meth:`backing_open` and :meth:`backing_close` wherever
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import trio
+
 from cachefs import metrics
+from cachefs.fuse import abi
 
 try:
     from cachefs.fuse import _native
@@ -57,6 +61,13 @@ AVAILABLE = _native is not None
 
 #: Remembered lookup answers by default: 65,536 slots, at most about 13 MiB.
 LOOKUP_SLOTS = 1 << 16
+
+#: The loop's events (``take_events``): (kind, pid, handle, inode).
+EVENT = struct.Struct("<IIQQ")
+OPENED = 1
+RELEASED = 2
+#: Handles the loop opens are numbered from here up (Python's from 1).
+FIRST_LOOP_FH = 1 << 62
 
 
 def _dir_key(prefix: str) -> int:
@@ -74,6 +85,11 @@ class NativeReads:
         self._lock = threading.Lock()
         self._files: dict[int, int] = {}  # backing id -> our descriptor of the file
         self._next_id = 1
+        # Written by the loop when its event ring stops being empty (see wait_events).
+        self._event_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        _native.set_event_fd(self._table, self._event_fd)
+        # One drain at a time, so events are handled in the order the loop queued them.
+        self._drain_lock = threading.Lock()
 
     # -- the BackingDevice interface (cachefs.passthrough) --------------------------------
     def backing_open(self, fd: int) -> int:
@@ -110,6 +126,55 @@ class NativeReads:
         it was bound."""
         assert _native is not None
         return _native.unbind(self._table, fh)
+
+    # -- opens answered by the loop -------------------------------------------------------
+    def add_template(self, ino: int, *, kernel_backing: int = 0, native_backing: int = 0,
+                     size: int = 0) -> bool:
+        """Let the loop answer read-only opens (without O_DIRECT) of inode ``ino`` itself:
+        passed through to the kernel's backing ``kernel_backing``, or bound to the file
+        registered here as ``native_backing`` (up to ``size`` bytes). False if the inode
+        has a template already or the registration is gone. Every handle the loop opens
+        and releases is an event (:meth:`drain`)."""
+        assert _native is not None
+        if native_backing:
+            with self._lock:
+                fd = self._files.get(native_backing)
+                if fd is None:
+                    return False
+                return _native.add_template(self._table, ino, abi.FOPEN_KEEP_CACHE, 0, fd,
+                                            size)  # (under the lock: fd stays open)
+        return _native.add_template(self._table, ino, abi.FOPEN_PASSTHROUGH, kernel_backing,
+                                    -1, 0)
+
+    def drop_template(self, ino: int) -> bool:
+        """The loop no longer opens ``ino`` (True), or it keeps the template because
+        handles it opened with it are still open (False: the registration they use must
+        stay)."""
+        assert _native is not None
+        return _native.drop_template(self._table, ino)
+
+    def drain(self, handle: Callable[[int, int, int, int], None], *,
+              blocking: bool = True) -> None:
+        """Hand every event queued so far to ``handle(kind, fh, ino, pid)`` (kind
+        :data:`OPENED` or :data:`RELEASED`), in the order the loop queued them (any thread;
+        one drain at a time: with ``blocking`` False, return at once if another runs)."""
+        assert _native is not None
+        if not self._drain_lock.acquire(blocking):
+            return
+        try:
+            data = _native.take_events(self._table)
+            for kind, pid, fh, ino in EVENT.iter_unpack(data):
+                handle(kind, fh, ino, pid)
+        finally:
+            self._drain_lock.release()
+
+    async def wait_events(self) -> None:
+        """Return once the loop has queued events since the last call (trio thread)."""
+        await trio.lowlevel.wait_readable(self._event_fd)
+        try:
+            os.eventfd_read(self._event_fd)
+        except BlockingIOError:
+            pass
 
     # -- lookups ------------------------------------------------------------------------
     def lookup_epoch(self, prefix: str) -> int:
@@ -161,13 +226,16 @@ class NativeReads:
         metrics.FUSE_STATS.add_source(self._request_counts)
         metrics.READ_BYTES.add_source(lambda: self.stats()["read_bytes"])
         metrics.NATIVE_ANSWERS.source = self._answered
+        metrics.NATIVE_OPEN_TEMPLATES.set_function(lambda: self.stats()["templates"])
 
     def _answered(self) -> dict[str, int]:
         st = self.stats()
-        return {"read": st["read"][0], "lookup": st["lookup"][0], "ioctl": st["ioctls"]}
+        return {"read": st["read"][0], "lookup": st["lookup"][0], "open": st["open"][0],
+                "release": st["release"][0], "ioctl": st["ioctls"]}
 
     def _request_counts(self) -> dict[str, tuple[int, float, list[int]]]:
         st = self.stats()
         ioctls = st["ioctls"]
         untimed = [ioctls] + [0] * len(metrics.LATENCY_BUCKETS)  # (as Python counts them)
-        return {"read": st["read"], "lookup": st["lookup"], "ioctl": (ioctls, 0.0, untimed)}
+        return {"read": st["read"], "lookup": st["lookup"], "open": st["open"],
+                "release": st["release"], "ioctl": (ioctls, 0.0, untimed)}

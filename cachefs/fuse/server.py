@@ -23,9 +23,11 @@ calls per request and no task switch. Handlers come from
   trio thread and no task for the request itself.
 
 With the native loop (:mod:`cachefs.fuse.native`, given as ``native``) each worker's
-loop is C: it answers READs of handles bound to verified cache files and IOCTLs itself,
-without the interpreter, and hands every other request to the same Python function
-(:meth:`RequestServer._request_handler`) the Python loop calls.
+loop is C: it answers READs of handles bound to verified cache files, IOCTLs, LOOKUPs
+Python remembered there, and OPENs and RELEASEs of inodes Python gave an open template
+itself, without the interpreter, and hands every other request to the same Python
+function (:meth:`RequestServer._request_handler`) the Python loop calls, which first
+catches up with the opens and releases the loop answered (:meth:`Handlers.drain_native`).
 
 Per request the server counts ``cachefs_fuse_requests_total{op}`` and
 ``cachefs_fuse_request_duration_seconds{op}``; a handler's exception becomes
@@ -137,6 +139,10 @@ class Handlers:
     def error_code(self, op: str, exc: BaseException) -> int:
         """The errno answering ``exc`` (logs what needs logging)."""
         raise NotImplementedError
+
+    def drain_native(self) -> None:
+        """Catch up with what the native loop answered itself (opens and releases), before
+        a request is answered in Python (any thread)."""
 
     def negotiated(self, result: abi.Negotiated) -> None:
         """Told what INIT settled, before any other request is read."""
@@ -379,8 +385,13 @@ class RequestServer:
         pack_out = abi.OUT_HEADER.pack
         out_size = abi.OUT_HEADER.size
         writev = os.writev
+        # With the native loop, the handles it opened and released are caught up with
+        # before any request here: a request of such a handle must find it.
+        drain = self._handlers.drain_native if self._native is not None else None
 
         def handle(n: int) -> bool:
+            if drain is not None:
+                drain()
             t0 = clock()
             length, opcode, unique, nodeid, uid, _, pid, _, _ = unpack(buf)
             entry = table.get(opcode)
