@@ -449,12 +449,11 @@ class FileSystem:
                 or self.backing is None):
             return False
         node = handle.node
-        if node.ino in self._adoptable:
-            return False
-        with self._adoptable_lock:
-            self._adoptable[node.ino] = (node, handle.obj)
-            if len(self._adoptable) > ADOPTABLE:
-                self._adoptable.popitem(last=False)
+        if node.ino not in self._adoptable:
+            with self._adoptable_lock:
+                self._adoptable[node.ino] = (node, handle.obj)
+                if len(self._adoptable) > ADOPTABLE:
+                    self._adoptable.popitem(last=False)
         return self.backing.add_template(node.ino, handle.obj, handle.backing_id)
 
     def adopt_open(self, fh: int, ino: int, reader: int) -> None:

@@ -51,13 +51,27 @@ Contracts:
   INIT), passthrough is switched off for the mount, logged once, and reads go
   through the daemon as before; other refusals decline that open only.
 
+* Opens answered by the native loop. A file opened here with a registered backing
+  (kernel or native) is given an *open template* in the request workers' native loop
+  (:meth:`Passthrough.add_template`, at most :attr:`Passthrough.max_templates`): the
+  loop answers the inode's next read-only opens (not O_DIRECT) and their releases
+  itself, the same way, and Python learns of those handles afterwards, in order
+  (:meth:`Passthrough.adopted`; see :mod:`cachefs.fuse_ops`). Those handles are not in
+  ``opens``: the loop counts them per template, and a registration whose inode has a
+  template is closed only after its template could be dropped, which the loop refuses
+  while a handle it opened with it is open -- so such a handle keeps the pin and the
+  kernel's backing exactly as a handle opened here does. An inode with a template counts
+  as passed through for the one-mode rule above (the loop may have handles of it open).
+
 Concurrency: opens and releases run on the FUSE request workers, several at a
 time; predictions and settled loads arrive on the trio thread (they only queue;
 ``_awaiting`` is touched on the trio thread only). ``_lock`` guards
 ``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
 dictionary work and the close ioctl only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
-``_lock``). Verification and the backing ioctl run on the opening worker or a
+``_lock``); ``_templates`` and each backing's ``templates`` are under ``_lock`` too, and
+the loop's calls made under it (adding and dropping templates) take only the loop's own
+locks. Verification and the backing ioctl run on the opening worker or a
 preparing thread (either may wait on the disk); whoever puts an object's entry
 in ``_backings`` first verifies it, and opens of that object meanwhile wait for
 its outcome (one registration per object at a time). The preparing threads
@@ -454,8 +468,8 @@ class Passthrough:
         added (not when the inode has one, the loop is absent, or the bound on templates,
         :attr:`max_templates`, is reached and the oldest cannot be dropped)."""
         loop = self._loop
-        if loop is None or not self.enabled:
-            return False
+        if loop is None or not self.enabled or ino in self._templates:
+            return False  # (read without the lock: checked again under it)
         oid = self.fetcher.object_id(obj)
         with self._lock:
             if ino in self._templates:

@@ -546,9 +546,13 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
     finally:
         os.close(fd)
     _wait_metric(m, "cachefs_open_file_handles", 0)
-    for _ in range(2):  # now a's registration may go
+    for _ in range(2):  # now a's registration may go (the loop's handle is closed)
         assert _read(m.path / "b.bin") == b
-    assert _read(m.path / "a.bin") == a
+    answered = m.metric(opens)
+    assert _read(m.path / "a.bin") == a  # registered again, in Python ...
+    assert m.metric(opens) == answered, "a's template outlived its registration"
+    assert _read(m.path / "a.bin") == a  # ... and given a template again
+    assert m.metric(opens) == answered + 1
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
     assert m.gets() == 0
     m.stop()

@@ -1,5 +1,5 @@
-"""Requests answered in C: the request workers' native loop, the files it reads and the
-lookups it answers.
+"""Requests answered in C: the request workers' native loop, the files it reads, and the
+lookups, opens and releases it answers.
 
 Without FUSE passthrough (a kernel older than 6.9, a daemon without CAP_SYS_ADMIN, or
 ``--passthrough off``) every read of a cached file costs a request answered in Python.
@@ -29,14 +29,30 @@ Answers are held in a fixed number of slots (``lookup_slots``; a newer answer re
 an older one in its slot), about 200 bytes each. Only answers from a complete listing
 looked up by a request worker are remembered (a lookup that waited for a listing is not).
 
+And it answers the OPENs of files opened before, and their RELEASEs (both with and
+without passthrough). A file opened in Python whose handle was passed through (or
+bound) is given an *open template* (:meth:`NativeReads.add_template`, by
+:meth:`cachefs.passthrough.Passthrough.add_template`): the loop answers the inode's next
+read-only opens the same way, with handle numbers of its own (from
+:data:`FIRST_LOOP_FH`), and each open and release is an *event* (:meth:`drain`) for
+Python's bookkeeping -- the hint cursor, the directory walk, the handle table -- done in
+the order the loop queued them: before any request Python answers (so a request of such
+a handle finds it), on the trio thread in batches otherwise (:meth:`wait_events`), and
+before metrics are collected. The loop counts its open handles per template and refuses
+to drop a template while one is open (:meth:`drop_template`), so the registration such a
+handle reads from (its pin, the kernel's backing) outlives it.
+
 The extension is optional (a ``pip install`` without a compiler builds without it):
 :data:`AVAILABLE` says whether it is here; without it the workers run the Python loop
 and every read is answered in Python.
 
 Concurrency: :meth:`bind` and :meth:`unbind` run on the request workers (open and
-release), :meth:`backing_open` and :meth:`backing_close` wherever
-:class:`~cachefs.passthrough.Passthrough` registers (workers, its verifying threads);
-``_lock`` guards ``_files``. The C table has its own mutex (see ``_native.c``).
+release), :meth:`backing_open`, :meth:`backing_close`, :meth:`add_template` and
+:meth:`drop_template` wherever :class:`~cachefs.passthrough.Passthrough` registers
+(workers, its verifying threads; under its lock); ``_lock`` guards ``_files``.
+:meth:`drain` runs on any thread, one at a time (``_drain_lock``: a worker waits for a
+drain under way, the trio thread skips). The C table has its own mutex (see
+``_native.c``), a leaf: nothing else is taken under it.
 """
 
 from __future__ import annotations
