@@ -73,9 +73,11 @@ class BackingFiles(Protocol):
         """The handle opened with answer ``backing_id`` is closed."""
         ...
 
-    def add_template(self, ino: int, obj: ObjectVersion, backing_id: int) -> bool:
+    def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
+                     prefix: str) -> bool:
         """Let the native loop answer the next opens of ``ino`` as this one (answer
-        ``backing_id``) was; whether it will."""
+        ``backing_id``) was, while the epoch ``token`` of directory ``prefix`` lasts;
+        whether it will."""
         ...
 
     def adopted(self, obj: ObjectVersion) -> None:
@@ -439,22 +441,29 @@ class FileSystem:
             self.backing.release(handle.node.ino, handle.backing_id)
 
     # -- opens answered by the native loop (cachefs.fuse.native) ------------------------
-    def offer_template(self, fh: int) -> bool:
+    def offer_template(self, fh: int, epoch: Callable[[str], int]) -> bool:
         """Let the native loop answer the next opens of open handle ``fh``'s inode itself,
-        as this one was answered (any thread; see
-        :meth:`cachefs.passthrough.Passthrough.add_template`). Its handles are reported
-        afterwards, in order (:meth:`adopt_open`, :meth:`adopt_release`)."""
+        as this one was answered, while its directory's listing stays as it is now (any
+        thread; see :meth:`cachefs.passthrough.Passthrough.add_template`; ``epoch(prefix)``
+        reads the loop's epoch token of a directory). Its handles are reported afterwards,
+        in order (:meth:`adopt_open`, :meth:`adopt_release`)."""
         handle = self._handles.get(fh)
         if (not isinstance(handle, FileHandle) or not handle.backing_id or handle.adopted
                 or self.backing is None):
             return False
         node = handle.node
+        token = epoch(node.parent_prefix)
+        try:
+            self.node(node.ino)  # still listed (after the epoch read: see the loop's rule)
+        except FsError:
+            return False
         if node.ino not in self._adoptable:
             with self._adoptable_lock:
                 self._adoptable[node.ino] = (node, handle.obj)
                 if len(self._adoptable) > ADOPTABLE:
                     self._adoptable.popitem(last=False)
-        return self.backing.add_template(node.ino, handle.obj, handle.backing_id)
+        return self.backing.add_template(node.ino, handle.obj, handle.backing_id, token=token,
+                                         prefix=node.parent_prefix)
 
     def adopt_open(self, fh: int, ino: int, reader: int) -> None:
         """The native loop opened handle ``fh`` of ``ino`` for ``reader`` (any thread,

@@ -227,8 +227,10 @@ class Operations(Handlers):
             # refuses it otherwise): direct I/O, which overrides passthrough, brings its
             # reads to the daemon, since the kernel would read the cache file O_DIRECT too
             # and fail EINVAL on any unaligned buffer.
-            if not o_direct and self.native_loop is not None:
-                self.fs.offer_template(fh)  # the loop answers the next opens the same way
+            loop = self.native_loop
+            if not o_direct and loop is not None:
+                # (the loop answers the next opens of the inode the same way)
+                self.fs.offer_template(fh, loop.lookup_epoch)
             flags = abi.FOPEN_PASSTHROUGH | (abi.FOPEN_DIRECT_IO if o_direct else 0)
             return abi.open_out(fh, flags, backing_id)
         if backing_id and native is not None:
@@ -238,7 +240,8 @@ class Operations(Handlers):
             # time than a read of the file that may wait for the disk.
             size, in_memory = self.fs.object_of(fh)
             if not in_memory and native.bind(fh, backing_id, size) and not o_direct:
-                self.fs.offer_template(fh)  # the loop answers the next opens the same way
+                # (the loop answers the next opens of the inode the same way)
+                self.fs.offer_template(fh, native.lookup_epoch)
         return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
 
     def read(self, req: Request) -> Reply:

@@ -151,8 +151,8 @@ class OpenLoop(Protocol):
     """The request workers' native loop (:class:`cachefs.fuse.native.NativeReads`), which
     answers the opens of inodes it has a template for."""
 
-    def add_template(self, ino: int, *, kernel_backing: int = 0, native_backing: int = 0,
-                     size: int = 0) -> bool:
+    def add_template(self, ino: int, *, token: int, prefix: str, kernel_backing: int = 0,
+                     native_backing: int = 0, size: int = 0) -> bool:
         ...
 
     def drop_template(self, ino: int) -> bool:
@@ -459,33 +459,39 @@ class Passthrough:
             self._enqueue(fetched, True)
 
     # -- opens answered by the native loop ------------------------------------------------
-    def add_template(self, ino: int, obj: ObjectVersion, backing_id: int) -> bool:
+    def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
+                     prefix: str) -> bool:
         """Let the native loop answer the next opens of ``ino`` itself, as this open with
-        answer ``backing_id`` (> 0) was answered (any thread; a handle of it is open now).
-        The template lasts while the registration does: a registration closed for the
-        idle bounds drops its templates first, and stays while the loop has handles open
-        with one (they use its pin, and the kernel's backing). Returns whether one was
-        added (not when the inode has one, the loop is absent, or the bound on templates,
-        :attr:`max_templates`, is reached and the oldest cannot be dropped)."""
+        answer ``backing_id`` (> 0) was answered (any thread; a handle of it is open now),
+        while the epoch ``token`` of its directory ``prefix`` lasts (see
+        :meth:`cachefs.fuse.native.NativeReads.add_template`; an inode with a template has
+        its epoch renewed). The template lasts while the registration does: a
+        registration closed for the idle bounds drops its templates first, and stays while
+        the loop has handles open with one (they use its pin, and the kernel's backing).
+        Returns whether the loop answers its opens now (not when the loop is absent, the
+        epoch moved on, or the bound on templates, :attr:`max_templates`, is reached and
+        the oldest cannot be dropped)."""
         loop = self._loop
-        if loop is None or not self.enabled or ino in self._templates:
-            return False  # (read without the lock: checked again under it)
+        if loop is None or not self.enabled:
+            return False
         oid = self.fetcher.object_id(obj)
         with self._lock:
-            if ino in self._templates:
-                return False
             backing = self._backings.get(oid)
             active = self._active.get(ino)
             if (backing is None or backing.backing_id != backing_id or active is None
                     or active[0] != oid):
                 return False
-            if len(self._templates) >= self.max_templates and not self._drop_oldest_template():
+            known = ino in self._templates
+            if (not known and len(self._templates) >= self.max_templates
+                    and not self._drop_oldest_template()):
                 return False
             if self.native:
-                added = loop.add_template(ino, native_backing=backing_id, size=obj.size)
+                added = loop.add_template(ino, token=token, prefix=prefix,
+                                          native_backing=backing_id, size=obj.size)
             else:
-                added = loop.add_template(ino, kernel_backing=backing_id)
-            if added:
+                added = loop.add_template(ino, token=token, prefix=prefix,
+                                          kernel_backing=backing_id)
+            if added and not known:
                 self._templates[ino] = oid
                 backing.templates.add(ino)
         return added

@@ -413,12 +413,12 @@ def _events(reads: native.NativeReads) -> list[tuple[int, int, int, int]]:
 def test_an_inode_with_a_template_is_opened_and_released_by_the_loop(loop: Loop) -> None:
     reads = loop.reads
     python_open = struct.pack("<I", abi.OPEN)
-    assert reads.add_template(10, kernel_backing=7)
-    assert not reads.add_template(10, kernel_backing=8), "a second template replaced the first"
+    assert reads.add_template(10, token=reads.lookup_epoch("d/"), prefix="d/", kernel_backing=7)
+    assert reads.add_template(10, token=reads.lookup_epoch("d/"), prefix="d/", kernel_backing=8)  # renewed
     _, error, body = loop.ask(_open_request(1, 10))
     fh, flags, backing = abi.OPEN_OUT.unpack(body)
     assert error == 0 and fh >= native.FIRST_LOOP_FH
-    assert (flags, backing) == (abi.FOPEN_PASSTHROUGH, 7)
+    assert (flags, backing) == (abi.FOPEN_PASSTHROUGH, 7), "renewing replaced the template"
     # what the loop does not answer: another inode, O_DIRECT, a write
     assert loop.ask(_open_request(2, 11))[2] == python_open
     assert loop.ask(_open_request(3, 10, os.O_RDONLY | os.O_DIRECT))[2] == python_open
@@ -432,15 +432,26 @@ def test_an_inode_with_a_template_is_opened_and_released_by_the_loop(loop: Loop)
     assert _events(reads) == [(native.RELEASED, fh, 10, 0)]
     assert reads.drop_template(10) and reads.drop_template(10)
     assert loop.ask(_open_request(7, 10))[2] == python_open
+    # a template lasts while its directory's epoch does; a token read before a change is
+    # refused, a renewal with a current one brings it back
+    token = reads.lookup_epoch("d/")
+    assert reads.add_template(10, token=token, prefix="d/", kernel_backing=7)
+    reads.forget_dir("d/")
+    assert loop.ask(_open_request(8, 10))[2] == python_open
+    assert not reads.add_template(10, token=token, prefix="d/", kernel_backing=7)
+    assert reads.add_template(10, token=reads.lookup_epoch("d/"), prefix="d/", kernel_backing=7)
+    assert loop.ask(_open_request(9, 10))[1:2] == (0,)
+    assert [e[0] for e in _events(reads)] == [native.OPENED]
     st = reads.stats()
-    assert st["open"][0] == 1 and st["release"][0] == 1 and st["templates"] == 0
+    assert st["open"][0] == 2 and st["release"][0] == 1 and st["templates"] == 1
 
 
 def test_a_handle_the_loop_opened_on_its_own_file_is_read_there(loop: Loop, cache_file: Any) -> None:
     path, data = cache_file
     reads = loop.reads
     backing = _register(reads, path)
-    assert reads.add_template(20, native_backing=backing, size=len(data))
+    assert reads.add_template(20, token=reads.lookup_epoch(""), prefix="", native_backing=backing,
+                              size=len(data))
     reads.backing_close(backing)  # the template keeps its own descriptor
     handles = []
     for unique in (1, 2):
@@ -457,14 +468,15 @@ def test_a_handle_the_loop_opened_on_its_own_file_is_read_there(loop: Loop, cach
     assert [e[0] for e in _events(reads)] == [native.OPENED, native.OPENED, native.RELEASED]
     assert reads.drop_template(20)
     assert loop.ask(_read_request(5, handles[1], 0, 10))[2] == struct.pack("<I", abi.READ)
-    assert not reads.add_template(21, native_backing=backing, size=1), "a closed registration"
+    assert not reads.add_template(21, token=reads.lookup_epoch(""), prefix="", native_backing=backing,
+                                  size=1), "a closed registration"
 
 
 def test_opens_go_to_python_while_the_event_ring_is_full(loop: Loop) -> None:
     """Events are never dropped: with the ring full, the loop hands OPENs to Python, which
     takes the events first; releases of the loop's handles likewise."""
     reads = loop.reads
-    assert reads.add_template(30, kernel_backing=3)
+    assert reads.add_template(30, token=reads.lookup_epoch(""), prefix="", kernel_backing=3)
     handles = []
     unique = 0
     while True:
@@ -483,7 +495,7 @@ def test_opens_go_to_python_while_the_event_ring_is_full(loop: Loop) -> None:
 
 def test_the_event_fd_wakes_a_waiter_when_events_arrive(loop: Loop) -> None:
     reads = loop.reads
-    assert reads.add_template(40, kernel_backing=3)
+    assert reads.add_template(40, token=reads.lookup_epoch(""), prefix="", kernel_backing=3)
 
     async def main() -> list[tuple[int, int, int, int]]:
         with trio.fail_after(10):
@@ -556,3 +568,46 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
     assert m.gets() == 0
     m.stop()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_an_open_the_loop_answers_sees_a_listing_change_as_python_would(
+        bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """The kernel keeps a name's inode for the metadata TTL and opens it without a lookup.
+    When the directory's listing is refreshed meanwhile (here: an ESTALE read of another
+    file invalidates it) and no longer has that inode, Python answers its open ESTALE and
+    the kernel looks the name up again, finding the new version. An open template must not
+    keep answering the old inode: its directory's epoch moved on."""
+    client, name = bucket
+    a_old, a_new = _payload(11, 50_000), _payload(12, 60_000)
+    client.put_object(Bucket=name, Key="d/a.bin", Body=a_old)
+    # (named before a.bin: a walk from a.bin does not fetch it ahead)
+    client.put_object(Bucket=name, Key="d/0v.bin", Body=b"A" * (8 * BLOCK))
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--read-ahead", "64K",
+                      "--metadata-ttl", "1h", *extra)
+    a = m.path / "d" / "a.bin"
+    assert _read(a) == a_old
+    _wait_metric(m, "cachefs_cache_blocks", 1)
+    m.stop()
+    m.start()  # (an empty memory tier: the native loop reads the file)
+    assert _read(a) == a_old  # opened in Python: registered, given a template
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    before = m.metric(opens)
+    assert _read(a) == a_old
+    assert m.metric(opens) == before + 1  # the loop opened it
+    client.put_object(Bucket=name, Key="d/a.bin", Body=a_new)
+    # 0v.bin changes under an open reader: its last block (never fetched ahead of a read
+    # of the first) is ESTALE, and d/'s listing is refreshed
+    with open(m.path / "d" / "0v.bin", "rb", buffering=0) as f:
+        assert os.pread(f.fileno(), BLOCK, 0) == b"A" * BLOCK
+        client.put_object(Bucket=name, Key="d/0v.bin", Body=b"B" * (8 * BLOCK))
+        with pytest.raises(OSError) as raised:
+            os.pread(f.fileno(), BLOCK, 7 * BLOCK)
+        assert raised.value.errno == errno.ESTALE
+    deadline = time.monotonic() + 20
+    while (got := _read(a)) != a_new:
+        assert got == a_old
+        assert time.monotonic() < deadline, "an open template kept answering the old inode"
+        time.sleep(0.2)

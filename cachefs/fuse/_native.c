@@ -23,7 +23,10 @@
  *   OPEN  of an inode Python gave a template (add_template(): a file registered for
  *         passthrough or for reads here, see cachefs/passthrough.py), read-only and without
  *         O_DIRECT: a new handle (numbered from FIRST_LOOP_FH up), answered as the
- *         template says (the kernel's backing id, or bound to the template's file here).
+ *         template says (the kernel's backing id, or bound to the template's file here),
+ *         while the epochs the template was given with are current (as a remembered
+ *         lookup's: once its directory's listing changes, Python answers, and may find
+ *         the inode no longer listed).
  *   RELEASE of a handle opened here.
  *         Each is an event for Python (take_events(): a ring of MAX_EVENTS, queued before
  *         the answer is written; an eventfd is written when the ring stops being empty),
@@ -111,6 +114,7 @@ struct bound_file {
  * add_template()). */
 struct open_template {
     uint64_t ino;
+    uint32_t epoch, dir_slot, dir_epoch;  /* as a remembered lookup's (see serve_open) */
     uint32_t open_flags;
     int32_t backing_id;  /* the kernel's (passthrough), or 0 */
     struct bound_file *file;  /* the loop's (native reads), or NULL */
@@ -758,18 +762,23 @@ struct release_in {
     uint64_t lock_owner;
 };
 
-/* add_template(table, ino, open_flags, backing_id, fd, size) -> bool: answer OPENs of inode
- * ``ino`` here (read-only opens without O_DIRECT): a new handle, answered with
- * ``open_flags`` and ``backing_id`` (the kernel's passthrough backing, or 0), and bound to
- * a duplicate of ``fd`` up to ``size`` bytes unless ``fd`` is -1. False if the inode has a
- * template already (it is kept). Each handle opened and released here is an event for
- * Python (take_events()). */
+/* add_template(table, ino, token, dir_key, open_flags, backing_id, fd, size) -> bool:
+ * answer OPENs of inode ``ino`` here (read-only opens without O_DIRECT): a new handle,
+ * answered with ``open_flags`` and ``backing_id`` (the kernel's passthrough backing, or
+ * 0), and bound to a duplicate of ``fd`` up to ``size`` bytes unless ``fd`` is -1 -- while
+ * the epochs stay those of ``token`` (lookup_epoch() of the inode's directory
+ * ``dir_key``, read before Python saw the inode listed): once its directory's listing
+ * changes, its opens go to Python, which may find the inode no longer listed. If the
+ * inode has a template already, only its epochs are renewed. False if ``token`` is not
+ * current (nothing done). Each handle opened and released here is an event for Python
+ * (take_events()). */
 static PyObject *add_template(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long ino, size;
+    unsigned long long ino, size, token, dir_key;
     unsigned int open_flags;
     int backing_id, fd;
-    if (!PyArg_ParseTuple(args, "OKIiiK", &capsule, &ino, &open_flags, &backing_id, &fd, &size))
+    if (!PyArg_ParseTuple(args, "OKKKIiiK", &capsule, &ino, &token, &dir_key, &open_flags,
+                          &backing_id, &fd, &size))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
@@ -781,7 +790,11 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     struct open_template *tpl = calloc(1, sizeof(*tpl));
     if (tpl == NULL)
         return PyErr_NoMemory();
+    size_t dir_slot = dir_key & (DIR_EPOCHS - 1);
     tpl->ino = ino;
+    tpl->epoch = (uint32_t)(token >> 32);
+    tpl->dir_slot = (uint32_t)dir_slot;
+    tpl->dir_epoch = (uint32_t)token;
     tpl->open_flags = open_flags;
     tpl->backing_id = backing_id;
     if (fd >= 0) {
@@ -799,10 +812,16 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
         tpl->file->size = size;
         tpl->file->refs = 1;  /* the template's */
     }
-    int added = 0, failed = 0;
+    int added = 0, renewed = 0, failed = 0;
     pthread_mutex_lock(&t->lock);
-    if (find_slot(&t->templates, ino)->fh == 0) {
-        if (make_room(&t->templates) != 0) {
+    if (token == epoch_token(t, dir_slot)) {  /* (under the mutex: see remember_lookup) */
+        struct slot *s = find_slot(&t->templates, ino);
+        if (s->fh != 0) {
+            s->tpl->epoch = tpl->epoch;  /* the same inode is the same file: renew */
+            s->tpl->dir_slot = tpl->dir_slot;
+            s->tpl->dir_epoch = tpl->dir_epoch;
+            renewed = 1;
+        } else if (make_room(&t->templates) != 0) {
             failed = 1;
         } else {
             put_slot(&t->templates, ino, NULL, tpl);
@@ -819,7 +838,7 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
         if (failed)
             return PyErr_NoMemory();
     }
-    return PyBool_FromLong(added);
+    return PyBool_FromLong(added || renewed);
 }
 
 /* drop_template(table, ino) -> bool: the loop no longer opens inode ``ino`` (True; also
@@ -937,8 +956,12 @@ static int serve_open(struct table *t, int fd, const struct in_header *h, const 
     int answered = 0, was_empty = 0;
     pthread_mutex_lock(&t->lock);
     struct slot *ts = find_slot(&t->templates, h->nodeid);
-    if (ts->fh != 0) {
-        struct open_template *tpl = ts->tpl;
+    struct open_template *tpl = ts->fh != 0 ? ts->tpl : NULL;
+    if (tpl != NULL &&
+        (tpl->epoch != __atomic_load_n(&t->lookup_epoch, __ATOMIC_ACQUIRE) ||
+         tpl->dir_epoch != __atomic_load_n(&t->dir_epochs[tpl->dir_slot], __ATOMIC_ACQUIRE)))
+        tpl = NULL;  /* its directory's listing changed since: Python looks again */
+    if (tpl != NULL) {
         if (t->event_count >= MAX_EVENTS || make_room(&t->handles) != 0) {
             __atomic_fetch_add(&t->open_handovers, 1, __ATOMIC_RELAXED);
         } else {

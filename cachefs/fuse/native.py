@@ -144,23 +144,28 @@ class NativeReads:
         return _native.unbind(self._table, fh)
 
     # -- opens answered by the loop -------------------------------------------------------
-    def add_template(self, ino: int, *, kernel_backing: int = 0, native_backing: int = 0,
-                     size: int = 0) -> bool:
+    def add_template(self, ino: int, *, token: int, prefix: str, kernel_backing: int = 0,
+                     native_backing: int = 0, size: int = 0) -> bool:
         """Let the loop answer read-only opens (without O_DIRECT) of inode ``ino`` itself:
         passed through to the kernel's backing ``kernel_backing``, or bound to the file
-        registered here as ``native_backing`` (up to ``size`` bytes). False if the inode
-        has a template already or the registration is gone. Every handle the loop opens
-        and releases is an event (:meth:`drain`)."""
+        registered here as ``native_backing`` (up to ``size`` bytes) -- while the epoch
+        ``token`` of its directory ``prefix`` (:meth:`lookup_epoch`, read before Python
+        saw the inode listed) lasts: once the listing changes, its opens go to Python
+        again (the inode may be gone). An inode with a template has only its epoch
+        renewed. False if ``token`` is not current or the registration is gone. Every
+        handle the loop opens and releases is an event (:meth:`drain`)."""
         assert _native is not None
+        key = _dir_key(prefix)
         if native_backing:
             with self._lock:
                 fd = self._files.get(native_backing)
                 if fd is None:
                     return False
-                return _native.add_template(self._table, ino, abi.FOPEN_KEEP_CACHE, 0, fd,
-                                            size)  # (under the lock: fd stays open)
-        return _native.add_template(self._table, ino, abi.FOPEN_PASSTHROUGH, kernel_backing,
-                                    -1, 0)
+                return _native.add_template(self._table, ino, token, key,
+                                            abi.FOPEN_KEEP_CACHE, 0, fd, size)
+                # (under the lock: fd stays open)
+        return _native.add_template(self._table, ino, token, key, abi.FOPEN_PASSTHROUGH,
+                                    kernel_backing, -1, 0)
 
     def drop_template(self, ino: int) -> bool:
         """The loop no longer opens ``ino`` (True), or it keeps the template because
