@@ -239,8 +239,11 @@ class Operations(Handlers):
             # tier holds the whole object: its answer from memory costs the worker less
             # time than a read of the file that may wait for the disk.
             size, in_memory = self.fs.object_of(fh)
-            if not in_memory and native.bind(fh, backing_id, size) and not o_direct:
-                # (the loop answers the next opens of the inode the same way)
+            if not in_memory:
+                native.bind(fh, backing_id, size)
+            if not o_direct:
+                # The loop answers the next opens of the inode itself, bound to the file
+                # (an open and a release in Python cost more than the memory tier saves).
                 self.fs.offer_template(fh, native.lookup_epoch)
         return abi.open_out(fh, abi.FOPEN_KEEP_CACHE if keep_cache else 0)
 
