@@ -306,6 +306,14 @@ static struct table *get_table(PyObject *capsule) {
     return PyCapsule_GetPointer(capsule, CAPSULE_NAME);
 }
 
+/* The table of a call whose only argument it is (NULL with an exception set). */
+static struct table *only_table(PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule))
+        return NULL;
+    return get_table(capsule);
+}
+
 /* new_table(bounds, lookup_slots): a table; ``bounds`` are the latency histograms'
  * upper bounds, ``lookup_slots`` (a power of two) how many lookup answers it may hold. */
 static PyObject *new_table(PyObject *self, PyObject *args) {
@@ -453,10 +461,7 @@ static PyObject *unbind(PyObject *self, PyObject *args) {
  * read_bytes, ioctls, fallbacks (reads given to Python), bound (handles), and
  * lookups_remembered (answers stored so far). */
 static PyObject *stats(PyObject *self, PyObject *args) {
-    PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule))
-        return NULL;
-    struct table *t = get_table(capsule);
+    struct table *t = only_table(args);
     if (t == NULL)
         return NULL;
     PyObject *out = PyDict_New();
@@ -651,10 +656,7 @@ static PyObject *forget_dir(PyObject *self, PyObject *args) {
 
 /* forget_lookups(table): no answer remembered so far is given again. */
 static PyObject *forget_lookups(PyObject *self, PyObject *args) {
-    PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule))
-        return NULL;
-    struct table *t = get_table(capsule);
+    struct table *t = only_table(args);
     if (t == NULL)
         return NULL;
     __atomic_fetch_add(&t->lookup_epoch, 1, __ATOMIC_ACQ_REL);
@@ -891,10 +893,7 @@ static PyObject *set_event_fd(PyObject *self, PyObject *args) {
 /* take_events(table) -> bytes: the events since the last call, oldest first, each
  * struct.pack("<IIQQ", kind, pid, fh, ino) (kind 1: opened, 2: released). */
 static PyObject *take_events(PyObject *self, PyObject *args) {
-    PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule))
-        return NULL;
-    struct table *t = get_table(capsule);
+    struct table *t = only_table(args);
     if (t == NULL)
         return NULL;
     if (__atomic_load_n(&t->event_count, __ATOMIC_ACQUIRE) == 0)
