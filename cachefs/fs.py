@@ -23,8 +23,12 @@ made, fetches, prefetch state): work for it is handed over with :attr:`post`
 after which the async method of the same name answers it on the trio thread.
 ``_handles`` is only changed by single dictionary operations (atomic under the
 GIL) and handle numbers come from one counter; ``_dirs`` is guarded by
-``_dirs_lock``. A readdir after a seek counts to its position in one of trio's
-worker threads (index reads only; O(position) must not hold up the trio thread).
+``_dirs_lock``. The handles the native loop opened and released are reported to
+:meth:`adopt_open`/:meth:`adopt_release` on any thread, one batch at a time and in
+the loop's order (see :mod:`cachefs.fuse.native`); ``_adoptable`` (the files given an
+open template) is changed under ``_adoptable_lock`` and read without it. A readdir
+after a seek counts to its position in one of trio's worker threads (index reads
+only; O(position) must not hold up the trio thread).
 """
 
 from __future__ import annotations
@@ -222,16 +226,12 @@ class FileSystem:
             raise FsError(errno.ENOTDIR)
         return node
 
-    def lookup_now(self, parent_ino: int, name: bytes) -> Node:
-        """:meth:`lookup` without waiting (any thread); NeedsWait when the directory's
-        listing has not reached ``name`` yet."""
-        return self.lookup_fresh_now(parent_ino, name)[0]
-
     def lookup_fresh_now(self, parent_ino: int, name: bytes,
                          before: Callable[[str], int] | None = None
                          ) -> tuple[Node, float, str, int]:
-        """:meth:`lookup_now`, for how many seconds the same answer holds unless the
-        metadata's listeners are called for its directory first (see
+        """:meth:`lookup` without waiting (any thread; NeedsWait when the directory's
+        listing has not reached ``name`` yet), for how many seconds the same answer holds
+        unless the metadata's listeners are called for its directory first (see
         :meth:`cachefs.cache.metadata.Metadata.lookup_fresh_now`; 0: no promise), the
         directory's prefix, and what ``before(prefix)`` returned, called before the
         directory's listing is read (0 without it)."""

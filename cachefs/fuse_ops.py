@@ -169,21 +169,16 @@ class Operations(Handlers):
     # -- metadata --------------------------------------------------------------------------
     def lookup(self, req: Request) -> Reply:
         loop = self.native_loop
-        if loop is None:
-            try:
-                return self._entry(self.fs.lookup_now(req.nodeid, _name(req.body)))
-            except NeedsWait:
-                raise Deferred from None
-        # The native loop answers this name again while the answer holds (see
-        # cachefs.fuse.native): the epoch is read before the listing is.
         name = _name(req.body)
         try:
+            # (the native loop's epoch is read before the listing is: see cachefs.fuse.native)
             node, fresh_for, prefix, token = self.fs.lookup_fresh_now(
-                req.nodeid, name, loop.lookup_epoch)
+                req.nodeid, name, loop.lookup_epoch if loop is not None else None)
         except NeedsWait:
             raise Deferred from None
         answer = self._entry(node)
-        if fresh_for > 0:
+        if loop is not None and fresh_for > 0:
+            # The loop answers this name again while the answer holds.
             loop.remember_lookup(token, prefix, req.nodeid, name, answer, fresh_for)
         return answer
 
