@@ -149,9 +149,10 @@ class SeaweedOrigin:
         self.client().list_buckets()
         return True
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
         if self.proc is not None:
-            terminate(self.proc, timeout=15)
+            terminate(self.proc, timeout=timeout)
             self.proc = None
 
     def __enter__(self) -> SeaweedOrigin:

@@ -135,7 +135,7 @@ def test_overwritten_objects_are_never_mixed_or_misread(tagged_bucket, mount_fac
     client, name = tagged_bucket
     extra = ["--block-size", "1M"] + (["--metadata-ttl", ttl] if ttl != "default" else [])
     m = mount_factory(f"s3://{name}", *extra)
-    outcomes = overwrite_under_readers(client, name, m.path, seconds=15)
+    outcomes = overwrite_under_readers(client, name, m.path, seconds=10)
     print(dict(outcomes))
     assert outcomes["ok"] > 0
     assert outcomes["mixed"] == 0, outcomes
