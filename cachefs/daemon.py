@@ -41,7 +41,7 @@ from pathlib import Path
 
 import trio
 
-from cachefs import metrics
+from cachefs import gcpolicy, metrics
 from cachefs.background import contained
 from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
@@ -412,6 +412,7 @@ class Daemon:
                                               cfg.read_ahead)
                 with contained("maintenance", "publishing the status snapshot"):
                     self._publish_status()  # (the maintenance loop tries again every second)
+                gcpolicy.settle_after_startup()  # (once the long-lived state exists)
                 on_ready()
                 sd_notify("READY=1")
                 log.info("mounted %s at %s (cache %s, %s policy, passthrough %s%s)", cfg.source,

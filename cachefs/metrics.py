@@ -25,6 +25,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     Info,
     PlatformCollector,
@@ -64,6 +65,9 @@ CATCH_UP = CatchUp()
 REGISTRY.register(CATCH_UP)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
+# python_gc_collections_total{generation}: the collector's pauses hold the interpreter lock
+# (see cachefs.gcpolicy); a full collection now and then is expected, a steady rate is not.
+GCCollector(registry=REGISTRY)
 
 #: Default scrape port: clear of node_exporter (9100), dcgm-exporter (9400),
 #: 9109 and JuiceFS (9567).
