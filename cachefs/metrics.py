@@ -4,9 +4,12 @@ Naming follows Prometheus conventions: ``cachefs_`` prefix, base units (bytes,
 seconds), ``_total`` for counters, no per-path labels (label values come from
 small fixed sets such as S3 operation names).
 
-All metrics live in :data:`REGISTRY` (not the process-global default registry)
-so tests can start several daemons' worth of components in one process and the
-exposition only ever contains cachefs metrics plus process/platform collectors.
+All cachefs metrics live in :data:`REGISTRY` (not the process-global default
+registry) so tests can start several daemons' worth of components in one process.
+The exposition (:data:`EXPOSED`, what /metrics serves) is REGISTRY plus the
+process, platform and garbage-collector collectors, which the status snapshot
+(:func:`totals`) never needs: they read /proc and cost more than half of a
+snapshot's CPU.
 
 Thread-safety: prometheus_client metrics are thread-safe; they may be updated
 from the trio thread and from worker threads alike.
@@ -63,11 +66,14 @@ class CatchUp:
 
 CATCH_UP = CatchUp()
 REGISTRY.register(CATCH_UP)
-ProcessCollector(registry=REGISTRY)
-PlatformCollector(registry=REGISTRY)
+#: What /metrics serves: cachefs's own metrics and the process's.
+EXPOSED = CollectorRegistry()
+EXPOSED.register(REGISTRY)
+ProcessCollector(registry=EXPOSED)
+PlatformCollector(registry=EXPOSED)
 # python_gc_collections_total{generation}: the collector's pauses hold the interpreter lock
 # (see cachefs.gcpolicy); a full collection now and then is expected, a steady rate is not.
-GCCollector(registry=REGISTRY)
+GCCollector(registry=EXPOSED)
 
 #: Default scrape port: clear of node_exporter (9100), dcgm-exporter (9400),
 #: 9109 and JuiceFS (9567).
@@ -513,14 +519,15 @@ class FuseRequestStats:
     def describe(self) -> list[Metric]:
         return list(self.collect())
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, *, latency: bool = True) -> Iterator[Metric]:
+        """The request counter and (``latency``) the latency histogram, per operation."""
         with self._lock:
             shards = list(self._shards)
             sources = list(self._sources)
         extra = [source() for source in sources]
         requests = CounterMetricFamily("cachefs_fuse_requests", "FUSE requests handled",
                                        labels=["op"])
-        latency = HistogramMetricFamily("cachefs_fuse_request_duration_seconds",
+        histogram = HistogramMetricFamily("cachefs_fuse_request_duration_seconds",
                                         "FUSE request latency", labels=["op"])
         bounds = [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]
         for i, op in enumerate(self.ops):
@@ -535,9 +542,10 @@ class FuseRequestStats:
                     per = [a + b for a, b in zip(per, buckets, strict=True)]
             requests.add_metric([op], count)
             cumulative = list(itertools.accumulate(per))
-            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), seconds)
+            histogram.add_metric([op], list(zip(bounds, cumulative, strict=True)), seconds)
         yield requests
-        yield latency
+        if latency:
+            yield histogram
 
 
 class FastCounter:
@@ -681,7 +689,7 @@ def serve_metrics(addr: str) -> tuple[str, int]:
     """
     host, port = parse_metrics_addr(addr)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+        server, _thread = start_http_server(port, addr=host, registry=EXPOSED)
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {reason}") from None
@@ -714,16 +722,34 @@ def activity() -> tuple[float, ...]:
 
 
 def totals() -> dict[str, float]:
-    """Current value of every cachefs sample, summed over labels (for status reports)."""
+    """Current value of every cachefs counter and gauge, summed over labels (the status
+    reports: the snapshot ``cachefs status`` reads and the control socket's ``status``).
+    Histograms are left out: no report reads them, and generating their buckets was most
+    of a snapshot's ~9 ms of CPU, taken every second a mount is busy."""
     out: dict[str, float] = {}
-    for family in REGISTRY.collect():
+    for family in _summed_families():
         for sample in family.samples:
-            if sample.name.startswith("cachefs_") and not sample.name.endswith(
-                    ("_bucket", "_created")):
+            if not sample.name.endswith("_created"):
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+def _summed_families() -> Iterator[Metric]:
+    """The families of :func:`totals`: every cachefs metric but the histograms."""
+    yield from CATCH_UP.collect()  # (catches up, yields nothing)
+    for collector in (READ_BYTES, NATIVE_ANSWERS, LMDB_TRANSACTIONS):
+        yield from collector.collect()
+    yield from FUSE_STATS.collect(latency=False)
+    for metric in _SUMMED:
+        yield from metric.collect()
+
 
 
 #: Labelled counters :func:`activity` sums (each attempt or failure counts once).
 _ACTIVITY_COUNTERS = (S3_REQUESTS, S3_ERRORS, SHARED_REQUESTS, BACKGROUND_ERRORS,
                       CONTROL_REJECTED)
+
+
+#: The metrics of this module :func:`totals` sums: every one but the histograms (the
+#: module's last statement, so that every metric is defined by then).
+_SUMMED = [v for v in list(globals().values()) if isinstance(v, (Counter, Gauge, Info))]

@@ -43,7 +43,7 @@ def exported_series() -> dict[str, set[str]]:
                 "histogram": ("_bucket", "_count", "_sum", "_created"),
                 "summary": ("", "_count", "_sum", "_created")}
     series: dict[str, set[str]] = {}
-    for family in metrics.REGISTRY.collect():
+    for family in metrics.EXPOSED.collect():
         labels = declared.get(family.name, set())
         for suffix in suffixes.get(family.type, ("",)):
             series.setdefault(family.name + suffix, set()).update(labels)

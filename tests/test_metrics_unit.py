@@ -34,3 +34,20 @@ def test_fast_counters_export_one_labelled_family() -> None:
     text = generate_latest(registry).decode()
     assert 'cachefs_test_things_total{kind="a"} 3.0' in text
     assert 'cachefs_test_things_total{kind="b"} 0.0' in text
+
+
+def test_totals_sum_every_cachefs_counter_and_gauge_but_no_histogram() -> None:
+    """totals() (the status reports) collects only what it sums; it must still cover every
+    cachefs family that is not a histogram, custom collectors included."""
+    metrics.S3_LATENCY.labels("get").observe(0.01)
+    full: dict[str, float] = {}
+    for family in metrics.REGISTRY.collect():
+        if family.type == "histogram":
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                full[sample.name] = full.get(sample.name, 0.0) + sample.value
+    got = metrics.totals()
+    assert set(got) == set(full)
+    assert "cachefs_fuse_requests_total" in got and "cachefs_cache_used_bytes" in got
+    assert not any(k.startswith("cachefs_s3_request_duration") for k in got), sorted(got)
