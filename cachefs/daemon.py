@@ -313,7 +313,8 @@ class Daemon:
             return metadata.next_dir(prefix, root)
 
         lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir,
-                                       on_predicted=passthrough.predicted)
+                                       on_predicted=passthrough.predicted,
+                                       settled=passthrough.kernel_reads)
 
         def free_space() -> int:  # (what is in flight will be written to the cache next)
             return cache.capacity - cache.used - budget.used

@@ -264,6 +264,16 @@ class Passthrough:
             self._queue_cond.notify_all()
         self._awaiting.clear()
 
+    def kernel_reads(self, obj: ObjectVersion) -> bool:
+        """Whether ``obj``'s cache file is registered with the kernel (or being verified for
+        it), so its next opens are read by the kernel from local disk: nothing needs doing
+        ahead of them (any thread; read without ``_lock``: a stale answer costs a look, or
+        one skipped ahead of an open that Python then answers as before). A registration
+        pins its blocks, so they are on disk while this holds. False with the native loop:
+        there its reads still gain from the page cache being filled ahead."""
+        return (self.enabled and not self.native
+                and self.fetcher.object_id(obj) in self._backings)
+
     def predicted(self, obj: ObjectVersion) -> None:
         """``obj`` is expected to be opened soon (trio thread: directory lookahead; never
         waits, it only queues). When it is fully cached and not registered yet, a

@@ -406,3 +406,23 @@ def test_readers_of_whole_folders_keep_going_on() -> None:
         wasted, misses = _requested_unread(12, 60, 60, readers, batch)
         assert misses <= 2 * readers * (1 if batch == 1 else 2), (readers, batch, misses)
         assert wasted <= 256, (readers, batch, wasted)
+
+
+def test_settled_files_count_as_requested_without_asking_the_prefetcher() -> None:
+    """Files the kernel reads from their registered cache file need nothing ahead: the walk
+    steps over them (its window advances as if they were requested) and asks the
+    prefetcher and on_predicted only about the others."""
+    f = FakePrefetcher()
+    predicted: list[str] = []
+    settled = {DIR + n.decode() for n in NAMES[:300] if n not in (NAMES[50], NAMES[120])}
+    la = DirectoryLookahead(f, iter_after, on_predicted=lambda o: predicted.append(o.key),  # type: ignore[arg-type]
+                            settled=lambda o: o.key in settled)
+    for name in NAMES[:100]:
+        la.on_open(DIR, name, INO[name])
+    unsettled = [DIR + NAMES[50].decode(), DIR + NAMES[120].decode()]
+    # The two files not settled were asked for; no settled one was.
+    assert [k for k in f.prefetched if k in settled] == []
+    assert unsettled[0] in f.prefetched and unsettled[1] in f.prefetched
+    assert predicted == f.prefetched
+    # And the window went on past the settled files, into those after them.
+    assert any(k not in settled for k in f.prefetched[2:]), f.prefetched[:5]

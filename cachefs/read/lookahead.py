@@ -145,8 +145,14 @@ class DirectoryLookahead:
                  next_dir: Callable[[str], str | None] | None = None,
                  max_files: int = 256, min_opens: int = 4, density: float = 0.75,
                  max_walks: int = 4096, adjacency: int = 8,
-                 on_predicted: Callable[[ObjectVersion], None] | None = None) -> None:
+                 on_predicted: Callable[[ObjectVersion], None] | None = None,
+                 settled: Callable[[ObjectVersion], bool] | None = None) -> None:
         self._prefetcher = prefetcher
+        # settled(obj): nothing is to be done ahead of obj's open (the kernel reads its
+        # registered cache file): counted as requested, on local disk, without asking the
+        # prefetcher or on_predicted (a warm walk with passthrough asked both for every
+        # file: an index read and two hashes each, most of the trio thread's CPU there)
+        self._settled = settled
         # Told of every file requested ahead (trio thread: it must only take note, never
         # wait; passthrough verifies the fully cached ones ahead of their open)
         self._on_predicted = on_predicted
@@ -382,6 +388,12 @@ class DirectoryLookahead:
                     break
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
+                if self._settled is not None and self._settled(obj):
+                    if far:
+                        end = False
+                        break  # on local disk (see above)
+                    picked.append((entry.name, entry.ino))
+                    continue
                 got = self._prefetcher.want_object(obj, DIRECTORY, load_cached=not far)
                 if got is None:
                     end = False
