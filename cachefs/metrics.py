@@ -8,8 +8,7 @@ All cachefs metrics live in :data:`REGISTRY` (not the process-global default
 registry) so tests can start several daemons' worth of components in one process.
 The exposition (:data:`EXPOSED`, what /metrics serves) is REGISTRY plus the
 process, platform and garbage-collector collectors, which the status snapshot
-(:func:`totals`) never needs: they read /proc and cost more than half of a
-snapshot's CPU.
+(:func:`totals`) never needs (the process collector reads /proc).
 
 Thread-safety: prometheus_client metrics are thread-safe; they may be updated
 from the trio thread and from worker threads alike.
@@ -528,7 +527,7 @@ class FuseRequestStats:
         requests = CounterMetricFamily("cachefs_fuse_requests", "FUSE requests handled",
                                        labels=["op"])
         histogram = HistogramMetricFamily("cachefs_fuse_request_duration_seconds",
-                                        "FUSE request latency", labels=["op"])
+                                          "FUSE request latency", labels=["op"])
         bounds = [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]
         for i, op in enumerate(self.ops):
             count = sum(s.counts[i] for s in shards)
@@ -742,7 +741,6 @@ def _summed_families() -> Iterator[Metric]:
     yield from FUSE_STATS.collect(latency=False)
     for metric in _SUMMED:
         yield from metric.collect()
-
 
 
 #: Labelled counters :func:`activity` sums (each attempt or failure counts once).
