@@ -81,6 +81,7 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"errors", "__version__"},
     "background": {"errors", "metrics"},
     "failpoints": {"errors"},
+    "gcpolicy": set(),  # the process's garbage-collector settings: the daemon applies them
     "s3": {"errors", "metrics", "failpoints"},
     "cache": {"s3", "background", "errors", "metrics", "failpoints"},
     "read": {"cache", "s3", "background", "errors", "metrics", "failpoints"},
@@ -92,7 +93,7 @@ ALLOWED: dict[str, set[str]] = {
     "startup": {"control", "config", "errors", "metrics"},
     "torch": {"control", "errors"},
     "daemon": {"s3", "cache", "read", "fs", "control", "passthrough", "fuse", "fuse_ops",
-               "startup", *BASE},
+               "startup", "gcpolicy", *BASE},
     "cli": {"daemon", "s3", "control", "startup", *BASE},
     "__main__": {"cli"},
 }
