@@ -107,6 +107,9 @@ class SeaweedOrigin:
             self.ports = dict(zip(_PORT_FLAGS, ports, strict=True))
             args = [
                 weed_binary(),
+                # its glog files go with its data, not into the temp directory (where every
+                # start used to leave weed.INFO, weed.WARNING... behind)
+                f"-logdir={self.data_dir}",
                 "mini",
                 f"-dir={self.data_dir}",
                 "-ip=127.0.0.1",
