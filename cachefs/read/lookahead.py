@@ -388,21 +388,17 @@ class DirectoryLookahead:
                     break
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
-                if self._settled is not None and self._settled(obj):
-                    if far:
-                        end = False
-                        break  # on local disk (see above)
-                    picked.append((entry.name, entry.ino))
-                    continue
-                got = self._prefetcher.want_object(obj, DIRECTORY, load_cached=not far)
+                settled = self._settled is not None and self._settled(obj)
+                got = 0 if settled else self._prefetcher.want_object(
+                    obj, DIRECTORY, load_cached=not far)
                 if got is None:
                     end = False
                     break  # memory budget full
-                if far and got == 0 and entry.size > 0:
+                if far and got == 0 and (settled or entry.size > 0):
                     end = False
                     break  # on local disk (see above)
                 picked.append((entry.name, entry.ino))
-                if self._on_predicted is not None:
+                if self._on_predicted is not None and not settled:
                     self._on_predicted(obj)
         finally:
             close = getattr(entries, "close", None)
