@@ -68,7 +68,7 @@ from cachefs.fuse.server import RequestServer
 from cachefs.fuse_ops import Operations
 from cachefs.passthrough import Passthrough
 from cachefs.read.budget import MemoryBudget
-from cachefs.read.fetcher import Fetcher
+from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
@@ -332,6 +332,15 @@ class Daemon:
                         max_readahead=max_readahead, prefetcher=prefetcher,
                         read_order=read_order, lookahead=lookahead, backing=passthrough,
                         sweeper=sweeper)
+        if native is not None:
+            # A file registered ahead of its open (a cold walk's lookahead) gets an open
+            # template at once: the loop answers its first open too, without Python.
+            loop = native
+
+            def template_ahead(ino: int, obj: ObjectVersion) -> None:
+                fs.offer_template_ahead(ino, obj, loop.lookup_epoch)
+
+            passthrough.on_prepared = template_ahead
         warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
         control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
                                 warmer=warmer, root_prefix=cfg.source.prefix)

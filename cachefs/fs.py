@@ -84,6 +84,11 @@ class BackingFiles(Protocol):
         whether it will."""
         ...
 
+    def add_template_ahead(self, ino: int, obj: ObjectVersion, *, token: int,
+                           prefix: str) -> bool:
+        """:meth:`add_template` for an object registered ahead of any open of it."""
+        ...
+
     def adopted(self, obj: ObjectVersion) -> None:
         """The native loop opened a handle of ``obj`` with its template."""
         ...
@@ -249,6 +254,12 @@ class FileSystem:
         if entry is None:
             raise FsError(errno.ENOENT)
         return self._node_for(parent.path, entry), fresh_for, parent.path, token
+
+    def siblings_now(self, prefix: str, name: bytes, n: int) -> list[Node]:
+        """Up to ``n`` entries after ``name`` in directory ``prefix``'s complete listing
+        (any thread, no side effects; none without a complete listing)."""
+        return [self._node_for(prefix, e)
+                for e in self.metadata.entries_after_now(prefix, name, n)]
 
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         """Resolve ``name`` in a directory (waits on S3 only for a directory never listed)."""
@@ -464,6 +475,33 @@ class FileSystem:
                     self._adoptable.popitem(last=False)
         return self.backing.add_template(node.ino, handle.obj, handle.backing_id, token=token,
                                          prefix=node.parent_prefix)
+
+    def offer_template_ahead(self, ino: int, obj: ObjectVersion,
+                             epoch: Callable[[str], int]) -> bool:
+        """Let the native loop answer even the first open of ``ino`` (``obj``, whose file
+        was just registered ahead of any open: a file a directory walk fetched ahead) while
+        its directory's listing stays as it is now (any thread: the preparing threads of
+        :class:`cachefs.passthrough.Passthrough`). The same rule as
+        :meth:`offer_template`: the epoch is read first, then the inode must still be this
+        version of the object, so a listing changed meanwhile ends the template with its
+        epoch (a newer version has another inode)."""
+        if self.backing is None:
+            return False
+        prefix = parent_prefix(obj.key)
+        token = epoch(prefix)
+        try:
+            node = self.node(ino)  # (after the epoch read: see the loop's rule)
+        except FsError:
+            return False
+        if (node.is_dir or node.path != obj.key or node.etag != obj.etag
+                or node.size != obj.size):
+            return False
+        if ino not in self._adoptable:
+            with self._adoptable_lock:
+                self._adoptable[ino] = (node, obj)
+                if len(self._adoptable) > ADOPTABLE:
+                    self._adoptable.popitem(last=False)
+        return self.backing.add_template_ahead(ino, obj, token=token, prefix=prefix)
 
     def adopt_open(self, fh: int, ino: int, reader: int) -> None:
         """The native loop opened handle ``fh`` of ``ino`` for ``reader`` (any thread,

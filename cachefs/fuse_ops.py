@@ -87,6 +87,15 @@ def errno_for(exc: BaseException) -> int | None:
     return None
 
 
+#: Names after a walk's lookup whose answers the native loop is given ahead of theirs.
+LOOKUP_AHEAD = 64
+#: How far past the names remembered so far a lookup may land and still be in the walk
+#: (a pool of readers opens a few files out of order).
+LOOKUP_RUN_GAP = 8
+#: Directories whose walks are followed at once (the oldest is forgotten).
+LOOKUP_RUNS = 1024
+
+
 def _name(body: bytes | memoryview) -> bytes:
     """A NUL-terminated name argument."""
     raw = bytes(body)
@@ -119,6 +128,9 @@ class Operations(Handlers):
         # The request workers' native loop, when they run it (with or without
         # passthrough): lookups are remembered in it.
         self.native_loop: NativeReads | None = None
+        # Directory inode -> the last inode whose lookup the loop was given, in the walk
+        # of that directory under way (see _remember_ahead; bounded: LOOKUP_RUNS).
+        self._lookup_runs: dict[int, int] = {}
 
     # -- the server's interface ----------------------------------------------------------
     def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
@@ -180,7 +192,39 @@ class Operations(Handlers):
         if loop is not None and fresh_for > 0:
             # The loop answers this name again while the answer holds.
             loop.remember_lookup(token, prefix, req.nodeid, name, answer, fresh_for)
+            if not node.is_dir:
+                self._remember_ahead(loop, token, prefix, req.nodeid, node, fresh_for)
         return answer
+
+    def _remember_ahead(self, loop: NativeReads, token: int, prefix: str, parent: int,
+                        node: Node, fresh_for: float) -> None:
+        """In a walk of directory ``parent``, have the loop answer the lookups of the next
+        :data:`LOOKUP_AHEAD` names too (from the listing ``token`` was read before, so a
+        listing changed meanwhile ends them with its epoch), so a cold walk's lookups
+        cost no Python either. A lookup is part of a walk when its inode (numbered in
+        name order) is at most :data:`LOOKUP_RUN_GAP` past the names remembered so far in
+        that directory (or past its previous lookup answered here): shuffled readers of
+        a large directory rarely are, and remember nothing ahead.
+
+        Any request worker; ``_lookup_runs`` is read and written without a lock (single
+        dictionary operations): two workers racing only remember some names twice."""
+        runs = self._lookup_runs
+        end = runs.get(parent)
+        ino = node.ino
+        if end is None or not end - LOOKUP_AHEAD < ino <= end + LOOKUP_RUN_GAP:
+            runs[parent] = ino
+        else:
+            last = ino
+            for sibling in self.fs.siblings_now(prefix, node.name, LOOKUP_AHEAD):
+                loop.remember_lookup(token, prefix, parent, sibling.name,
+                                     self._entry(sibling), fresh_for)
+                last = sibling.ino
+            runs[parent] = last
+        if len(runs) > LOOKUP_RUNS:
+            try:
+                runs.pop(next(iter(runs)))
+            except (StopIteration, KeyError, RuntimeError):
+                pass  # (another worker changed it meanwhile: bounded at its next lookup)
 
     async def lookup_async(self, req: Request) -> Reply:
         return self._entry(await self.fs.lookup(req.nodeid, _name(req.body)))

@@ -89,6 +89,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -218,14 +219,21 @@ class Passthrough:
         self.max_idle = max_idle
         self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
-        # (object, whether it may only take free room among the idle backings)
-        self._queue: deque[tuple[ObjectVersion, bool]] = deque()
-        # Predicted objects being fetched, by the id of a block still loading (trio thread
-        # only; bounded: AWAITING_LOADS): queued when that load settles (see settled)
-        self._awaiting: dict[bytes, ObjectVersion] = {}
+        # (object, whether it may only take free room among the idle backings, inode or 0)
+        self._queue: deque[tuple[ObjectVersion, bool, int]] = deque()
+        # Predicted objects being fetched (and their inode, 0 if unknown), by the id of a
+        # block still loading (trio thread only; bounded: AWAITING_LOADS): queued when that
+        # load settles (see settled)
+        self._awaiting: dict[bytes, tuple[ObjectVersion, int]] = {}
         # Objects to look at again once their blocks have landed on disk: (when, object,
-        # spare, tries so far); one fixed delay, so in order of when. Counted in the bound.
-        self._landing: deque[tuple[float, ObjectVersion, bool, int]] = deque()
+        # spare, tries so far, inode); one fixed delay, so in order of when. Counted in the
+        # bound.
+        self._landing: deque[tuple[float, ObjectVersion, bool, int, int]] = deque()
+        # Told (a preparing thread) of each object registered ahead whose inode is known:
+        # (inode, object). The file system offers the native loop a template for it
+        # (cachefs.fs.FileSystem.offer_template_ahead), so even the first open of a file a
+        # cold walk fetched ahead is answered without Python.
+        self.on_prepared: Callable[[int, ObjectVersion], None] | None = None
         self._queue_cond = threading.Condition(threading.Lock())
         self._stopping = False
         metrics.PASSTHROUGH_ENABLED.set(0)
@@ -274,11 +282,12 @@ class Passthrough:
         return (self.enabled and not self.native
                 and self.fetcher.object_id(obj) in self._backings)
 
-    def predicted(self, obj: ObjectVersion) -> None:
-        """``obj`` is expected to be opened soon (trio thread: directory lookahead; never
-        waits, it only queues). When it is fully cached and not registered yet, a
-        preparing thread verifies and registers its file, leaving the backing idle for
-        the open to use."""
+    def predicted(self, obj: ObjectVersion, ino: int = 0) -> None:
+        """``obj`` (inode ``ino``; 0 if unknown) is expected to be opened soon (trio
+        thread: directory lookahead; never waits, it only queues). When it is fully cached
+        and not registered yet, a preparing thread verifies and registers its file,
+        leaving the backing idle for the open to use (and, with ``ino``, tells
+        :attr:`on_prepared`)."""
         if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
             return
         # (read without _lock: a stale answer only costs the preparing thread a look)
@@ -289,31 +298,31 @@ class Passthrough:
                 # Being fetched (a cold pass's lookahead): not on disk yet. Queued when
                 # that load settles, so the open finds it registered.
                 if len(self._awaiting) < AWAITING_LOADS:
-                    self._awaiting[bid] = obj
+                    self._awaiting[bid] = (obj, ino)
                 else:
                     metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
                 return
-        self._enqueue(obj, False)
+        self._enqueue(obj, False, ino)
 
     def settled(self, bid: bytes) -> None:
         """The load of block ``bid`` settled (trio thread; :attr:`Fetcher.on_settled`): a
         predicted object waiting for it is queued for a preparing thread (which looks
         again later while other blocks of it are still landing)."""
         if self._awaiting:
-            obj = self._awaiting.pop(bid, None)
-            if obj is not None:
-                self._enqueue(obj, False)
+            found = self._awaiting.pop(bid, None)
+            if found is not None:
+                self._enqueue(found[0], False, found[1])
 
-    def _enqueue(self, obj: ObjectVersion, spare: bool) -> None:
-        """Queue ``obj`` for a preparing thread (any thread; never waits); ``spare``: see
-        :meth:`prepare`."""
+    def _enqueue(self, obj: ObjectVersion, spare: bool, ino: int = 0) -> None:
+        """Queue ``obj`` (inode ``ino``, 0 if unknown) for a preparing thread (any thread;
+        never waits); ``spare``: see :meth:`prepare`."""
         if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
             return
         with self._queue_cond:
             if self._stopping or len(self._queue) + len(self._landing) >= PREPARE_QUEUE:
                 metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
                 return
-            self._queue.append((obj, spare))
+            self._queue.append((obj, spare, ino))
             if len(self._queue) == 1:
                 # (predictions come in batches: one wake-up per batch, not per file)
                 self._queue_cond.notify()
@@ -328,10 +337,10 @@ class Passthrough:
                     if self._landing:
                         wait = self._landing[0][0] - time.monotonic()
                         if wait <= 0:
-                            _, obj, spare, tries = self._landing.popleft()
+                            _, obj, spare, tries, ino = self._landing.popleft()
                             break
                     if self._queue:
-                        obj, spare = self._queue.popleft()
+                        obj, spare, ino = self._queue.popleft()
                         tries = 0
                         break
                     self._queue_cond.wait(wait)
@@ -343,10 +352,13 @@ class Passthrough:
                     if tries < LANDING_TRIES:
                         with self._queue_cond:
                             self._landing.append((time.monotonic() + LANDING_DELAY, obj,
-                                                  spare, tries + 1))
+                                                  spare, tries + 1, ino))
                         continue
                     outcome = "declined"
                 metrics.PASSTHROUGH_PREPARED.labels(outcome).inc()
+                on_prepared = self.on_prepared
+                if ino and on_prepared is not None and outcome in ("registered", "known"):
+                    on_prepared(ino, obj)
             except Exception:  # a bug must not end the thread: the opens verify themselves
                 log.exception("verifying %s ahead of its open failed", obj.key)
 
@@ -466,7 +478,7 @@ class Passthrough:
             # The object was not fully cached when opened and its readers are gone:
             # register its file now (if it is cached by now), so that the next open, the
             # next epoch's, needs neither verification nor the daemon's reads.
-            self._enqueue(fetched, True)
+            self._enqueue(fetched, True, ino)
 
     # -- opens answered by the native loop ------------------------------------------------
     def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
@@ -481,8 +493,7 @@ class Passthrough:
         Returns whether the loop answers its opens now (not when the loop is absent, the
         epoch moved on, or the bound on templates, :attr:`max_templates`, is reached and
         the oldest cannot be dropped)."""
-        loop = self._loop
-        if loop is None or not self.enabled:
+        if self._loop is None or not self.enabled:
             return False
         oid = self.fetcher.object_id(obj)
         with self._lock:
@@ -491,19 +502,44 @@ class Passthrough:
             if (backing is None or backing.backing_id != backing_id or active is None
                     or active[0] != oid):
                 return False
-            known = ino in self._templates
-            if (not known and len(self._templates) >= self.max_templates
-                    and not self._drop_oldest_template()):
+            return self._add_template(ino, obj, backing, token, prefix)
+
+    def add_template_ahead(self, ino: int, obj: ObjectVersion, *, token: int,
+                           prefix: str) -> bool:
+        """:meth:`add_template` for an object registered ahead of its first open (any
+        thread; :attr:`on_prepared`): the loop answers even that open. The same rules: the
+        object's registration must be done, and the inode must have no handle served by
+        the daemon (one I/O mode per inode) nor one passed through to another file."""
+        if self._loop is None or not self.enabled:
+            return False
+        oid = self.fetcher.object_id(obj)
+        with self._lock:
+            backing = self._backings.get(oid)
+            active = self._active.get(ino)
+            if (backing is None or not backing.ready.is_set() or not backing.backing_id
+                    or (active is not None and active[0] != oid) or self._direct.get(ino)):
                 return False
-            if self.native:
-                added = loop.add_template(ino, token=token, prefix=prefix,
-                                          native_backing=backing_id, size=obj.size)
-            else:
-                added = loop.add_template(ino, token=token, prefix=prefix,
-                                          kernel_backing=backing_id)
-            if added and not known:
-                self._templates[ino] = oid
-                backing.templates.add(ino)
+            return self._add_template(ino, obj, backing, token, prefix)
+
+    def _add_template(self, ino: int, obj: ObjectVersion, backing: _Backing, token: int,
+                      prefix: str) -> bool:
+        """Under ``_lock``: give ``ino`` a template of ``backing`` (see add_template)."""
+        loop = self._loop
+        assert loop is not None
+        backing_id = backing.backing_id
+        known = ino in self._templates
+        if (not known and len(self._templates) >= self.max_templates
+                and not self._drop_oldest_template()):
+            return False
+        if self.native:
+            added = loop.add_template(ino, token=token, prefix=prefix,
+                                      native_backing=backing_id, size=obj.size)
+        else:
+            added = loop.add_template(ino, token=token, prefix=prefix,
+                                      kernel_backing=backing_id)
+        if added and not known:
+            self._templates[ino] = backing.oid
+            backing.templates.add(ino)
         return added
 
     def adopted(self, obj: ObjectVersion) -> None:

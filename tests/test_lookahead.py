@@ -415,7 +415,7 @@ def test_settled_files_count_as_requested_without_asking_the_prefetcher() -> Non
     f = FakePrefetcher()
     predicted: list[str] = []
     settled = {DIR + n.decode() for n in NAMES[:300] if n not in (NAMES[50], NAMES[120])}
-    la = DirectoryLookahead(f, iter_after, on_predicted=lambda o: predicted.append(o.key),  # type: ignore[arg-type]
+    la = DirectoryLookahead(f, iter_after, on_predicted=lambda o, ino: predicted.append(o.key),  # type: ignore[arg-type]
                             settled=lambda o: o.key in settled)
     for name in NAMES[:100]:
         la.on_open(DIR, name, INO[name])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -188,6 +189,41 @@ def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory
     for key in sorted(files):  # the next epoch: the registrations serve the opens
         assert _read(m.path / key) == files[key]
     assert _counter(m, "cachefs_passthrough_opens_total") == opens + len(files)
+
+
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_a_cold_walk_is_looked_up_and_opened_without_python(bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """A cold walk in directory order: each file the lookahead fetched is registered with
+    an open template once it lands, and the names after the walk's lookups are given to
+    the native loop, so the walk's later lookups and opens cost no Python (in a cold
+    pass they waited for the interpreter behind the S3 threads) -- and every byte read is
+    the object's, each fetched once."""
+    name, files = _walk_files(bucket, seed=400, size=20_000)
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", *extra)
+    keys = sorted(files)
+    first, rest = keys[:8], keys[8:]
+    for key in first:  # a walk in order: the lookahead fetches the rest of the folder
+        assert _read(m.path / key) == files[key]
+    deadline = time.monotonic() + 20
+    while m.metric("cachefs_native_open_templates") < len(files):
+        assert time.monotonic() < deadline, \
+            f"{m.metric('cachefs_native_open_templates')} open templates, not {len(files)}"
+        time.sleep(0.05)
+    native = {op: f'cachefs_fuse_native_answers_total{{op="{op}"}}' for op in ("lookup", "open")}
+    every = {op: f'cachefs_fuse_requests_total{{op="{op}"}}' for op in ("lookup", "open")}
+    before = {op: (m.metric(native[op]), m.metric(every[op]) - m.metric(native[op]))
+              for op in ("lookup", "open")}
+    for key in rest:
+        assert _read(m.path / key) == files[key]
+    _wait_for(m, "cachefs_open_file_handles", 0)
+    for op in ("lookup", "open"):
+        loop_answered, python_answered = before[op]
+        assert m.metric(native[op]) == loop_answered + len(rest), f"{op}s not all the loop's"
+        assert m.metric(every[op]) - m.metric(native[op]) == python_answered, \
+            f"an {op} of the walk reached Python"
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+    assert m.gets() == len(files)
 
 
 def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]

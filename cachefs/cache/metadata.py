@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -376,6 +377,21 @@ class Metadata:
         if v is None and self._store is None:
             return True, None, False, 0.0  # a manifest mount: not there
         return False, None, due, 0.0
+
+    def entries_after_now(self, prefix: str, after: bytes, n: int) -> list[Entry]:
+        """Up to ``n`` entries of ``prefix``'s complete listing after name ``after``, in
+        name order; none while it has no complete listing. Any thread, no side effects
+        (a stale listing is refreshed by whoever asked :meth:`lookup_fresh_now`)."""
+        row = self._index.row(prefix)
+        if row is None:
+            return []
+        entries = self._index.iter(View(row[0], None), after)
+        try:
+            return list(itertools.islice(entries, n))
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()  # (its read snapshot ends now, not when collected)
 
     def _fresh_for(self, prefix: str, listed_at: float) -> float:
         """Seconds until a complete listing listed at ``listed_at`` needs a refresh (a

@@ -145,7 +145,7 @@ class DirectoryLookahead:
                  next_dir: Callable[[str], str | None] | None = None,
                  max_files: int = 256, min_opens: int = 4, density: float = 0.75,
                  max_walks: int = 4096, adjacency: int = 8,
-                 on_predicted: Callable[[ObjectVersion], None] | None = None,
+                 on_predicted: Callable[[ObjectVersion, int], None] | None = None,
                  settled: Callable[[ObjectVersion], bool] | None = None) -> None:
         self._prefetcher = prefetcher
         # settled(obj): nothing is to be done ahead of obj's open (the kernel reads its
@@ -153,8 +153,9 @@ class DirectoryLookahead:
         # prefetcher or on_predicted (a warm walk with passthrough asked both for every
         # file: an index read and two hashes each, most of the trio thread's CPU there)
         self._settled = settled
-        # Told of every file requested ahead (trio thread: it must only take note, never
-        # wait; passthrough verifies the fully cached ones ahead of their open)
+        # Told of every file requested ahead, with its inode (trio thread: it must only
+        # take note, never wait; passthrough verifies the fully cached ones ahead of their
+        # open, and has the native loop answer that open)
         self._on_predicted = on_predicted
         self._iter_after = iter_after
         # directory -> the next directory of its parent's listing, or None (trio thread;
@@ -399,7 +400,7 @@ class DirectoryLookahead:
                     break  # on local disk (see above)
                 picked.append((entry.name, entry.ino))
                 if self._on_predicted is not None and not settled:
-                    self._on_predicted(obj)
+                    self._on_predicted(obj, entry.ino)
         finally:
             close = getattr(entries, "close", None)
             if close is not None:
