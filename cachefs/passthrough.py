@@ -405,6 +405,7 @@ class Passthrough:
         kernel refuses the inode a handle without the backing; the FUSE layer then marks
         the passed-through handle direct I/O, which brings its reads to the daemon.)"""
         oid = self.fetcher.object_id(obj)
+        shared = False
         while True:
             with self._lock:
                 active = self._active.get(ino)
@@ -418,7 +419,9 @@ class Passthrough:
                     if active[0] != oid:  # an inode is one version (cachefs.fs): never true
                         raise ObjectChanged(f"{obj.key}: inode {ino} is passed through to "
                                             "another version's file")
-                    return self._use(ino, self._backings[active[0]])
+                    backing_id = self._use(ino, self._backings[active[0]])
+                    shared = True
+                    break
                 if self._direct.get(ino):
                     return self._direct_open(ino, "open_direct")
                 if o_direct:
@@ -426,14 +429,17 @@ class Passthrough:
                 backing = self._backings.get(oid)
                 if backing is not None and backing.ready.is_set() and backing.backing_id:
                     backing_id = self._use(ino, backing)
+                    shared = False
                     break
             if backing is None:
                 break
             backing.ready.wait()  # another open verifies this object: use its outcome
             # (failed, closed or the inode changed mode meanwhile: decide afresh)
-        if backing is not None:
-            # Registered ahead (a prediction, or the previous epoch's open): if its blocks
-            # were fetched ahead, the kernel's reads of them are their use.
+        if shared or backing is not None:
+            # Registered ahead (a prediction, or the previous epoch's open), or shared with
+            # handles (or a template: its first open may be this one, which the loop left
+            # to Python) using the file: if its blocks were fetched ahead, the kernel's
+            # reads of them are their use.
             if self.ledger.pending:
                 self.ledger.mark_used(self.fetcher.block_ids(obj))
             return backing_id
