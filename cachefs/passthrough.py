@@ -484,7 +484,9 @@ class Passthrough:
             # The object was not fully cached when opened and its readers are gone:
             # register its file now (if it is cached by now), so that the next open, the
             # next epoch's, needs neither verification nor the daemon's reads.
-            self._enqueue(fetched, True, ino)
+            # (No template ahead: its next open, in Python, gives it one; an O_DIRECT open
+            # meanwhile is served by the daemon, not passed through for a template's sake.)
+            self._enqueue(fetched, True)
 
     # -- opens answered by the native loop ------------------------------------------------
     def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
