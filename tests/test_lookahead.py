@@ -66,6 +66,21 @@ def test_interleaved_readers_each_walking_in_order_are_detected() -> None:
     assert DIR + NAMES[workers * batch].decode() in f.prefetched
 
 
+def test_a_pools_first_opens_in_any_order_start_one_walk() -> None:
+    """Four readers taking turns open the first files at once, so their opens arrive in
+    any order: one below the walk's first open extends it back instead of restarting it
+    (which cost a round of opens, one GET's time each, before anything was requested)."""
+    la, f = make()
+    arrivals = [2, 3, 1, 0, 5, 4, 7, 6, 9, 8, 11, 10]
+    for n, i in enumerate(arrivals, 1):
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
+        if f.prefetched:
+            break
+    # (need: min_opens + twice the spread of 3: ten opens)
+    assert f.prefetched and n == 10, f"requests started after open {n}"
+    assert f.prefetched[0] == DIR + NAMES[10].decode()
+
+
 def test_random_opens_prefetch_nothing() -> None:
     la, f = make()
     order = list(range(len(NAMES)))

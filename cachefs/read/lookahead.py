@@ -7,7 +7,8 @@ files" are the next numbers. A walk has a frontier (the furthest position
 opened) and remembers which of the 64 positions below it were opened. An open
 at most ``adjacency`` positions past the frontier (or among the files
 requested ahead) moves it; an open at most ``adjacency`` behind it (a slower
-reader of a pool) is recorded; any other open restarts the walk, and so does
+reader of a pool; also below the walk's first open, since a pool's first opens
+arrive in any order) is recorded; any other open restarts the walk, and so does
 a position more than ``adjacency`` behind the frontier left unopened (a walk
 in order leaves no file behind). One reader's own walk allows a step of 2 (a
 sub-directory between two files) instead of ``adjacency``: a reader reads its
@@ -259,8 +260,11 @@ class DirectoryLookahead:
             walk.opened = ((walk.opened << shift) | 1) & _MASK
             walk.hi, walk.last = ino, name
             walk.ahead = max(0, walk.ahead - shift)
-        elif walk.lo <= ino <= walk.hi and walk.hi - ino <= near:
-            walk.opened |= 1 << (walk.hi - ino)  # a file a slower reader of the pool opened
+        elif ino <= walk.hi and walk.hi - ino <= near:
+            # A file a slower reader of the pool opened; below the walk's first open too
+            # (a pool's first opens arrive in any order): it extends the walk back.
+            walk.lo = min(walk.lo, ino)
+            walk.opened |= 1 << (walk.hi - ino)
             walk.spread = max(walk.spread, walk.hi - ino)
         else:
             walk = self._restart(key, walk, name, ino)
