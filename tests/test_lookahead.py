@@ -72,10 +72,11 @@ def test_a_pools_first_opens_in_any_order_start_one_walk() -> None:
     (which cost a round of opens, one GET's time each, before anything was requested)."""
     la, f = make()
     arrivals = [2, 3, 1, 0, 5, 4, 7, 6, 9, 8, 11, 10]
-    for n, i in enumerate(arrivals, 1):
+    n = 0
+    while not f.prefetched and n < len(arrivals):
+        i = arrivals[n]
         la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
-        if f.prefetched:
-            break
+        n += 1
     # (need: min_opens + twice the spread of 3: ten opens)
     assert f.prefetched and n == 10, f"requests started after open {n}"
     assert f.prefetched[0] == DIR + NAMES[10].decode()
