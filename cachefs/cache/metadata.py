@@ -192,7 +192,7 @@ class _Listing:
         self.error: BaseException | None = None
         self.version: int | None = None  # the version being written, once it has pages
         self.water = b""  # names below this are complete in ``version``
-        self.ahead = False  # queue the sub-directories for listing ahead when done
+        self.ahead = 0  # queue (up to) this many sub-directories for listing ahead when done
         self.subdirs: list[str] = []
         self.tick = 0
         self.again = False  # invalidated while running: list again when done
@@ -552,9 +552,24 @@ class Metadata:
         """The walker is in ``prefix``: list its sub-directories ahead of it."""
         if self._store is None or not self.list_ahead_workers:
             return
+        self._list_subdirs_ahead(prefix, AHEAD_QUEUE)
+
+    def list_at_mount(self, root: str) -> None:
+        """A new mount: list ``root`` now and its first :data:`NEXT_DIRS_LISTED`
+        sub-directories ahead (trio thread). Any first access needs the root's listing, and
+        a dataset's readers go into its first folders next: the first reads then do not
+        wait for one LIST across regions per level. Listings kept from an earlier mount are
+        not listed again here (a stale one is refreshed when it is used)."""
+        if self._store is not None and self.list_ahead_workers:
+            self._list_subdirs_ahead(root, NEXT_DIRS_LISTED)
+
+    def _list_subdirs_ahead(self, prefix: str, n: int) -> None:
+        """List ``prefix`` if it has no listing, then queue (up to) ``n`` of its
+        sub-directories for the list-ahead workers, first ones first."""
         row = self._index.row(prefix)
         if row is None:  # listed (or being listed) for the walker: queue them when done
-            self._start(prefix).ahead = True
+            listing = self._start(prefix)
+            listing.ahead = max(listing.ahead, n)
             return
         if row[3] == 0:
             return
@@ -562,7 +577,7 @@ class Metadata:
         for entry in self.iter_entries(prefix):
             if entry.is_dir:
                 subdirs.append(prefix + entry.name.decode("utf-8", "surrogateescape") + "/")
-                if len(subdirs) >= row[3] or len(subdirs) >= AHEAD_QUEUE:
+                if len(subdirs) >= row[3] or len(subdirs) >= n:
                     break
         self._queue_ahead(subdirs)
 
@@ -672,7 +687,7 @@ class Metadata:
             listing.done.set()
             listing.progress.set()
         if listing.ahead and listing.error is None:
-            self._queue_ahead(listing.subdirs)
+            self._queue_ahead(listing.subdirs[:listing.ahead])
         if listing.again and self._nursery is not None:
             self._start(prefix)
 

@@ -503,10 +503,13 @@ class Origin:
         if self._closed:
             raise self._stopping(f"s3://{self.bucket}")
         job = _Job(exchange, waiting, background)
+        # A free token is taken without the limiter's checkpoint (a trip through the
+        # scheduler per limiter, per GET, on the trio thread): the caller's wait for the
+        # answer is its checkpoint. Without one, the request queues in the limiter's order.
         if background:
-            await self.limit.background.acquire_on_behalf_of(job)
+            await _acquire(self.limit.background, job)
         try:
-            await self.limit.all.acquire_on_behalf_of(job)
+            await _acquire(self.limit.all, job)
         except BaseException:
             if background:
                 self.limit.background.release_on_behalf_of(job)
@@ -658,6 +661,15 @@ class Origin:
         del self._episodes[op]
         log.info("S3 %s answering again after %.1f s (%d failures retried)", op,
                  episode.last_failure - episode.started, episode.failures)
+
+
+async def _acquire(limiter: trio.CapacityLimiter, borrower: object) -> None:
+    """``limiter.acquire_on_behalf_of(borrower)``, without a checkpoint when a token is free
+    (the limiter's nowait honours its queue: none is free while tasks wait for one)."""
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except trio.WouldBlock:
+        await limiter.acquire_on_behalf_of(borrower)
 
 
 def _name_thread() -> None:
