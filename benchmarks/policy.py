@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,8 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     dataset = args.files * size
     cache_bytes = int(dataset * args.cache_fraction)
     c = cache_bytes / dataset
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="cachefs-policy-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.workdir is not None:  # kept, to look at afterwards
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        return _run(args, args.workdir, size, block, dataset, cache_bytes, c)
+    # A temporary directory holds the dataset twice (the S3 server's copy and the cache):
+    # removed at the end, like the demo's.
+    work = Path(tempfile.mkdtemp(prefix="cachefs-policy-"))
+    try:
+        return _run(args, work, size, block, dataset, cache_bytes, c)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path, size: int, block: str, dataset: int,
+         cache_bytes: int, c: float) -> int:
     rows: list[dict[str, Any]] = []
     with SeaweedOrigin(work / "s3") as origin:
         origin.ensure_bucket(BUCKET)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,14 @@ pytestmark = [pytest.mark.fuse,
 
 def test_policy_quick_keeps_c_and_fetches_each_byte_once(tmp_path: Path) -> None:
     out = tmp_path / "policy.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.policy", "--quick", "--json", str(out),
-                           "--workdir", str(tmp_path / "work")],
+    scratch = tmp_path / "tmp"  # (its temporary directory goes here, and must go away)
+    scratch.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.policy", "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parent.parent,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(scratch.iterdir()) == [], "the benchmark left its temporary directory"
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [(r["policy"], r["epoch"]) for r in rows] == [
