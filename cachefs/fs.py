@@ -468,11 +468,7 @@ class FileSystem:
             self.node(node.ino)  # still listed (after the epoch read: see the loop's rule)
         except FsError:
             return False
-        if node.ino not in self._adoptable:
-            with self._adoptable_lock:
-                self._adoptable[node.ino] = (node, handle.obj)
-                if len(self._adoptable) > ADOPTABLE:
-                    self._adoptable.popitem(last=False)
+        self._note_adoptable(node, handle.obj)
         return self.backing.add_template(node.ino, handle.obj, handle.backing_id, token=token,
                                          prefix=node.parent_prefix)
 
@@ -496,12 +492,16 @@ class FileSystem:
         if (node.is_dir or node.path != obj.key or node.etag != obj.etag
                 or node.size != obj.size):
             return False
-        if ino not in self._adoptable:
+        self._note_adoptable(node, obj)
+        return self.backing.add_template_ahead(ino, obj, token=token, prefix=prefix)
+
+    def _note_adoptable(self, node: Node, obj: ObjectVersion) -> None:
+        """Keep what :meth:`adopt_open` needs of a file about to get an open template."""
+        if node.ino not in self._adoptable:
             with self._adoptable_lock:
-                self._adoptable[ino] = (node, obj)
+                self._adoptable[node.ino] = (node, obj)
                 if len(self._adoptable) > ADOPTABLE:
                     self._adoptable.popitem(last=False)
-        return self.backing.add_template_ahead(ino, obj, token=token, prefix=prefix)
 
     def adopt_open(self, fh: int, ino: int, reader: int) -> None:
         """The native loop opened handle ``fh`` of ``ino`` for ``reader`` (any thread,

@@ -62,9 +62,15 @@ Contracts:
   while a handle it opened with it is open -- so such a handle keeps the pin and the
   kernel's backing exactly as a handle opened here does. An inode with a template counts
   as passed through for the one-mode rule above (the loop may have handles of it open).
+  A file the directory lookahead predicted gets its template as soon as a preparing thread
+  has registered it (:attr:`Passthrough.on_prepared`, :meth:`Passthrough.add_template_ahead`),
+  before any open of it: a cold walk's first opens are the loop's too. Not a file read cold in
+  Python and registered at its close: its next open, in Python, gives it one.
 
 Concurrency: opens and releases run on the FUSE request workers, several at a
-time; predictions and settled loads arrive on the trio thread (they only queue;
+time; a preparing thread calls ``on_prepared`` holding none of this class's locks (it
+takes the file system's, then ``_lock`` in :meth:`Passthrough.add_template_ahead`);
+predictions and settled loads arrive on the trio thread (they only queue;
 ``_awaiting`` is touched on the trio thread only). ``_lock`` guards
 ``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
 dictionary work and the close ioctl only, never while a file is verified);
