@@ -507,16 +507,7 @@ class Passthrough:
         Returns whether the loop answers its opens now (not when the loop is absent, the
         epoch moved on, or the bound on templates, :attr:`max_templates`, is reached and
         the oldest cannot be dropped)."""
-        if self._loop is None or not self.enabled:
-            return False
-        oid = self.fetcher.object_id(obj)
-        with self._lock:
-            backing = self._backings.get(oid)
-            active = self._active.get(ino)
-            if (backing is None or backing.backing_id != backing_id or active is None
-                    or active[0] != oid):
-                return False
-            return self._add_template(ino, obj, backing, token, prefix)
+        return self._template(ino, obj, token, prefix, backing_id)
 
     def add_template_ahead(self, ino: int, obj: ObjectVersion, *, token: int,
                            prefix: str) -> bool:
@@ -524,36 +515,39 @@ class Passthrough:
         thread; :attr:`on_prepared`): the loop answers even that open. The same rules: the
         object's registration must be done, and the inode must have no handle served by
         the daemon (one I/O mode per inode) nor one passed through to another file."""
-        if self._loop is None or not self.enabled:
+        return self._template(ino, obj, token, prefix, None)
+
+    def _template(self, ino: int, obj: ObjectVersion, token: int, prefix: str,
+                  backing_id: int | None) -> bool:
+        """:meth:`add_template` (a handle answered ``backing_id`` is open) or, with None,
+        :meth:`add_template_ahead`."""
+        loop = self._loop
+        if loop is None or not self.enabled:
             return False
         oid = self.fetcher.object_id(obj)
         with self._lock:
             backing = self._backings.get(oid)
             active = self._active.get(ino)
-            if (backing is None or not backing.ready.is_set() or not backing.backing_id
-                    or (active is not None and active[0] != oid) or self._direct.get(ino)):
+            if backing is None or (active is not None and active[0] != oid):
                 return False
-            return self._add_template(ino, obj, backing, token, prefix)
-
-    def _add_template(self, ino: int, obj: ObjectVersion, backing: _Backing, token: int,
-                      prefix: str) -> bool:
-        """Under ``_lock``: give ``ino`` a template of ``backing`` (see add_template)."""
-        loop = self._loop
-        assert loop is not None
-        backing_id = backing.backing_id
-        known = ino in self._templates
-        if (not known and len(self._templates) >= self.max_templates
-                and not self._drop_oldest_template()):
-            return False
-        if self.native:
-            added = loop.add_template(ino, token=token, prefix=prefix,
-                                      native_backing=backing_id, size=obj.size)
-        else:
-            added = loop.add_template(ino, token=token, prefix=prefix,
-                                      kernel_backing=backing_id)
-        if added and not known:
-            self._templates[ino] = backing.oid
-            backing.templates.add(ino)
+            if backing_id is not None:
+                if backing.backing_id != backing_id or active is None:
+                    return False
+            elif not backing.ready.is_set() or not backing.backing_id or self._direct.get(ino):
+                return False
+            known = ino in self._templates
+            if (not known and len(self._templates) >= self.max_templates
+                    and not self._drop_oldest_template()):
+                return False
+            if self.native:
+                added = loop.add_template(ino, token=token, prefix=prefix,
+                                          native_backing=backing.backing_id, size=obj.size)
+            else:
+                added = loop.add_template(ino, token=token, prefix=prefix,
+                                          kernel_backing=backing.backing_id)
+            if added and not known:
+                self._templates[ino] = oid
+                backing.templates.add(ino)
         return added
 
     def adopted(self, obj: ObjectVersion) -> None:
