@@ -45,7 +45,8 @@ One listing per directory at a time (single flight); an invalidate() during a
 listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker) and ``list_ahead`` workers list them before
-the walker gets there. Reads of LMDB run on the trio thread and the FUSE request
+the walker gets there; a new mount lists its root and queues its first
+:data:`NEXT_DIRS_LISTED` sub-directories (:meth:`Metadata.list_at_mount`). Reads of LMDB run on the trio thread and the FUSE request
 workers (lock-free snapshots); writes in the listing threads, a transaction per
 batch of names (LMDB lets one writer in at a time; the others wait in their
 threads). The request workers' lookups remember the entries they found, by inode,
