@@ -41,19 +41,18 @@ up (an interrupted FUSE request) does not cancel a listing others wait for.
 In the daemon ``store`` is the :class:`~cachefs.s3.origin.Origin`'s blocking
 face: each page is a request through the origin (retried until the retry
 deadline, its waits holding no S3 connection) while the range's thread waits.
-One listing per directory at a time (single flight); an invalidate() during a
-listing makes it run once more. Listing ahead:
-``opendir`` queues the directory's sub-directories (a bounded stack, newest
-first, like a depth-first walker) and ``list_ahead`` workers list them before
-the walker gets there; a new mount lists its root and queues its first
-:data:`NEXT_DIRS_LISTED` sub-directories (:meth:`Metadata.list_at_mount`). Reads of LMDB run on the trio thread and the FUSE request
-workers (lock-free snapshots); writes in the listing threads, a transaction per
-batch of names (LMDB lets one writer in at a time; the others wait in their
-threads). The request workers' lookups remember the entries they found, by inode,
-in a bounded table (``_recent``, under its own lock) so the open that follows
-needs no snapshot; a remembered entry is used only while the index's
-``generation`` (bumped after every commit that makes a listing current) is the
-one it was read at.
+One listing per directory at a time (single flight); an invalidate() during a listing
+makes it run once more. Listing ahead: ``opendir`` queues the directory's
+sub-directories (a bounded stack, newest first, like a depth-first walker) and
+``list_ahead`` workers list them before the walker gets there; a new mount lists its
+root and queues its first :data:`NEXT_DIRS_LISTED` sub-directories
+(:meth:`Metadata.list_at_mount`). Reads of LMDB run on the trio thread and the FUSE
+request workers (lock-free snapshots); writes in the listing threads, a transaction per
+batch of names (LMDB lets one writer in at a time; the others wait in their threads).
+The request workers' lookups remember the entries they found, by inode, in a bounded
+table (``_recent``, under its own lock) so the open that follows needs no snapshot; a
+remembered entry is used only while the index's ``generation`` (bumped after every
+commit that makes a listing current) is the one it was read at.
 """
 
 from __future__ import annotations
