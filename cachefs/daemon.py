@@ -71,7 +71,7 @@ from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
-from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
+from cachefs.read.prefetcher import DIRECTORY, Prefetcher, PrefetchLedger
 from cachefs.read.shared import SharedLayout, SharedSettings, SharedTier
 from cachefs.read.sweep import Sweeper
 from cachefs.s3.boto import S3Store
@@ -314,7 +314,9 @@ class Daemon:
 
         lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir,
                                        on_predicted=passthrough.predicted,
-                                       settled=passthrough.kernel_reads)
+                                       settled=passthrough.kernel_reads,
+                                       in_flight=lambda: prefetcher.loading(DIRECTORY))
+        prefetcher.on_fetched(DIRECTORY, lookahead.on_load_end)
 
         def free_space() -> int:  # (what is in flight will be written to the cache next)
             return cache.capacity - cache.used - budget.used

@@ -418,7 +418,10 @@ class FileSystem:
                 self.metadata.invalidate(prefix)
             done(data, error)
 
-        return self.fetcher.join_now(handle.obj, offset, size, joined)
+        if not self.fetcher.join_now(handle.obj, offset, size, joined):
+            return False
+        self.lookahead.reader_waits(prefix)  # (its walk may be stretched meanwhile)
+        return True
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles.get(fh)

@@ -82,6 +82,47 @@ def test_a_pools_first_opens_in_any_order_start_one_walk() -> None:
     assert f.prefetched[0] == DIR + NAMES[10].decode()
 
 
+def test_a_walk_whose_readers_wait_while_its_gets_land_is_stretched() -> None:
+    """The readers wait for one slow file while the rest of the window lands: with fewer
+    than a quarter of the window still being fetched and a reader waiting lately, the walk
+    requests more (up to a window in flight), never more than STRETCH windows ahead of its
+    readers; with more in flight, or no reader waiting (slower than the link), nothing."""
+    from cachefs.read.lookahead import STRETCH
+
+    in_flight = [0]
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after,  # type: ignore[arg-type]
+                            in_flight=lambda: in_flight[0])
+    keys = [DIR + n.decode() for n in NAMES]
+    for name in NAMES[:40]:
+        la.on_open(DIR, name, INO[name])
+    window = la.max_files
+    reached = keys.index(f.prefetched[-1])
+    assert 39 + window * 3 // 4 <= reached <= 39 + window  # (topped up a quarter at a time)
+    in_flight[0] = window // 4  # a quarter still in flight: not stretched
+    la.reader_waits(DIR)
+    la.on_load_end()
+    assert keys.index(f.prefetched[-1]) == reached
+    in_flight[0] = 10  # the rest landed, but no reader waits: not stretched
+    la._waited[DIR] -= 1.0
+    la.on_load_end()
+    assert keys.index(f.prefetched[-1]) == reached
+    la.reader_waits(DIR)  # a reader waits for one of those still in flight
+    la.on_load_end()
+    assert keys.index(f.prefetched[-1]) == min(reached + window - 10, 39 + STRETCH * window)
+    for _ in range(3):  # at most STRETCH windows ahead of the readers
+        la.on_load_end()
+    assert 39 + STRETCH * window - window // 4 < keys.index(f.prefetched[-1]) \
+        <= 39 + STRETCH * window
+    assert len(f.prefetched) == len(set(f.prefetched))
+    stretched = keys.index(f.prefetched[-1])
+    # The readers move on: their opens top up as before, from where the requests reached.
+    for name in NAMES[40:40 + 2 * window]:
+        la.on_open(DIR, name, INO[name])
+    assert keys.index(f.prefetched[-1]) > stretched
+    assert len(f.prefetched) == len(set(f.prefetched))
+
+
 def test_random_opens_prefetch_nothing() -> None:
     la, f = make()
     order = list(range(len(NAMES)))

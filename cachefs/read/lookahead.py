@@ -47,6 +47,15 @@ files are loaded into memory by their folder's own walk, when its readers get
 there), and ``next_dir`` lists several folders ahead (a folder of small files
 is read faster than a LIST crosses regions).
 
+A window counts the files requested ahead of the readers, landed or not. When the
+readers wait for one slow GET (it shares the link with a window of others) while
+the rest land, no open tops the window up and the link idles until that GET ends:
+so when fewer than a quarter of a window are still being fetched and a reader of
+the directory waited for a fetch lately, the walk that requested last is
+*stretched* (:meth:`DirectoryLookahead.on_load_end`): up to a window in flight, at
+most :data:`STRETCH` windows ahead of its readers. Readers slower than the link
+never wait for a fetch, so their walks are never stretched.
+
 Speculation must not waste: files requested ahead that a directory's readers
 never reach (its shared walk restarted elsewhere: shuffled readers that looked
 ordered for a moment) count against the directory, and each such miss doubles
@@ -63,6 +72,8 @@ workers (any thread) and only updates walks, under ``_lock``; when a walk is
 due to request files it returns it, and :meth:`DirectoryLookahead.issue` (trio
 thread: it starts fetches through ``Prefetcher.want``, which never waits) does
 the requesting. :meth:`on_open` does both, for callers on the trio thread.
+``on_load_end`` runs on the trio thread too (a prefetch's end) and only calls
+``issue``; ``reader_waits`` (any thread) only stamps ``_waited``.
 ``issue`` holds ``_lock`` only to read a walk's position and to record what it
 requested: the listing walk and the loads it starts (up to a quarter of a
 window of files) run without it, so an open on a worker never waits for them.
@@ -79,7 +90,9 @@ it (one dictionary lookup: a stale answer costs one top-up more or less).
 from __future__ import annotations
 
 import collections
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from cachefs.cache.index import parent_prefix
@@ -99,6 +112,11 @@ LEFT_CHECK_OPENS = 32
 LEFT_CHECKS = 16
 #: Misses double the opens a directory's walks need, at most this many times.
 MAX_PENALTY = 4
+#: A walk whose readers wait while its GETs land is stretched to at most this many windows
+#: ahead of them (see DirectoryLookahead.on_load_end) ...
+STRETCH = 2
+#: ... when one of them waited for a fetch this recently (seconds).
+WAITED_LATELY = 0.5
 _MASK = (1 << SPAN) - 1
 
 WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
@@ -147,8 +165,18 @@ class DirectoryLookahead:
                  max_files: int = 256, min_opens: int = 4, density: float = 0.75,
                  max_walks: int = 4096, adjacency: int = 8,
                  on_predicted: Callable[[ObjectVersion, int], None] | None = None,
-                 settled: Callable[[ObjectVersion], bool] | None = None) -> None:
+                 settled: Callable[[ObjectVersion], bool] | None = None,
+                 in_flight: Callable[[], int] | None = None) -> None:
         self._prefetcher = prefetcher
+        # The directory prefetches still being fetched, over all walks (trio thread); with
+        # it, a walk whose readers wait while the GETs ahead of them land is stretched
+        # (see on_load_end)
+        self._in_flight = in_flight
+        # The directory's shared walk that requested files last (trio thread)
+        self._stretchable: WalkKey | None = None
+        # Directory -> when a reader there last waited for a fetch under way (any thread;
+        # single dictionary operations; bounded by max_walks)
+        self._waited: dict[str, float] = {}
         # settled(obj): nothing is to be done ahead of obj's open (the kernel reads its
         # registered cache file): counted as requested, on local disk, without asking the
         # prefetcher or on_predicted (a warm walk with passthrough asked both for every
@@ -293,12 +321,19 @@ class DirectoryLookahead:
         n = walk.count()
         return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
 
-    def _wanted(self, key: WalkKey, walk: _Walk) -> int:
-        """Files the walk should request now (0 when not in order)."""
+    def _wanted(self, key: WalkKey, walk: _Walk, in_flight: int | None = None) -> int:
+        """Files the walk should request now (0 when not in order). With ``in_flight``
+        (the directory prefetches still being fetched): how far the walk is stretched
+        past its window (see :meth:`on_load_end`)."""
         if ((walk.carried and walk.carried_to is None) or walk.hi < walk.retry_at
                 or not self._in_order(key[0], walk)):
             return 0
         window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
+        if in_flight is not None:
+            if walk.issued_ino <= walk.hi and walk.carried_to is None:
+                return 0  # its readers caught up: their opens top the window up
+            stretch = min(window - in_flight, STRETCH * window - walk.ahead)
+            return stretch if stretch >= max(1, window // 4) else 0
         if walk.issued_ino <= walk.hi and walk.carried_to is None:
             # Its readers passed what it requested (unless it went on into the next
             # directories: their files are still ahead of them)
@@ -322,23 +357,55 @@ class DirectoryLookahead:
             del self._penalty[prefix]
 
     # -- requesting files ahead (trio thread) -------------------------------------------------
-    def issue(self, keys: list[WalkKey]) -> int:
+    def on_load_end(self) -> None:
+        """A directory prefetch ended (trio thread; ``Prefetcher.on_fetched``). Its
+        walk's window counts files requested ahead of the readers, landed or not: when
+        the readers wait for one slow GET (sharing the link with a window of others), the
+        rest land, no open tops the window up, and the link idles until that GET ends. So
+        when fewer than a quarter of the window are still being fetched, and a reader in its
+        directory waited for a fetch lately (:meth:`reader_waits`), the walk that requested
+        last is stretched: it requests more, up to a window in flight and at most
+        :data:`STRETCH` windows ahead of its readers."""
+        key = self._stretchable
+        if key is None or self._in_flight is None:
+            return
+        in_flight = self._in_flight()
+        if (in_flight < self.max_files // 4
+                and time.monotonic() - self._waited.get(key[0], -math.inf) < WAITED_LATELY):
+            self.issue([key], in_flight=in_flight)
+
+    def reader_waits(self, prefix: str) -> None:
+        """A reader in ``prefix`` waits for a fetch under way (any thread): its walk may be
+        stretched meanwhile (:meth:`on_load_end`). Readers that do not wait (slower than
+        the link, or gone elsewhere) never stretch a walk."""
+        waited = self._waited
+        waited.pop(prefix, None)
+        waited[prefix] = time.monotonic()
+        if len(waited) > self.max_walks:
+            try:
+                waited.pop(next(iter(waited)))
+            except (StopIteration, KeyError, RuntimeError):
+                pass  # (changed by another thread meanwhile: bounded at the next call)
+
+    def issue(self, keys: list[WalkKey], *, in_flight: int | None = None) -> int:
         """Request the files ahead that the walks ``keys`` want now; returns how many
-        files were newly requested."""
+        files were newly requested. ``in_flight``: stretch them (:meth:`on_load_end`)."""
         issued = 0
         for key in keys:
             with self._lock:
                 walk = self._walks.get(key)
                 if walk is None:
                     continue
-                want = self._wanted(key, walk)
+                want = self._wanted(key, walk, in_flight)
                 if want <= 0 or walk.issued_until is None:
                     continue
                 after, end, carried_to = walk.issued_until, walk.end, walk.carried_to
+            if key[1] == 0:
+                self._stretchable = key
             if carried_to is not None:
                 n = self._forward(walk, carried_to, want)
                 issued += n
-                if n < want:
+                if n < want and in_flight is None:  # (a stretch finds less as a rule)
                     with self._lock:
                         walk.retry_at = walk.hi + RETRY_OPENS
                 continue

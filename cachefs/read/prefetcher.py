@@ -150,7 +150,7 @@ class Prefetcher:
         self.ledger = ledger
         # Loads started for the policies that keep a window of GETs in flight (hint,
         # sweep), until the fetcher tells they have their data (``_fetched``).
-        self._loading: dict[str, set[bytes]] = {HINT: set(), SWEEP: set()}
+        self._loading: dict[str, set[bytes]] = {HINT: set(), SWEEP: set(), DIRECTORY: set()}
         self._fetched = {policy: functools.partial(self._ended, policy) for policy in self._loading}
         self._listeners: dict[str, list[Callable[[], None]]] = {p: [] for p in self._loading}
         # readahead(bid, length): have block ``bid`` of local disk read into the page
@@ -197,13 +197,13 @@ class Prefetcher:
         return length
 
     def loading(self, policy: str) -> int:
-        """Blocks ``policy`` (hint or sweep) asked for that are still being fetched (not
+        """Blocks ``policy`` (hint, sweep or directory) asked for that are still being fetched (not
         yet there; writing back does not count): its GETs in flight. O(1): the fetcher
         tells each such load's end (see :meth:`on_fetched`)."""
         return len(self._loading[policy])
 
     def on_fetched(self, policy: str, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` (trio thread) whenever a load of ``policy`` (hint or sweep)
+        """Call ``listener()`` (trio thread) whenever a load of ``policy`` (hint, sweep, directory)
         has its bytes or its error: a policy keeping a window of GETs in flight tops it
         up then, without a timer or a hand-over of its own."""
         self._listeners[policy].append(listener)
