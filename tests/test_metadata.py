@@ -638,32 +638,6 @@ def test_opendir_lists_subdirectories_ahead(env: LmdbEnv) -> None:
     run_with_metadata(env, store, body, list_ahead=2)
 
 
-def test_a_new_mount_lists_its_root_and_its_first_folders_ahead(env: LmdbEnv) -> None:
-    """At mount the root is listed, and its first NEXT_DIRS_LISTED folders after it, before
-    any reader asks: the first reads' lookups wait for no LIST. No more than those."""
-    from cachefs.cache.metadata import NEXT_DIRS_LISTED
-
-    store = _class_folders(NEXT_DIRS_LISTED + 4)
-
-    async def body(md: Metadata) -> None:
-        md.list_at_mount("t/")
-        want = [f"t/c{d:02d}/" for d in range(NEXT_DIRS_LISTED)]
-        with trio.fail_after(5):
-            while any(md.listed_at(d) is None for d in ["t/", *want]):
-                await trio.sleep(0.01)
-        await trio.sleep(0.05)
-        assert md.listed_at(f"t/c{NEXT_DIRS_LISTED:02d}/") is None
-        assert store.calls["list"] == 1 + NEXT_DIRS_LISTED
-        lists = store.calls["list"]
-        assert await md.lookup("t/c03/", b"f") is not None
-        assert store.calls["list"] == lists  # no wait, no request
-        md.list_at_mount("t/")  # (a mount over listings kept: nothing listed again)
-        await trio.sleep(0.05)
-        assert store.calls["list"] == lists
-
-    run_with_metadata(env, store, body, list_ahead=2, root="t/")
-
-
 def test_next_dir_names_the_following_directory_and_lists_it_ahead(env: LmdbEnv) -> None:
     store = MemoryStore()
     for d in range(3):

@@ -41,18 +41,18 @@ up (an interrupted FUSE request) does not cancel a listing others wait for.
 In the daemon ``store`` is the :class:`~cachefs.s3.origin.Origin`'s blocking
 face: each page is a request through the origin (retried until the retry
 deadline, its waits holding no S3 connection) while the range's thread waits.
-One listing per directory at a time (single flight); an invalidate() during a listing
-makes it run once more. Listing ahead: ``opendir`` queues the directory's
-sub-directories (a bounded stack, newest first, like a depth-first walker) and
-``list_ahead`` workers list them before the walker gets there; a new mount lists its
-root and queues its first :data:`NEXT_DIRS_LISTED` sub-directories
-(:meth:`Metadata.list_at_mount`). Reads of LMDB run on the trio thread and the FUSE
-request workers (lock-free snapshots); writes in the listing threads, a transaction per
-batch of names (LMDB lets one writer in at a time; the others wait in their threads).
-The request workers' lookups remember the entries they found, by inode, in a bounded
-table (``_recent``, under its own lock) so the open that follows needs no snapshot; a
-remembered entry is used only while the index's ``generation`` (bumped after every
-commit that makes a listing current) is the one it was read at.
+One listing per directory at a time (single flight); an invalidate() during a
+listing makes it run once more. Listing ahead:
+``opendir`` queues the directory's sub-directories (a bounded stack, newest
+first, like a depth-first walker) and ``list_ahead`` workers list them before
+the walker gets there. Reads of LMDB run on the trio thread and the FUSE request
+workers (lock-free snapshots); writes in the listing threads, a transaction per
+batch of names (LMDB lets one writer in at a time; the others wait in their
+threads). The request workers' lookups remember the entries they found, by inode,
+in a bounded table (``_recent``, under its own lock) so the open that follows
+needs no snapshot; a remembered entry is used only while the index's
+``generation`` (bumped after every commit that makes a listing current) is the
+one it was read at.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class _Listing:
         self.error: BaseException | None = None
         self.version: int | None = None  # the version being written, once it has pages
         self.water = b""  # names below this are complete in ``version``
-        self.ahead = 0  # queue (up to) this many sub-directories for listing ahead when done
+        self.ahead = False  # queue the sub-directories for listing ahead when done
         self.subdirs: list[str] = []
         self.tick = 0
         self.again = False  # invalidated while running: list again when done
@@ -552,24 +552,9 @@ class Metadata:
         """The walker is in ``prefix``: list its sub-directories ahead of it."""
         if self._store is None or not self.list_ahead_workers:
             return
-        self._list_subdirs_ahead(prefix, AHEAD_QUEUE)
-
-    def list_at_mount(self, root: str) -> None:
-        """A new mount: list ``root`` now and its first :data:`NEXT_DIRS_LISTED`
-        sub-directories ahead (trio thread). Any first access needs the root's listing, and
-        a dataset's readers go into its first folders next: the first reads then do not
-        wait for one LIST across regions per level. Listings kept from an earlier mount are
-        not listed again here (a stale one is refreshed when it is used)."""
-        if self._store is not None and self.list_ahead_workers:
-            self._list_subdirs_ahead(root, NEXT_DIRS_LISTED)
-
-    def _list_subdirs_ahead(self, prefix: str, n: int) -> None:
-        """List ``prefix`` if it has no listing, then queue (up to) ``n`` of its
-        sub-directories for the list-ahead workers, first ones first."""
         row = self._index.row(prefix)
         if row is None:  # listed (or being listed) for the walker: queue them when done
-            listing = self._start(prefix)
-            listing.ahead = max(listing.ahead, n)
+            self._start(prefix).ahead = True
             return
         if row[3] == 0:
             return
@@ -577,7 +562,7 @@ class Metadata:
         for entry in self.iter_entries(prefix):
             if entry.is_dir:
                 subdirs.append(prefix + entry.name.decode("utf-8", "surrogateescape") + "/")
-                if len(subdirs) >= row[3] or len(subdirs) >= n:
+                if len(subdirs) >= row[3] or len(subdirs) >= AHEAD_QUEUE:
                     break
         self._queue_ahead(subdirs)
 
@@ -687,7 +672,7 @@ class Metadata:
             listing.done.set()
             listing.progress.set()
         if listing.ahead and listing.error is None:
-            self._queue_ahead(listing.subdirs[:listing.ahead])
+            self._queue_ahead(listing.subdirs)
         if listing.again and self._nursery is not None:
             self._start(prefix)
 
