@@ -148,6 +148,19 @@ def test_https_through_a_connect_proxy_with_a_private_ca(bucket, s3_endpoint, tm
         assert ("CONNECT", f"127.0.0.1:{port}") in fwd.seen
 
 
+def _abort_once_the_headers_came(exchange: Exchange) -> None:
+    """Abort ``exchange`` from another thread once its answer's headers came and its body
+    stalls (a fixed 0.5 s timer raced the headers on a busy machine: CI saw it fire first)."""
+    def abort() -> None:
+        deadline = time.monotonic() + 10
+        while exchange.first_byte_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # in the stalled body by now
+        exchange.abort()
+
+    threading.Thread(target=abort, daemon=True).start()
+
+
 def test_https_bodies_of_many_tls_records_and_an_abort(bucket, s3_endpoint, tmp_path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """TLS sockets cannot wait for a whole body in one recv: they take the record-by-record
@@ -164,16 +177,7 @@ def test_https_bodies_of_many_tls_records_and_an_abort(bucket, s3_endpoint, tmp_
         assert store.get_range("big.bin", etag, 1000, 200_000) == data[1000:200_000]
         tls_front.plan = lambda method, path, n: "stall_body"
         exchange = Exchange(idle_timeout=60)
-
-        def abort_once_the_headers_came() -> None:
-            # (a fixed 0.5 s timer raced the headers on a busy machine: CI saw it fire first)
-            deadline = time.monotonic() + 10
-            while exchange.first_byte_at is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.2)  # in the stalled body by now
-            exchange.abort()
-
-        threading.Thread(target=abort_once_the_headers_came, daemon=True).start()
+        _abort_once_the_headers_came(exchange)
         t0 = time.monotonic()
         with pytest.raises(TransientStoreError) as info:
             store.get("big.bin", etag, 0, len(data), exchange=exchange)
@@ -242,16 +246,7 @@ def test_a_stalled_answer_is_aborted_from_another_thread(bucket, s3_endpoint) ->
         proxy.plan = lambda method, path, n: "stall_body"
         store = S3Store(bucket[1], endpoint_url=proxy.url)
         exchange = Exchange(idle_timeout=60)
-
-        def abort_once_the_headers_came() -> None:
-            # (a fixed 0.5 s timer raced the headers on a busy machine: CI saw it fire first)
-            deadline = time.monotonic() + 10
-            while exchange.first_byte_at is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.2)  # in the stalled body by now
-            exchange.abort()
-
-        threading.Thread(target=abort_once_the_headers_came, daemon=True).start()
+        _abort_once_the_headers_came(exchange)
         t0 = time.monotonic()
         with pytest.raises(TransientStoreError) as info:
             store.get("s.bin", etag, 0, 1000, exchange=exchange)
