@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachefs import metrics
+from cachefs import failpoints, metrics
 from cachefs.cache.blocks import BlockCache, block_id, object_id, split_block_id
 from cachefs.cache.lmdbenv import LmdbEnv
 
@@ -471,3 +472,41 @@ def test_a_descriptor_of_a_replaced_file_is_not_trusted(make_cache) -> None:  # 
             os.close(old)
     finally:
         c.cache.unpin(oid)
+
+
+def test_verifying_one_object_never_waits_for_another_objects_write(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """b's block held inside its index transaction (the LMDB writer, which a cold pass's
+    writes queue for) does not delay the verification of a's file. Objects share no lock:
+    two whose ids began with the same byte shared one of 64 striped locks, and a's
+    passthrough open waited for b's write."""
+    c = make_cache()
+    a = [block_id("bucket", "a", "e", BLOCK, 0)]
+    first = split_block_id(a[0])[0][0] % 64
+    key = next(f"b{i}" for i in range(100_000)
+               if object_id("bucket", f"b{i}", "e", BLOCK)[0] % 64 == first)
+    b = block_id("bucket", key, "e", BLOCK, 0)
+    assert c.put(a[0], data(1))
+    inside, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        go.wait(10)
+
+    failpoints.arm("put.index", hold)
+    writer = threading.Thread(target=c.cache.put_sync, args=(b, data(2)))
+    verified: list[int | None] = []
+    checker = threading.Thread(target=lambda: verified.append(_verify_with_fd(c, a)))
+    try:
+        writer.start()
+        assert inside.wait(10)
+        checker.start()
+        checker.join(5)
+        waited = checker.is_alive()
+    finally:
+        go.set()
+        failpoints.disarm("put.index")
+        writer.join()
+        checker.join()
+    assert not waited, "a's verification waited for b's index write"
+    assert verified == [BLOCK]
+    assert c.get(b) == data(2)

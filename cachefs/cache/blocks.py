@@ -29,13 +29,13 @@ Contracts:
   none since (*written marks*, below).
 * Written marks: when :meth:`put_sync` has written and indexed a block, it
   records (the file's inode, the block's offset, its index entry) under the
-  object's stripe lock, in the same critical section. A release of any of the
+  object's lock, in the same critical section. A release of any of the
   object's bytes (punch or file removal) drops the object's marks under that
   same lock. So a mark whose inode is the inode of an open descriptor of the
   file and whose entry is the block's index entry says what reading the block
   back would say: the file holds the bytes the entry's checksum was taken of.
   :meth:`verify_object` trusts them only for a pinned object (no release can
-  run after the pin) and only while holding the stripe lock, and the marks
+  run after the pin) and only while holding the object's lock, and the marks
   live in memory only: a new daemon, or a mark pushed out of the bounded table
   (:data:`WRITTEN_MARKS`), verifies by reading, as before. The difference from
   a read-back is damage at rest between the write and the open, within one
@@ -75,18 +75,18 @@ in memory (``_touched``, from any thread) and written in batches by
 
 Locks, in the only order they may be taken:
 
-1. an object's stripe lock (``_file_lock``): held while a block is written and
+1. an object's lock (``_file_lock``): held while a block is written and
    indexed, while a dropped block's bytes are released (punch, or file removal
    when the index names none of its blocks), and while a failed verification is
    re-checked. So a file is never removed while a block put into it is still
    unindexed, a release never punches a block indexed again, and a read that
    re-checks sees either the block or its absence, never a half-done release.
-   A thread holds at most one stripe lock.
-2. the LMDB write transaction (one writer at a time); it may be opened while a
-   stripe lock is held, never the other way round.
+   A thread holds at most one object lock.
+2. the LMDB write transaction (one writer at a time); it may be opened while an
+   object lock is held, never the other way round.
 3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_deferred``,
    ``_touched`` and ``_written`` (which is changed, and read for a trust
-   decision, only while the object's stripe lock is held too); held only for a
+   decision, only while the object's lock is held too); held only for a
    few dict operations, taken last.
 """
 
@@ -98,6 +98,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import trio
@@ -114,11 +115,11 @@ from cachefs.cache.blockid import (
 from cachefs.cache.blockindex import POLICIES, BlockIndex, Entry, PutResult
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.objectfiles import ObjectFiles, pread, unlink
+from cachefs.cache.objectlocks import ObjectLocks
 from cachefs.errors import CacheError
 
 log = logging.getLogger(__name__)
 
-_STRIPES = 64
 #: Objects whose written marks are kept (see the module docstring), least recently
 #: written dropped first; one costs ~200 bytes. A dropped mark only means a read-back.
 WRITTEN_MARKS = 65536
@@ -140,14 +141,14 @@ class BlockCache:
         self.policy = policy
         self._limiter = limiter or trio.CapacityLimiter(16)
         self._lock = threading.Lock()
-        self._file_locks = [threading.Lock() for _ in range(_STRIPES)]
+        self._file_locks = ObjectLocks()
         self._pinned: dict[bytes, int] = {}
         # Byte ranges of dropped blocks whose release waits for their object's unpin.
         self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
         # Written marks: object id -> (its file's inode, {block offset: index entry}) for
         # blocks this cache wrote and has not released since (module docstring). Changed
-        # under the object's stripe lock and _lock; oldest written first.
+        # under the object's lock and _lock; oldest written first.
         self._written: OrderedDict[bytes, tuple[int, dict[int, Entry]]] = OrderedDict()
         self.max_written_marks = WRITTEN_MARKS
         # An index written by an earlier layout is dropped (the cache is best-effort);
@@ -184,8 +185,8 @@ class BlockCache:
         oid, offset = split_block_id(bid)
         return self.object_path(oid), offset
 
-    def _file_lock(self, oid: bytes) -> threading.Lock:
-        return self._file_locks[oid[0] % _STRIPES]
+    def _file_lock(self, oid: bytes) -> AbstractContextManager[None]:
+        return self._file_locks.hold(oid)
 
     # -- pins (objects whose file the kernel reads directly) ----------------------------
     def pin(self, oid: bytes) -> None:
@@ -362,7 +363,7 @@ class BlockCache:
     def _written_intact(self, bids: list[bytes], entries: list[Entry], fd: int) -> bool:
         """Whether ``fd``'s file holds every block of ``bids`` as this cache wrote it: each
         block marked written into that file (same inode) with its current index entry,
-        and none released since. Taken under the object's stripe lock, so no release is
+        and none released since. Taken under the object's lock, so no release is
         half-done; the caller's pin keeps any later one from running."""
         oid = split_block_id(bids[0])[0]
         try:
@@ -378,7 +379,7 @@ class BlockCache:
                        for bid, entry in zip(bids, entries, strict=True))
 
     def _mark_written(self, oid: bytes, inode: int, offset: int, entry: Entry) -> None:
-        """Record a block written and indexed (the caller holds the object's stripe lock)."""
+        """Record a block written and indexed (the caller holds the object's lock)."""
         with self._lock:
             marks = self._written.get(oid)
             if marks is None or marks[0] != inode:  # (a new file: earlier marks are void)
@@ -392,7 +393,7 @@ class BlockCache:
 
     def _unmark_written(self, oid: bytes) -> None:
         """Forget the object's written marks: some of its bytes are being released, or
-        were not written (the caller holds the object's stripe lock)."""
+        were not written (the caller holds the object's lock)."""
         with self._lock:
             self._written.pop(oid, None)
 
@@ -506,7 +507,7 @@ class BlockCache:
         """Free the byte ranges of dropped blocks of ``oid``: remove the object's file if
         the index names none of its blocks, else punch the ranges out of it. Ranges of
         blocks indexed again meanwhile are kept; a pinned object's release is deferred
-        until its unpin. The caller holds the object's stripe lock. The object's written
+        until its unpin. The caller holds the object's lock. The object's written
         marks are dropped first in every case (a deferred release too: fewer marks only
         cost read-backs)."""
         self._unmark_written(oid)
