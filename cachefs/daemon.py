@@ -315,7 +315,8 @@ class Daemon:
         lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir,
                                        on_predicted=passthrough.predicted,
                                        settled=passthrough.kernel_reads,
-                                       in_flight=lambda: prefetcher.loading(DIRECTORY))
+                                       in_flight=lambda: prefetcher.loading(DIRECTORY),
+                                       first_file=metadata.first_file_now)
         prefetcher.on_fetched(DIRECTORY, lookahead.on_load_end)
 
         def free_space() -> int:  # (what is in flight will be written to the cache next)

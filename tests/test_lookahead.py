@@ -82,6 +82,28 @@ def test_a_pools_first_opens_in_any_order_start_one_walk() -> None:
     assert f.prefetched[0] == DIR + NAMES[10].decode()
 
 
+def test_a_pool_opening_exactly_a_directorys_first_files_is_trusted_at_once() -> None:
+    """The same pool's first four opens, in any order, landing on the directory's first four
+    files: requests start at the fourth open (a round of GETs earlier). The same disorder
+    anywhere else in the directory still needs ten opens."""
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after, first_file=lambda prefix: (INO[NAMES[0]], len(NAMES)))  # type: ignore[arg-type]
+    for n, i in enumerate([2, 3, 1, 0], 1):
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
+        assert bool(f.prefetched) == (n == 4), f"requests after open {n}"
+    assert f.prefetched[0] == DIR + NAMES[4].decode()
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after, first_file=lambda prefix: (INO[NAMES[0]], len(NAMES)))  # type: ignore[arg-type]
+    arrivals = [502, 503, 501, 500, 505, 504, 507, 506, 509, 508, 511, 510]
+    n = 0
+    while not f.prefetched and n < len(arrivals):
+        i = arrivals[n]
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
+        n += 1
+    assert n == 10, f"requests started after open {n}"
+
+
 def test_a_walk_whose_readers_wait_while_its_gets_land_is_stretched() -> None:
     """The readers wait for one slow file while the rest of the window lands: with fewer
     than a quarter of the window still being fetched and a reader waiting lately, the walk
@@ -191,7 +213,8 @@ def test_shuffled_epochs_over_twenty_file_folders_prefetch_nothing() -> None:
     dirs = [f"train/c{c:02d}/" for c in range(10)]
     files = [(d, n) for d in dirs for n in NAMES[:20]]
     f = FakePrefetcher()
-    la = DirectoryLookahead(f, iter_after)  # type: ignore[arg-type]
+    la = DirectoryLookahead(f, iter_after,  # type: ignore[arg-type]
+                            first_file=lambda prefix: (INO[NAMES[0]], 20))  # (as the daemon's)
     rnd = random.Random(12)
     per_epoch = []
     for _ in range(20):

@@ -91,6 +91,8 @@ NEXT_DIR_SCAN = 4096
 #: trip across regions, so one directory listed ahead is not enough for its lookahead
 #: to keep a window of GETs in flight across folders.
 NEXT_DIRS_LISTED = 16
+#: Names first_file_now() looks at for a directory's first file (sub-directories first).
+FIRST_FILE_SCAN = 64
 #: Entries of recent lookups kept in memory by inode, so the open (or getattr) that
 #: follows a lookup of a name needs no index read (see Metadata.resolve_now).
 RECENT_INODES = 4096
@@ -392,6 +394,24 @@ class Metadata:
             close = getattr(entries, "close", None)
             if close is not None:
                 close()  # (its read snapshot ends now, not when collected)
+
+    def first_file_now(self, prefix: str) -> tuple[int, int] | None:
+        """(the inode of the first file (not sub-directory) of ``prefix``'s complete
+        listing, the number of files in it), or None (no complete listing, or no file among
+        its first :data:`FIRST_FILE_SCAN` names). Any thread, no side effects."""
+        row = self._index.row(prefix)
+        if row is None:
+            return None
+        entries = self._index.iter(View(row[0], None), None)
+        try:
+            for entry in itertools.islice(entries, FIRST_FILE_SCAN):
+                if not entry.is_dir:
+                    return entry.ino, row[2] - row[3]
+            return None
+        finally:
+            close = getattr(entries, "close", None)
+            if close is not None:
+                close()
 
     def _fresh_for(self, prefix: str, listed_at: float) -> float:
         """Seconds until a complete listing listed at ``listed_at`` needs a refresh (a

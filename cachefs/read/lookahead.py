@@ -17,7 +17,9 @@ files one after the other. A walk is *in order* when at least
 span they cover: a reader walking the directory fills every position, a pool
 of readers taking turns over one sequence all but the few still in flight,
 while a shuffled reader keeps restarting its walk (its next open is rarely
-just past the last one, and its jumps leave holes behind).
+just past the last one, and its jumps leave holes behind). Opens arriving out
+of order need twice their disorder in further opens, unless they are exactly
+the directory's first files (a pool starting its walk: trusted at once).
 
 Walks are followed per reader and per directory: each open steps both the walk
 of its reader (the FUSE request's thread id: one DataLoader worker, one
@@ -117,15 +119,35 @@ MAX_PENALTY = 4
 STRETCH = 2
 #: ... when one of them waited for a fetch this recently (seconds).
 WAITED_LATELY = 0.5
+#: A walk whose opens are exactly its directory's first files is trusted without the
+#: disorder allowance when shuffled readers would open exactly those first less than once
+#: in this many tries (C(files, opens needed): 4 opens of 41 files and more; a directory
+#: of 20 files would be 1 in 4,845, and a run of 20-file folders gives many tries).
+FROM_START_ODDS = 100_000
 _MASK = (1 << SPAN) - 1
 
 WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
 
 
 class _Walk:
-    __slots__ = ("ahead", "asked_next", "carried", "carried_to", "end", "hi", "hits",
-                 "issued_ino", "issued_until", "last", "lo", "opened", "retry_at", "spread",
-                 "trusted")
+    __slots__ = (
+        "ahead",
+        "asked_next",
+        "carried",
+        "carried_to",
+        "end",
+        "first",
+        "hi",
+        "hits",
+        "issued_ino",
+        "issued_until",
+        "last",
+        "lo",
+        "opened",
+        "retry_at",
+        "spread",
+        "trusted",
+    )
 
     def __init__(self, name: bytes, ino: int) -> None:
         self.lo = self.hi = ino
@@ -137,6 +159,8 @@ class _Walk:
         self.end = False  # nothing after issued_until: the directory is all requested
         self.hits = 0  # opens of files requested ahead, since the last forgiveness
         self.spread = 0  # the furthest behind the frontier an open landed
+        # The inode of its directory's first file, once asked (0: none known; -1: not asked)
+        self.first = -1
         self.asked_next = False  # next_dir() was asked (its listing started early)
         self.carried = False  # at its end, and went on into the next directory (or none)
         # A directory's shared walk that went on: the directory its further requests go to
@@ -166,8 +190,14 @@ class DirectoryLookahead:
                  max_walks: int = 4096, adjacency: int = 8,
                  on_predicted: Callable[[ObjectVersion, int], None] | None = None,
                  settled: Callable[[ObjectVersion], bool] | None = None,
-                 in_flight: Callable[[], int] | None = None) -> None:
+                 in_flight: Callable[[], int] | None = None,
+                 first_file: Callable[[str], tuple[int, int] | None] | None = None) -> None:
         self._prefetcher = prefetcher
+        # first_file(prefix): (the inode of the directory's first file in name order, its
+        # number of files), or None (any thread, no side effects): a pool whose first opens
+        # are exactly a large directory's first files is trusted without the disorder
+        # allowance (see _in_order)
+        self._first_file = first_file
         # The directory prefetches still being fetched, over all walks (trio thread); with
         # it, a walk whose readers wait while the GETs ahead of them land is stretched
         # (see on_load_end)
@@ -314,12 +344,24 @@ class DirectoryLookahead:
 
     def _in_order(self, prefix: str, walk: _Walk) -> bool:
         # Opens arriving out of order by k positions need 2k more to tell a pool of readers
-        # in order from shuffled readers in a small directory.
-        need = ((self.min_opens << (self._penalty.get(prefix, 0)
-                                    + self._skips.get(parent_prefix(prefix), 0)))
-                + 2 * walk.spread)
+        # in order from shuffled readers in a small directory ...
+        base = self.min_opens << (self._penalty.get(prefix, 0)
+                                  + self._skips.get(parent_prefix(prefix), 0))
+        need = base + 2 * walk.spread
         n = walk.count()
-        return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
+        if n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need:
+            return True
+        # ... unless they opened exactly the directory's first files, each of them: a pool
+        # starting a walk (a DataLoader over class folders in name order) does, shuffled
+        # readers of a large directory almost never (see FROM_START_ODDS). Trusted a round
+        # of GETs earlier, at the pool's first opens (asked once per walk: an index read).
+        if walk.spread == 0 or n < base or n != walk.span() or self._first_file is None:
+            return False
+        if walk.first < 0:
+            found = self._first_file(prefix)
+            walk.first = (found[0] if found is not None
+                          and math.comb(found[1], base) >= FROM_START_ODDS else 0)
+        return walk.lo == walk.first
 
     def _wanted(self, key: WalkKey, walk: _Walk, in_flight: int | None = None) -> int:
         """Files the walk should request now (0 when not in order). With ``in_flight``
