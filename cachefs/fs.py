@@ -284,6 +284,24 @@ class FileSystem:
     async def getattr(self, ino: int) -> Node:
         return self.node(ino)
 
+    def getattr_now(self, ino: int, fh: int | None = None) -> Node:
+        """The attributes of ``ino`` (any thread). The kernel asks with ``fh`` when it
+        revalidates an open file before reading it: an inode no longer listed is then
+        answered with that handle's version, not ESTALE. An open file goes on being the
+        version it opened (its reads serve that version's bytes, or ESTALE once S3 no
+        longer has them), and the kernel keeps that inode's pages; ESTALE here would fail
+        a read the page cache or the cache could serve. Without ``fh`` (a stat, an open
+        through a name), ESTALE as in :meth:`node`: the kernel looks the name up again."""
+        try:
+            return self.node(ino)
+        except FsError as exc:
+            if exc.errno != errno.ESTALE or fh is None:
+                raise
+            handle = self._handles.get(fh)
+            if isinstance(handle, FileHandle) and handle.node.ino == ino:
+                return handle.node
+            raise
+
     # -- directories ----------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
         node = self._dir(ino)

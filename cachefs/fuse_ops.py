@@ -230,7 +230,12 @@ class Operations(Handlers):
         return self._entry(await self.fs.lookup(req.nodeid, _name(req.body)))
 
     def getattr(self, req: Request) -> Reply:
-        return abi.attr_out(self._attr(self.fs.node_now(req.nodeid)), self._timeout)
+        fh = None
+        if len(req.body) >= abi.GETATTR_IN.size:
+            flags, _, handle = abi.GETATTR_IN.unpack_from(req.body)
+            if flags & abi.GETATTR_FH:
+                fh = handle
+        return abi.attr_out(self._attr(self.fs.getattr_now(req.nodeid, fh)), self._timeout)
 
     def statfs(self, req: Request) -> Reply:
         capacity, used = self._statfs_bytes()

@@ -392,6 +392,37 @@ def test_getattr_serves_stale_attributes_while_refreshing(world: World) -> None:
     world.run(body)
 
 
+def test_an_open_file_revalidated_through_its_handle_keeps_its_version(world: World) -> None:
+    """The object changed and its listing was refreshed: a GETATTR the kernel sends for an
+    open handle (its revalidation before a read) gets that handle's version, and the read
+    goes on; without the handle, or through another inode's handle, ESTALE (the kernel
+    looks the name up again)."""
+    async def body(fs: FileSystem) -> None:
+        a = await fs.lookup(ROOT_INODE, b"a.bin")
+        b = await fs.lookup(ROOT_INODE, b"b.bin")
+        await fs.metadata.settled("ds/")
+        fh, _, _bk = await fs.open(a.ino)
+        other, _, _bk = await fs.open(b.ino)
+        before = await fs.read(fh, 0, 1000)  # (cached: served after the change too)
+        world.store.put("ds/a.bin", b"short")
+        world.clock.now += 301
+        fs.getattr_now(a.ino)  # stale: served, refresh started
+        await fs.metadata.settled("ds/")
+        for asked in (None, other):
+            with pytest.raises(FsError) as ei:
+                fs.getattr_now(a.ino, asked)
+            assert ei.value.errno == errno.ESTALE
+        kept = fs.getattr_now(a.ino, fh)
+        assert kept.ino == a.ino and kept.size == 100
+        assert await fs.read(fh, 0, 1000) == before and len(before) == 100
+        fs.release(fh)
+        fs.release(other)
+        with pytest.raises(FsError):
+            fs.getattr_now(a.ino, fh)  # (released: no handle)
+
+    world.run(body)
+
+
 def test_root_prefix_empty_mounts_the_whole_bucket(tmp_path: Path) -> None:
     w = World(tmp_path, root_prefix="")
     w.store.put("top", b"t")

@@ -98,6 +98,7 @@ OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing_id
 READ_IN = struct.Struct("<QQII")  # fh, offset, size, read_flags (lock_owner, flags follow)
 RELEASE_IN = struct.Struct("<QII")  # fh, flags, release_flags (lock_owner follows)
 GETATTR_IN = struct.Struct("<IIQ")  # getattr_flags, dummy, fh
+GETATTR_FH = 1 << 0  # getattr_flags: fh is the open file the kernel asks for
 ACCESS_IN = struct.Struct("<II")  # mask, padding
 GETXATTR_IN = struct.Struct("<II")  # size, padding
 GETXATTR_OUT = struct.Struct("<II")  # size, padding
