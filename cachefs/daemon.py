@@ -409,6 +409,8 @@ class Daemon:
             nursery.start_soon(self._open_connections, origin)
             await nursery.start(fetcher.run)
             await nursery.start(metadata.run)
+            # (listed while the mount comes up: the first reads' lookups find it there)
+            metadata.list_at_mount(cfg.source.prefix)
             if shared is not None:
                 await nursery.start(shared.run)
             nursery.start_soon(self._maintenance, cache, env)

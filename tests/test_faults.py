@@ -142,7 +142,10 @@ def proxied(bucket, s3_endpoint, mount_factory, tmp_path):
     for k, v in data.items():
         client.put_object(Bucket=name, Key=k, Body=v)
     with FaultProxy(s3_endpoint) as proxy:
-        m = proxied_mount(mount_factory, proxy, name, "--retry-deadline", "3s")
+        # (--list-ahead 0: listings on demand only, none at mount or ahead, so a test here
+        # decides which request waits on S3)
+        m = proxied_mount(mount_factory, proxy, name, "--retry-deadline", "3s",
+                          "--list-ahead", "0")
         yield proxy, m, data
 
 

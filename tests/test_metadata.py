@@ -638,6 +638,45 @@ def test_opendir_lists_subdirectories_ahead(env: LmdbEnv) -> None:
     run_with_metadata(env, store, body, list_ahead=2)
 
 
+def test_a_new_mount_lists_the_path_a_walk_in_name_order_starts_on(env: LmdbEnv) -> None:
+    """At mount: the root, its first sub-directory, that one's first, and so on down,
+    before any reader asks (a reader in name order then waits for no LIST per level);
+    no other directory, and nothing listed again over listings kept from a mount before.
+    With --list-ahead 0 (on demand only) nothing."""
+    store = MemoryStore()
+    for top in ("ds", "other"):
+        for d in range(3):
+            store.put(f"{top}/c{d:02d}/f", b"x")
+            store.put(f"{top}/c{d:02d}/sub/g", b"x")
+    store.put("readme", b"x")
+    path = ["", "ds/", "ds/c00/", "ds/c00/sub/"]
+
+    async def body(md: Metadata) -> None:
+        md.list_at_mount("")
+        with trio.fail_after(5):
+            while any(md.listed_at(d) is None for d in path):
+                await trio.sleep(0.01)
+        await trio.sleep(0.05)
+        assert store.calls["list"] == len(path)
+        assert md.listed_at("ds/c01/") is None and md.listed_at("other/") is None
+        assert await md.lookup("ds/c00/", b"f") is not None
+        md.list_at_mount("")
+        await trio.sleep(0.05)
+        assert store.calls["list"] == len(path)
+
+    run_with_metadata(env, store, body, list_ahead=2, root="")
+
+    fresh = MemoryStore()
+    fresh.put("fresh/a/f", b"x")
+
+    async def on_demand(md: Metadata) -> None:
+        md.list_at_mount("fresh/")
+        await trio.sleep(0.1)
+        assert fresh.calls["list"] == 0 and md.listed_at("fresh/") is None
+
+    run_with_metadata(env, fresh, on_demand, list_ahead=0, root="fresh/")
+
+
 def test_next_dir_names_the_following_directory_and_lists_it_ahead(env: LmdbEnv) -> None:
     store = MemoryStore()
     for d in range(3):

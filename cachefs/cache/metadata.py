@@ -45,7 +45,9 @@ One listing per directory at a time (single flight); an invalidate() during a
 listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker) and ``list_ahead`` workers list them before
-the walker gets there. Reads of LMDB run on the trio thread and the FUSE request
+the walker gets there; a new mount lists the path a walk in name order starts on
+(the root, its first sub-directory, and so on down: :meth:`Metadata.list_at_mount`).
+Reads of LMDB run on the trio thread and the FUSE request
 workers (lock-free snapshots); writes in the listing threads, a transaction per
 batch of names (LMDB lets one writer in at a time; the others wait in their
 threads). The request workers' lookups remember the entries they found, by inode,
@@ -91,6 +93,9 @@ NEXT_DIR_SCAN = 4096
 #: trip across regions, so one directory listed ahead is not enough for its lookahead
 #: to keep a window of GETs in flight across folders.
 NEXT_DIRS_LISTED = 16
+#: Levels below the mount's root that list_at_mount() lists, each its parent's first
+#: sub-directory (s3://bucket/ds/train/class000/: three).
+LIST_AT_MOUNT_DEPTH = 4
 #: Names first_file_now() looks at for a directory's first file (sub-directories first).
 FIRST_FILE_SCAN = 64
 #: Entries of recent lookups kept in memory by inode, so the open (or getattr) that
@@ -585,6 +590,39 @@ class Metadata:
                 if len(subdirs) >= row[3] or len(subdirs) >= AHEAD_QUEUE:
                     break
         self._queue_ahead(subdirs)
+
+    def list_at_mount(self, root: str) -> None:
+        """A new mount: list the path a walk in name order starts on before the first
+        access asks for it (trio thread; a task of :meth:`run`'s nursery): ``root``, then
+        its first sub-directory, and so on down, at most :data:`LIST_AT_MOUNT_DEPTH`
+        levels. Every access needs the root's listing, and a reader in name order each
+        first directory next: its first open then waits for no LIST across regions per
+        level. A listing kept from an earlier mount is not listed again (a stale one is
+        refreshed when used). Not with ``--list-ahead 0`` (lists only on demand)."""
+        if self._store is not None and self.list_ahead_workers and self._nursery is not None:
+            self._nursery.start_soon(self._list_first_path, root)
+
+    async def _list_first_path(self, prefix: str) -> None:
+        for _ in range(LIST_AT_MOUNT_DEPTH + 1):
+            if self._index.row(prefix) is None:
+                listing = self._start(prefix)
+                await listing.done.wait()
+                if listing.error is not None:
+                    return  # (reported by the listing; the first access tries again)
+            row = self._index.row(prefix)
+            if row is None or row[3] == 0:
+                return
+            entries = self.iter_entries(prefix)
+            try:
+                first = next((e for e in itertools.islice(entries, NEXT_DIR_SCAN)
+                              if e.is_dir), None)
+            finally:
+                close = getattr(entries, "close", None)
+                if close is not None:
+                    close()
+            if first is None:
+                return
+            prefix += first.name.decode("utf-8", "surrogateescape") + "/"
 
     def next_dir(self, prefix: str, root: str) -> str | None:
         """The directory after ``prefix`` in its parent's listing, or None (``prefix``
