@@ -242,7 +242,8 @@ OPTIONS: tuple[Option, ...] = (
            "it is refreshed in the background.", metavar="DURATION"),
     Option("list_ahead", parse_int, 16,
            "Directories listed ahead of a directory walk at once (the sub-directories of each "
-           "opened directory are queued); 0 lists only on demand.", metavar="N"),
+           "opened directory are queued; a new mount lists the root and its first "
+           "sub-directories down); 0 lists only on demand.", metavar="N"),
     Option("manifest", _opt_str, None,
            "Mount from a manifest instead of listing the bucket: JSON lines or CSV of key, "
            "size, ETag[, mtime], or an S3 Inventory manifest.json (CSV; Parquet needs "
