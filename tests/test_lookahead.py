@@ -71,15 +71,22 @@ def test_a_pools_first_opens_in_any_order_start_one_walk() -> None:
     any order: one below the walk's first open extends it back instead of restarting it
     (which cost a round of opens, one GET's time each, before anything was requested)."""
     la, f = make()
-    arrivals = [2, 3, 1, 0, 5, 4, 7, 6, 9, 8, 11, 10]
-    n = 0
-    while not f.prefetched and n < len(arrivals):
-        i = arrivals[n]
-        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
-        n += 1
+    n = _pool_opens_until_requests(la, f, 0)
     # (need: min_opens + twice the spread of 3: ten opens)
     assert f.prefetched and n == 10, f"requests started after open {n}"
     assert f.prefetched[0] == DIR + NAMES[10].decode()
+
+
+def _pool_opens_until_requests(la: DirectoryLookahead, f: FakePrefetcher, at: int) -> int:
+    """Four readers taking turns from position ``at`` open their files in pairs swapped;
+    returns after how many opens the first files were requested (12 if not)."""
+    arrivals = [2, 3, 1, 0, 5, 4, 7, 6, 9, 8, 11, 10]
+    n = 0
+    while not f.prefetched and n < len(arrivals):
+        i = at + arrivals[n]
+        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
+        n += 1
+    return n
 
 
 def test_a_pool_opening_exactly_a_directorys_first_files_is_trusted_at_once() -> None:
@@ -95,12 +102,7 @@ def test_a_pool_opening_exactly_a_directorys_first_files_is_trusted_at_once() ->
 
     f = FakePrefetcher()
     la = DirectoryLookahead(f, iter_after, first_file=lambda prefix: (INO[NAMES[0]], len(NAMES)))  # type: ignore[arg-type]
-    arrivals = [502, 503, 501, 500, 505, 504, 507, 506, 509, 508, 511, 510]
-    n = 0
-    while not f.prefetched and n < len(arrivals):
-        i = arrivals[n]
-        la.on_open(DIR, NAMES[i], INO[NAMES[i]], reader=1000 + i % 4)
-        n += 1
+    n = _pool_opens_until_requests(la, f, 500)
     assert n == 10, f"requests started after open {n}"
 
 
