@@ -253,7 +253,7 @@ OPTIONS: tuple[Option, ...] = (
            "Cap on bytes held in memory for fetches in flight, prefetched and hot blocks.",
            metavar="SIZE"),
     Option("max_connections", parse_int, 256, "Concurrent S3 requests at most.", metavar="N"),
-    Option("fuse_workers", parse_int, 2,
+    Option("fuse_workers", parse_int, 4,
            "Threads answering FUSE requests (lookups, opens, reads of cached blocks); more "
            "overlap more waits for the disk, at a CPU cost per request.",
            metavar="N"),

@@ -70,14 +70,15 @@ from cachefs.fuse.native import NativeReads
 
 log = logging.getLogger(__name__)
 
-#: Request workers by default. One runs Python at a time (the GIL), so more workers only
-#: overlap waits for the disk (a read of a cache file not in the page cache, a first
-#: passthrough open verifying its file). Two keep one answering while the other waits;
-#: each further one costs CPU on every request: an idle worker sleeping in its read is
-#: woken for the next request while another holds the GIL, and the two then hand the
-#: GIL back and forth (1,200 warm files, 4 readers, means of two runs: 183-212 us of
-#: daemon CPU per file with 1 or 2 workers, 222-235 us with 4; files/s no worse).
-DEFAULT_WORKERS = 2
+#: Request workers by default. Most requests of a warm pass are answered in the native
+#: loop, without the GIL (lookups, opens, releases, reads of verified cache files), so
+#: more workers overlap more waits for the disk: without passthrough each file's READ is
+#: one pread of its cache file (~300 us with the page cache dropped), and 2 workers left
+#: 4 readers waiting for 2 of them. 4 against 2 (benchmarks/RESULTS.md, fourteenth round):
+#: warm shuffled 4,503-4,953 against 4,218-4,857 files/s without passthrough, no change with
+#: it nor cold, ~10% more daemon CPU per warm file. (When Python answered those requests,
+#: an idle worker woken while another held the GIL made 4 cost more than it gained.)
+DEFAULT_WORKERS = 4
 
 #: Requests answered without a handler, by the name their count carries; any other is
 #: counted as "other" (ENOSYS, or EROFS for a modifying one).
