@@ -286,3 +286,22 @@ def test_smallfiles_stopped_by_sigterm_leaves_no_server_or_mount(tmp_path: Path,
     left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in _processes_naming(str(work))}
     assert left == {}, "a process of the run outlived it"
     assert not _mounted_under(work)
+
+
+def test_a_weed_that_did_not_shut_down_cleanly_leaves_no_socket_behind(tmp_path: Path) -> None:
+    """weed keeps a unix socket per gRPC server in the temp directory, named by port; a weed
+    killed (SIGKILL after the stop timeout, a crash) left them there, hundreds after a day
+    of benchmarks: stop() removes this start's."""
+    from benchmarks.origin import SeaweedOrigin
+
+    origin = SeaweedOrigin(tmp_path / "weed").start()
+    try:
+        sockets = origin.grpc_sockets()
+        assert any(p.exists() for p in sockets), sockets  # (where weed puts them)
+        assert origin.proc is not None
+        os.killpg(origin.proc.pid, signal.SIGKILL)  # no clean shutdown
+        origin.proc.wait(30)
+        assert any(p.exists() for p in sockets)
+    finally:
+        origin.stop()
+    assert not [p for p in sockets if p.exists()]
