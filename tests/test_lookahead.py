@@ -30,6 +30,19 @@ class FakePrefetcher:
         return obj.size
 
 
+class CountingPrefetcher(FakePrefetcher):
+    """Counts every request, a file asked for again too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def want_object(self, obj: ObjectVersion, policy: str, *,
+                    load_cached: bool = True) -> int | None:
+        self.asked += 1
+        return super().want_object(obj, policy, load_cached=load_cached)
+
+
 def iter_after(prefix: str, after: bytes) -> Iterator[Entry]:
     for name in NAMES:
         if name > after:
@@ -209,26 +222,32 @@ def test_shuffled_epochs_after_an_in_order_one_prefetch_nothing() -> None:
     assert len(f.prefetched) == before
 
 
-def test_shuffled_epochs_over_twenty_file_folders_prefetch_nothing() -> None:
-    # The issue's keep-policy case: 200 files in 10 folders, a fresh shuffle every epoch,
-    # 8 readers. Anything requested ahead here is fetched for nobody.
+def test_shuffled_epochs_over_twenty_file_folders_prefetch_next_to_nothing() -> None:
+    # The issue's keep-policy case: 200 files in 10 folders of 20, a fresh shuffle every
+    # epoch, 8 readers; anything requested ahead here is fetched for nobody. A walk may
+    # look ordered now and then (a few files in a row), and every miss makes its directory
+    # harder to convince: over 20 shuffles (seeds) of 20 epochs each, the requests stay
+    # below 0.5% of the opens (about 0.2% as measured), and none reaches past a folder.
+    per = 20
     dirs = [f"train/c{c:02d}/" for c in range(10)]
-    files = [(d, n) for d in dirs for n in NAMES[:20]]
-    f = FakePrefetcher()
-    la = DirectoryLookahead(f, iter_after,  # type: ignore[arg-type]
-                            first_file=lambda prefix: (INO[NAMES[0]], 20))  # (as the daemon's)
-    rnd = random.Random(12)
-    per_epoch = []
-    for _ in range(20):
-        rnd.shuffle(files)
-        before = len(f.prefetched)
-        for i, (d, n) in enumerate(files):
-            la.on_open(d, n, INO[n], reader=7000 + i % 8)
-        per_epoch.append(len(f.prefetched) - before)
-    # A walk may look ordered now and then (a few files at first); every miss makes its
-    # directory harder to convince, so the waste dies out instead of going on.
-    assert sum(per_epoch) < 0.01 * 20 * len(files), per_epoch
-    assert sum(per_epoch[10:]) == 0, per_epoch
+
+    def folder_after(prefix: str, after: bytes) -> Iterator[Entry]:
+        return (e for e in iter_after(prefix, after) if e.name in NAMES[:per])  # its 20 files
+
+    opens = requested = 0
+    for seed in range(20):
+        f = CountingPrefetcher()
+        la = DirectoryLookahead(f, folder_after,  # type: ignore[arg-type]
+                                first_file=lambda prefix: (INO[NAMES[0]], per))  # (as the daemon's)
+        files = [(d, n) for d in dirs for n in NAMES[:per]]
+        rnd = random.Random(seed)
+        for _ in range(20):
+            rnd.shuffle(files)
+            for i, (d, n) in enumerate(files):
+                la.on_open(d, n, INO[n], reader=7000 + i % 8)
+            opens += len(files)
+        requested += f.asked
+    assert requested < 0.005 * opens, (requested, opens)
 
 
 def test_a_directory_whose_readers_leave_requests_unread_needs_longer_walks() -> None:
