@@ -510,3 +510,4 @@ def test_verifying_one_object_never_waits_for_another_objects_write(make_cache) 
     assert not waited, "a's verification waited for b's index write"
     assert verified == [BLOCK]
     assert c.get(b) == data(2)
+    assert len(c.cache._file_locks) == 0  # a lock lives only while held or waited for
