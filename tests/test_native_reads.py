@@ -549,6 +549,9 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
         assert m.metric("cachefs_open_file_handles") == 1  # (its bookkeeping caught up)
         for _ in range(2):  # b registered, idle: the bound would close a's registration
             assert _read(m.path / "b.bin") == b
+            # (the kernel sends a RELEASE after close() returns: b's next open must not
+            # find its handle still open, registration and template included)
+            _wait_metric(m, "cachefs_open_file_handles", 1)
         # a's registration and template stayed: another open of it is the loop's too
         _drop_page_cache()
         assert _read(m.path / "a.bin") == a
@@ -560,6 +563,7 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
     _wait_metric(m, "cachefs_open_file_handles", 0)
     for _ in range(2):  # now a's registration may go (the loop's handle is closed)
         assert _read(m.path / "b.bin") == b
+        _wait_metric(m, "cachefs_open_file_handles", 0)
     answered = m.metric(opens)
     assert _read(m.path / "a.bin") == a  # registered again, in Python ...
     assert m.metric(opens) == answered, "a's template outlived its registration"
