@@ -31,6 +31,7 @@ memory while it keeps it. :mod:`cachefs.cache.metadata` decides what to list and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import struct
@@ -70,6 +71,18 @@ class Entry:
     mtime: float = 0.0
     etag: str = ""
     ino: int = 0
+
+
+@contextlib.contextmanager
+def snapshot(entries: Iterator[Entry]) -> Iterator[Iterator[Entry]]:
+    """``entries`` (an iterator of :meth:`Index.iter`) for a ``with`` block: its LMDB read
+    snapshot ends when the block does, not when the iterator is collected."""
+    try:
+        yield entries
+    finally:
+        close = getattr(entries, "close", None)
+        if close is not None:
+            close()
 
 
 def enc(text: str) -> bytes:

@@ -81,6 +81,7 @@ from cachefs.cache.index import (
     enc,
     parent_prefix,
     prefix_id,
+    snapshot,
 )
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.s3.store import ObjectInfo, ObjectStore, list_dir
@@ -392,13 +393,8 @@ class Metadata:
         row = self._index.row(prefix)
         if row is None:
             return []
-        entries = self._index.iter(View(row[0], None), after)
-        try:
+        with snapshot(self._index.iter(View(row[0], None), after)) as entries:
             return list(itertools.islice(entries, n))
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()  # (its read snapshot ends now, not when collected)
 
     def first_file_now(self, prefix: str) -> tuple[int, int] | None:
         """(the inode of the first file (not sub-directory) of ``prefix``'s complete
@@ -407,16 +403,11 @@ class Metadata:
         row = self._index.row(prefix)
         if row is None:
             return None
-        entries = self._index.iter(View(row[0], None), None)
-        try:
+        with snapshot(self._index.iter(View(row[0], None), None)) as entries:
             for entry in itertools.islice(entries, FIRST_FILE_SCAN):
                 if not entry.is_dir:
                     return entry.ino, row[2] - row[3]
-            return None
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
+        return None
 
     def _fresh_for(self, prefix: str, listed_at: float) -> float:
         """Seconds until a complete listing listed at ``listed_at`` needs a refresh (a
@@ -612,14 +603,9 @@ class Metadata:
             row = self._index.row(prefix)
             if row is None or row[3] == 0:
                 return
-            entries = self.iter_entries(prefix)
-            try:
+            with snapshot(self.iter_entries(prefix)) as entries:
                 first = next((e for e in itertools.islice(entries, NEXT_DIR_SCAN)
                               if e.is_dir), None)
-            finally:
-                close = getattr(entries, "close", None)
-                if close is not None:
-                    close()
             if first is None:
                 return
             prefix += first.name.decode("utf-8", "surrogateescape") + "/"
@@ -636,9 +622,9 @@ class Metadata:
         v = self.view(parent)
         if v is None:
             return None
-        entries = self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
         following: list[str] = []
-        try:
+        with snapshot(self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
+                       ) as entries:
             for i, entry in enumerate(entries):
                 if entry.is_dir:
                     following.append(parent + entry.name.decode("utf-8", "surrogateescape")
@@ -647,10 +633,6 @@ class Metadata:
                         break
                 if i >= NEXT_DIR_SCAN:
                     break
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
         if self._store is not None and self.list_ahead_workers:
             now = self._clock()
             unlisted = []
