@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import trio
 
-from cachefs.cache.index import parent_prefix
+from cachefs.cache.index import parent_prefix, snapshot
 from cachefs.cache.metadata import Entry, Metadata, View
 from cachefs.errors import NoSuchKey, ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
@@ -345,14 +345,10 @@ class FileSystem:
     def _positions(self, parent: Node, entries: Iterator[Entry],
                    start: int) -> Iterator[tuple[int, Node]]:
         pos = start
-        try:
+        with snapshot(entries):
             for entry in entries:
                 pos += 1
                 yield pos, self._node_for(parent.path, entry)
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
 
     def readdir_progress(self, fh: int, position: int, node: Node) -> None:
         handle = self._handles.get(fh)
@@ -562,11 +558,6 @@ def _call(fn: Callable[..., Any], *args: Any) -> None:
 
 def _name_at(metadata: Metadata, view: View, index: int) -> tuple[bool, bytes | None]:
     """(whether it exists, the name of) entry ``index`` of ``view`` (any thread)."""
-    entries = metadata.entries_in(view)
-    try:
+    with snapshot(metadata.entries_in(view)) as entries:
         entry = next(itertools.islice(entries, index, None), None)
-    finally:
-        close = getattr(entries, "close", None)
-        if close is not None:
-            close()
     return (False, None) if entry is None else (True, entry.name)

@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from cachefs import metrics
+from cachefs.cache.index import snapshot
 from cachefs.errors import (
     AccessDenied,
     CacheError,
@@ -374,7 +375,7 @@ class Operations(Handlers):
         out: list[bytes] = []
         used = 0
         sent: list[tuple[int, Node]] = []
-        try:
+        with snapshot(entries):
             for position, node in entries:
                 if plus:
                     rec = abi.dirent_plus(self._entry(node), node.ino, position, node.name,
@@ -386,10 +387,6 @@ class Operations(Handlers):
                 out.append(rec)
                 used += len(rec)
                 sent.append((position, node))
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
         for position, node in sent:  # the kernel may continue after any of them
             self.fs.readdir_progress(fh, position, node)
         return b"".join(out)  # one buffer: a writev takes at most IOV_MAX (1024) parts

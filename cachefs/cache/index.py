@@ -38,7 +38,7 @@ import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -46,6 +46,7 @@ from cachefs import metrics
 from cachefs.cache.lmdbenv import LmdbEnv
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 NAME_MAX = 255
 ROOT_INO = 1
@@ -74,9 +75,10 @@ class Entry:
 
 
 @contextlib.contextmanager
-def snapshot(entries: Iterator[Entry]) -> Iterator[Iterator[Entry]]:
-    """``entries`` (an iterator of :meth:`Index.iter`) for a ``with`` block: its LMDB read
-    snapshot ends when the block does, not when the iterator is collected."""
+def snapshot(entries: Iterator[_T]) -> Iterator[Iterator[_T]]:
+    """``entries`` (an iterator of :meth:`Index.iter`, or a generator reading one) for a
+    ``with`` block: its LMDB read snapshot ends when the block does, not when the iterator
+    is collected."""
     try:
         yield entries
     finally:

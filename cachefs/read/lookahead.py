@@ -97,7 +97,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from cachefs.cache.index import parent_prefix
+from cachefs.cache.index import parent_prefix, snapshot
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.prefetcher import DIRECTORY, Prefetcher
@@ -493,7 +493,7 @@ class DirectoryLookahead:
         entries = self._iter_after(prefix, after)
         picked: list[tuple[bytes, int]] = []
         end = True  # unless the loop stops before the last entry
-        try:
+        with snapshot(entries):
             for entry in entries:
                 if entry.is_dir:
                     continue
@@ -514,10 +514,6 @@ class DirectoryLookahead:
                 picked.append((entry.name, entry.ino))
                 if self._on_predicted is not None and not settled:
                     self._on_predicted(obj, entry.ino)
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
         return picked, end
 
     def _forward(self, walk: _Walk, prefix: str, want: int) -> int:
@@ -585,12 +581,8 @@ class DirectoryLookahead:
                 prev.carried = True
                 return 0  # its readers are there already (or it was carried into before)
         entries = self._iter_after(prefix, b"")
-        try:
+        with snapshot(entries):
             first = next((e for e in entries if not e.is_dir), None)
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()  # (its snapshot ends now, not when the generator is collected)
         if first is None:
             return 0  # not listed yet, or no files
         walk = _Walk(b"", first.ino - 1)

@@ -70,7 +70,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.background import report
-from cachefs.cache.index import parent_prefix
+from cachefs.cache.index import parent_prefix, snapshot
 from cachefs.cache.metadata import Entry
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
@@ -296,7 +296,7 @@ class Sweeper:
         inflight = pf.loading(SWEEP)
         entries = self._listings.iter_entries(prefix, self._after)
         looked = 0
-        try:
+        with snapshot(entries):
             for entry in entries:
                 if looked >= STEP_ENTRIES:
                     return None  # (not done: the next step goes on from _after)
@@ -325,10 +325,6 @@ class Sweeper:
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
                     self.paused = None
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
         self._current = self._after = None  # the directory is done
         return None
 
@@ -336,14 +332,10 @@ class Sweeper:
         """Queue the sub-directories of ``parent`` (in listing order, those not queued)."""
         self._listings.list_ahead(parent)  # (their listings are started ahead of the sweep)
         entries = self._listings.iter_entries(parent)
-        try:
+        with snapshot(entries):
             for i, entry in enumerate(entries):
                 if i >= SPREAD_SCAN or len(self._queued) >= self.max_dirs:
                     break
                 if entry.is_dir:
                     self._queue_dir(parent + entry.name.decode("utf-8", "surrogateescape") + "/",
                                     "sibling")
-        finally:
-            close = getattr(entries, "close", None)
-            if close is not None:
-                close()
