@@ -222,6 +222,7 @@ class NativeAnswers:
 
     def __init__(self) -> None:
         self.source: Callable[[], dict[str, int]] | None = None
+        self.direct_reads: Callable[[], int] | None = None
 
     def describe(self) -> list[Metric]:
         return list(self.collect())
@@ -235,6 +236,11 @@ class NativeAnswers:
         for op, value in sorted((source() if source is not None else {}).items()):
             family.add_metric([op], value)
         yield family
+        direct = self.direct_reads
+        yield CounterMetricFamily(
+            "cachefs_native_direct_reads", "Reads of those the native loop made from the "
+            "cache disk with O_DIRECT (bytes not in the page cache: cached once, for the "
+            "FUSE file, not twice)", value=direct() if direct is not None else 0)
 
 
 NATIVE_ANSWERS = NativeAnswers()

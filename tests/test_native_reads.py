@@ -146,6 +146,66 @@ def test_reads_of_a_bound_handle_are_answered_from_its_file(loop: Loop, cache_fi
     assert st["read_bytes"] == 4096 + 100_000 + 10 + 0 + 150_000
 
 
+def _cached_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) of a mapping of it)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    # (a copy-on-write mapping: ctypes takes the address of a writable buffer only;
+    # nothing is written, so no page is touched)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            assert libc.mincore(ctypes.addressof(view), size, vec) == 0, ctypes.get_errno()
+        finally:
+            del view  # (the mapping closes only without exported buffers)
+        return sum(v & 1 for v in vec)
+
+
+def _evict_pages(path: Path) -> None:
+    """Write ``path`` back and drop its pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert _cached_pages(path) == 0
+
+
+def test_bytes_not_in_the_page_cache_are_read_direct_and_leave_none_there(
+        loop: Loop, cache_file: Any) -> None:
+    """A read of a file none of whose bytes are in the page cache is made with O_DIRECT
+    (the kernel caches the answer for the FUSE file; a second copy in the cache file's
+    pages would double the memory): exact bytes, clipped to the object, and the cache
+    file's pages stay out of the page cache. Unaligned reads and reads of bytes in the
+    page cache (a file just written, not yet written back) are plain reads."""
+    path, data = cache_file
+    _evict_pages(path)
+    backing = _register(loop.reads, path)
+    loop.reads.bind(7, backing, len(data) - 5)  # the object ends 5 bytes before the file
+    assert loop.ask(_read_request(1, 7, 0, 131_072)) == (1, 0, data[:131_072])
+    assert loop.ask(_read_request(2, 7, 290_816, 131_072)) == (2, 0, data[290_816:-5])
+    assert loop.reads.stats()["direct_reads"] == 2
+    assert _cached_pages(path) == 0, "a direct read left the cache file's pages cached"
+    assert loop.ask(_read_request(3, 7, 12_345, 100_000)) == (3, 0, data[12_345:112_345])
+    assert loop.reads.stats()["direct_reads"] == 2  # (unaligned: a plain read)
+    assert _cached_pages(path) > 0
+    # A file just written: its pages are dirty in the page cache, a direct read would
+    # first write them back.
+    fresh = path.with_name("fresh")
+    fresh.write_bytes(data[::-1])
+    loop.reads.bind(8, _register(loop.reads, fresh), len(data))
+    assert loop.ask(_read_request(4, 8, 0, 131_072)) == (4, 0, data[::-1][:131_072])
+    assert loop.reads.stats()["direct_reads"] == 2
+    assert loop.handed == [] and loop.reads.stats()["fallbacks"] == 0
+
+
 def test_a_read_is_clipped_to_the_object_not_the_file(loop: Loop, cache_file: Any) -> None:
     path, data = cache_file
     backing = _register(loop.reads, path)

@@ -8,7 +8,8 @@
  *   READ  of a handle bound to a verified cache file (bind(): the file passed the same
  *         whole-object check as a file handed to the kernel by FUSE passthrough, and stays
  *         pinned while bound; see cachefs/fuse/native.py): one pread of the file and one
- *         writev of the answer. A read the file cannot answer in full (an error, a short
+ *         writev of the answer (O_DIRECT when none of the bytes is in the page cache:
+ *         read_file()). A read the file cannot answer in full (an error, a short
  *         read inside the object) goes to Python, which serves and checks it as usual.
  *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
  *   LOOKUP of a name whose answer Python remembered here (remember_lookup()): the same
@@ -57,6 +58,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -75,6 +77,23 @@
 /* Events waiting for Python; when full, OPENs and RELEASEs go to Python (which takes the
  * events first). 16,384 events: 384 KiB. */
 #define MAX_EVENTS 16384
+/* O_DIRECT reads (read_file()) are aligned to this: the page size, which every Linux
+ * file system's logical block size divides. */
+#define DIRECT_ALIGN 4096
+/* bound_file.direct_fd before the file's first read from the disk. */
+#define DIRECT_UNOPENED (-2)
+#ifndef __NR_cachestat
+#define __NR_cachestat 451  /* (the same number on every architecture) */
+#endif
+/* cachestat(2)'s arguments and answer, as <linux/mman.h> of Linux 6.5 declares them
+ * (older headers do not). */
+struct cachestat_args {
+    uint64_t off, len;
+};
+struct cachestat_answer {
+    uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
 /* Handles the loop opens are numbered from here (Python's count from 1). */
 #define FIRST_LOOP_FH (1ULL << 62)
 /* Open flags the loop answers (others, e.g. O_DIRECT or any write, go to Python). */
@@ -106,6 +125,8 @@ struct read_in {
 
 struct bound_file {
     int fd;
+    int direct_fd;  /* the same file opened O_DIRECT (read_file()); DIRECT_UNOPENED until
+                     * the first read that misses the page cache, -1 if it cannot be */
     uint64_t size;
     int refs;  /* the map's own reference, plus one per read under way */
 };
@@ -175,7 +196,7 @@ struct table {
     uint32_t dir_epochs[DIR_EPOCHS];  /* atomic */
     /* statistics (atomic adds) */
     struct op_stats ops[KINDS];
-    uint64_t read_bytes, ioctls, fallbacks, lookups_remembered, open_handovers;
+    uint64_t read_bytes, ioctls, fallbacks, lookups_remembered, open_handovers, direct_reads;
     int n_bounds;
     double bounds[MAX_BUCKETS];
 };
@@ -263,13 +284,42 @@ static int map_init(struct map *m) {
     return m->slots == NULL ? -1 : 0;
 }
 
-/* Drop one reference (under the lock); returns the descriptor to close, or -1. */
-static int unref(struct bound_file *f) {
-    if (f == NULL || --f->refs > 0)
-        return -1;
-    int fd = f->fd;
+/* A bound file reading a duplicate of ``fd`` (the caller keeps its own), ``size`` bytes
+ * long, with one reference; NULL with errno set. */
+static struct bound_file *new_bound_file(int fd, uint64_t size) {
+    struct bound_file *f = malloc(sizeof(struct bound_file));
+    if (f == NULL)
+        return NULL;
+    f->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (f->fd < 0) {
+        int saved = errno;
+        free(f);
+        errno = saved;
+        return NULL;
+    }
+    f->direct_fd = DIRECT_UNOPENED;
+    f->size = size;
+    f->refs = 1;
+    return f;
+}
+
+/* Close a bound file's descriptors and free it (without the lock: close() may wait). */
+static void dispose(struct bound_file *f) {
+    if (f == NULL)
+        return;
+    close(f->fd);
+    int dfd = __atomic_load_n(&f->direct_fd, __ATOMIC_ACQUIRE);
+    if (dfd >= 0)
+        close(dfd);
     free(f);
-    return fd;
+}
+
+/* Drop one reference (under the lock); returns the file to dispose() once the lock is
+ * released (its last reference), or NULL. */
+static struct bound_file *unref(struct bound_file *f) {
+    if (f == NULL || --f->refs > 0)
+        return NULL;
+    return f;
 }
 
 static void table_free(PyObject *capsule) {
@@ -278,17 +328,13 @@ static void table_free(PyObject *capsule) {
         return;
     for (size_t i = 0; i < t->handles.capacity; i++) {
         if (t->handles.slots[i].fh != 0) {
-            int fd = unref(t->handles.slots[i].file);
-            if (fd >= 0)
-                close(fd);
+            dispose(unref(t->handles.slots[i].file));
         }
     }
     for (size_t i = 0; i < t->templates.capacity; i++) {
         struct open_template *tpl = t->templates.slots[i].tpl;
         if (t->templates.slots[i].fh != 0 && tpl != NULL) {
-            int fd = unref(tpl->file);
-            if (fd >= 0)
-                close(fd);
+            dispose(unref(tpl->file));
             free(tpl);
         }
     }
@@ -363,7 +409,14 @@ static PyObject *new_table(PyObject *self, PyObject *args) {
     t->event_fd = -1;
     t->lookup_mask = (size_t)lookup_slots - 1;
     t->lookup_epoch = 1;
-    pthread_mutex_init(&t->lock, NULL);
+    /* Adaptive: a worker finding the mutex held spins a little before it sleeps. It is
+     * held for a few map operations only, and with more workers than cores a sleep and
+     * its wake-up (two futex calls) cost more than the wait. */
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&t->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
     PyObject *capsule = PyCapsule_New(t, CAPSULE_NAME, table_free);
     if (capsule == NULL) {
         free(t->handles.slots);
@@ -390,17 +443,11 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "handle 0 cannot be bound");
         return NULL;
     }
-    struct bound_file *f = malloc(sizeof(struct bound_file));
+    struct bound_file *f = new_bound_file(fd, size);
     if (f == NULL)
-        return PyErr_NoMemory();
-    f->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (f->fd < 0) {
-        free(f);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    f->size = size;
-    f->refs = 1;
-    int old_fd = -1, failed = 0;
+        return errno == ENOMEM ? PyErr_NoMemory() : PyErr_SetFromErrno(PyExc_OSError);
+    struct bound_file *old = NULL;
+    int failed = 0;
     pthread_mutex_lock(&t->lock);
     struct slot *s = find_slot(&t->handles, fh);
     if (s->fh != 0 && s->tpl != NULL) {
@@ -410,15 +457,13 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     } else {
         s = find_slot(&t->handles, fh);
         if (s->fh != 0)
-            old_fd = unref(s->file);  /* a handle number bound twice: the newer wins */
+            old = unref(s->file);  /* a handle number bound twice: the newer wins */
         put_slot(&t->handles, fh, f, NULL);
     }
     pthread_mutex_unlock(&t->lock);
-    if (old_fd >= 0)
-        close(old_fd);
+    dispose(old);
     if (failed) {
-        close(f->fd);
-        free(f);
+        dispose(f);
         if (failed == 2) {
             PyErr_SetString(PyExc_ValueError, "the handle was opened by the loop");
             return NULL;
@@ -439,21 +484,21 @@ static PyObject *unbind(PyObject *self, PyObject *args) {
     struct table *t = get_table(capsule);
     if (t == NULL)
         return NULL;
-    int fd = -1, found = 0;
+    struct bound_file *gone = NULL;
+    int found = 0;
     pthread_mutex_lock(&t->lock);
     if (fh != 0) {
         struct slot *s = find_slot(&t->handles, fh);
         if (s->fh != 0) {
             found = 1;
-            fd = unref(s->file);
+            gone = unref(s->file);
             if (s->tpl != NULL)
                 s->tpl->handles--;
             remove_slot(&t->handles, s);
         }
     }
     pthread_mutex_unlock(&t->lock);
-    if (fd >= 0)
-        close(fd);
+    dispose(gone);
     return PyBool_FromLong(found);
 }
 
@@ -502,6 +547,7 @@ static PyObject *stats(PyObject *self, PyObject *args) {
         {"templates", templates},
         {"events", events},
         {"open_handovers", __atomic_load_n(&t->open_handovers, __ATOMIC_RELAXED)},
+        {"direct_reads", __atomic_load_n(&t->direct_reads, __ATOMIC_RELAXED)},
     };
     for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(counts[i].value);
@@ -554,6 +600,68 @@ static int answer(int fd, uint64_t unique, int error, const void *data, size_t n
     }
 }
 
+/* Whether any of ``len`` bytes from ``off`` of ``fd`` is in the page cache: 1, 0, or -1
+ * when the kernel cannot say (cachestat(2) is Linux 6.5 and later). */
+static int in_page_cache(int fd, uint64_t off, uint64_t len) {
+    struct cachestat_args range = {off, len};
+    struct cachestat_answer st;
+    if (syscall(__NR_cachestat, fd, &range, &st, 0) != 0)
+        return -1;
+    return st.nr_cache > 0;
+}
+
+/* The file's O_DIRECT descriptor, opened at the first call (any thread: the first to
+ * publish one wins); -1 when the file or the kernel refuses O_DIRECT. */
+static int direct_fd(struct bound_file *f) {
+    int dfd = __atomic_load_n(&f->direct_fd, __ATOMIC_ACQUIRE);
+    if (dfd != DIRECT_UNOPENED)
+        return dfd;
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", f->fd);
+    int fresh = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    int expected = DIRECT_UNOPENED;
+    if (__atomic_compare_exchange_n(&f->direct_fd, &expected, fresh < 0 ? -1 : fresh, 0,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return fresh < 0 ? -1 : fresh;
+    if (fresh >= 0)
+        close(fresh);  /* another read published its own first */
+    return expected;
+}
+
+/* Read up to ``n`` bytes at ``off`` of a bound file into ``dst`` (``room`` bytes of
+ * space, at least ``n``), as pread(). Bytes not in the page cache at all are read
+ * O_DIRECT: the kernel caches them for the FUSE file the answer fills, so a second copy
+ * in the cache file's pages would only double the memory they take and add a copy out
+ * of it. Bytes that are there (a file just written and not yet synced, one read through
+ * Python) are read from it: O_DIRECT would first write dirty pages back. A direct read
+ * needs ``off`` and ``dst`` aligned to DIRECT_ALIGN and reads whole DIRECT_ALIGN units,
+ * so it may fill ``dst`` past ``n`` (never past ``room``); any direct read that cannot be
+ * done that way is a plain pread. */
+static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_t n,
+                         uint64_t off, size_t room) {
+    size_t whole = (n + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
+    if (off % DIRECT_ALIGN == 0 && (uintptr_t)dst % DIRECT_ALIGN == 0 && whole <= room &&
+        in_page_cache(f->fd, off, n) == 0) {
+        int dfd = direct_fd(f);
+        if (dfd >= 0) {
+            ssize_t r = pread(dfd, dst, whole, (off_t)off);
+            if (r >= 0) {
+                __atomic_fetch_add(&t->direct_reads, 1, __ATOMIC_RELAXED);
+                return r < (ssize_t)n ? r : (ssize_t)n;
+            }
+            /* (EINVAL: an alignment this file system wants larger; the plain read
+             * below answers, as it does every read the direct one fails) */
+        }
+    }
+    return pread(f->fd, dst, n, (off_t)off);
+}
+
+/* The bytes a worker's data buffer of ``data_size`` has: whole DIRECT_ALIGN units (a
+ * direct read of the last bytes of an answer reads the rest of their unit). */
+static size_t data_room(size_t data_size) {
+    return (data_size + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
+}
+
 /* A READ of a bound handle: 1 when answered, 0 when Python must answer it. */
 static int serve_read(struct table *t, int fd, const struct in_header *h, const char *body,
                       size_t body_len, char *data, size_t data_cap) {
@@ -584,7 +692,8 @@ static int serve_read(struct table *t, int fd, const struct in_header *h, const 
     size_t got = 0;
     int ok = want > 0 || in.offset >= f->size;
     while (ok && got < want) {
-        ssize_t r = pread(f->fd, data + got, want - got, (off_t)(in.offset + got));
+        ssize_t r = read_file(t, f, data + got, want - got, in.offset + got,
+                              data_room(data_cap) - got);
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0) {
@@ -594,10 +703,9 @@ static int serve_read(struct table *t, int fd, const struct in_header *h, const 
         got += (size_t)r;
     }
     pthread_mutex_lock(&t->lock);
-    int close_fd = unref(f);
+    struct bound_file *gone = unref(f);
     pthread_mutex_unlock(&t->lock);
-    if (close_fd >= 0)
-        close(close_fd);
+    dispose(gone);
     if (!ok) {
         __atomic_fetch_add(&t->fallbacks, 1, __ATOMIC_RELAXED);
         return 0;
@@ -800,19 +908,11 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     tpl->open_flags = open_flags;
     tpl->backing_id = backing_id;
     if (fd >= 0) {
-        tpl->file = malloc(sizeof(struct bound_file));
+        tpl->file = new_bound_file(fd, size);  /* (its reference is the template's) */
         if (tpl->file == NULL) {
             free(tpl);
-            return PyErr_NoMemory();
+            return errno == ENOMEM ? PyErr_NoMemory() : PyErr_SetFromErrno(PyExc_OSError);
         }
-        tpl->file->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-        if (tpl->file->fd < 0) {
-            free(tpl->file);
-            free(tpl);
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-        tpl->file->size = size;
-        tpl->file->refs = 1;  /* the template's */
     }
     int added = 0, renewed = 0, failed = 0;
     pthread_mutex_lock(&t->lock);
@@ -832,10 +932,7 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     }
     pthread_mutex_unlock(&t->lock);
     if (!added) {
-        if (tpl->file != NULL) {
-            close(tpl->file->fd);
-            free(tpl->file);
-        }
+        dispose(tpl->file);
         free(tpl);
         if (failed)
             return PyErr_NoMemory();
@@ -856,7 +953,8 @@ static PyObject *drop_template(PyObject *self, PyObject *args) {
     if (t == NULL)
         return NULL;
     struct open_template *tpl = NULL;
-    int dropped = 1, fd = -1;
+    struct bound_file *gone = NULL;
+    int dropped = 1;
     pthread_mutex_lock(&t->lock);
     struct slot *s = ino != 0 ? find_slot(&t->templates, ino) : NULL;
     if (s != NULL && s->fh != 0) {
@@ -864,13 +962,12 @@ static PyObject *drop_template(PyObject *self, PyObject *args) {
             dropped = 0;
         } else {
             tpl = s->tpl;
-            fd = unref(tpl->file);
+            gone = unref(tpl->file);
             remove_slot(&t->templates, s);
         }
     }
     pthread_mutex_unlock(&t->lock);
-    if (fd >= 0)
-        close(fd);
+    dispose(gone);
     free(tpl);
     return PyBool_FromLong(dropped);
 }
@@ -999,12 +1096,13 @@ static int serve_release(struct table *t, int fd, const struct in_header *h,
     if (fh < FIRST_LOOP_FH)
         return 0;
     double t0 = now();
-    int answered = 0, was_empty = 0, close_fd = -1;
+    int answered = 0, was_empty = 0;
+    struct bound_file *gone = NULL;
     pthread_mutex_lock(&t->lock);
     struct slot *s = find_slot(&t->handles, fh);
     if (s->fh != 0 && s->tpl != NULL && t->event_count < MAX_EVENTS) {
         s->tpl->handles--;
-        close_fd = unref(s->file);
+        gone = unref(s->file);
         was_empty = push_event(t, EVENT_RELEASED, h->pid, fh, s->tpl->ino);
         remove_slot(&t->handles, s);
         answered = 1;
@@ -1012,8 +1110,7 @@ static int serve_release(struct table *t, int fd, const struct in_header *h,
     pthread_mutex_unlock(&t->lock);
     if (!answered)
         return 0;
-    if (close_fd >= 0)
-        close(close_fd);
+    dispose(gone);
     if (was_empty)
         signal_events(t);
     answer(fd, h->unique, 0, NULL, 0);
@@ -1036,8 +1133,9 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(buf_obj, &view, PyBUF_WRITABLE) != 0)
         return NULL;
-    char *data = malloc((size_t)data_size);
-    if (data == NULL) {
+    char *data = NULL;
+    if (data_size < 0 ||
+        posix_memalign((void **)&data, DIRECT_ALIGN, data_room((size_t)data_size)) != 0) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
