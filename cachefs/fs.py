@@ -40,7 +40,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
 import trio
@@ -311,7 +311,7 @@ class FileSystem:
         self._handles[fh] = DirHandle(fh, node)
         return fh
 
-    async def readdir(self, fh: int, start: int) -> Iterator[tuple[int, Node]]:
+    async def readdir(self, fh: int, start: int) -> Generator[tuple[int, Node], None, None]:
         """Entries from position ``start`` as ``(next position, node)``; the caller must
         call :meth:`readdir_progress` for each entry it sends to the kernel.
 
@@ -327,23 +327,23 @@ class FileSystem:
                            if start and pos >= start}
             view = await self.metadata.readable(parent.path, after)
             if view is None:
-                return iter(())
+                return _no_entries()
             entries = self.metadata.entries_in(view, after)
         else:  # a seek to a position: count from the start of the complete listing, in
             # a worker thread (O(position) index reads must never hold up the trio thread)
             await self.metadata.ensure(parent.path)
             view = self.metadata.view(parent.path)
             if view is None:
-                return iter(())
+                return _no_entries()
             found, after = await trio.to_thread.run_sync(
                 _name_at, self.metadata, view, start - 1)
             if not found:
-                return iter(())  # past the end
+                return _no_entries()  # past the end
             entries = self.metadata.entries_in(view, after)
         return self._positions(parent, entries, start)
 
     def _positions(self, parent: Node, entries: Iterator[Entry],
-                   start: int) -> Iterator[tuple[int, Node]]:
+                   start: int) -> Generator[tuple[int, Node], None, None]:
         pos = start
         with snapshot(entries):
             for entry in entries:
@@ -554,6 +554,12 @@ class FileSystem:
 def _call(fn: Callable[..., Any], *args: Any) -> None:
     fn(*args)
 
+
+
+def _no_entries() -> Generator[tuple[int, Node], None, None]:
+    """What :meth:`FileSystem.readdir` answers past a directory's end (a generator, as
+    every answer of it: its caller closes it)."""
+    yield from ()
 
 
 def _name_at(metadata: Metadata, view: View, index: int) -> tuple[bool, bytes | None]:

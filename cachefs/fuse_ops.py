@@ -19,17 +19,16 @@ mount also carries the ``ro`` option, so the kernel usually answers first).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
 from cachefs import metrics
-from cachefs.cache.index import snapshot
 from cachefs.errors import (
     AccessDenied,
     CacheError,
@@ -371,11 +370,11 @@ class Operations(Handlers):
 
     async def _readdir(self, req: Request, *, plus: bool) -> Reply:
         fh, start, size, _ = abi.READ_IN.unpack_from(req.body)
-        entries: Any = await self.fs.readdir(fh, start)
+        entries = await self.fs.readdir(fh, start)
         out: list[bytes] = []
         used = 0
         sent: list[tuple[int, Node]] = []
-        with snapshot(entries):
+        with contextlib.closing(entries):  # (its index snapshot ends here)
             for position, node in entries:
                 if plus:
                     rec = abi.dirent_plus(self._entry(node), node.ino, position, node.name,
