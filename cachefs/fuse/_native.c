@@ -43,7 +43,9 @@
  * Concurrency: any number of workers share one table (a capsule). Its mutex guards the
  * handle map, the template map, each template's handle count, each file's reference
  * count, the event ring and the remembered lookups; it is never held across a system
- * call other than close(). The lookup epochs are read and advanced with atomics, and
+ * call other than close(). A bound file's O_DIRECT descriptor is opened by the first read
+ * that needs it, outside the mutex, and published by compare-and-swap (a loser closes its
+ * own); it is closed with the file. The lookup epochs are read and advanced with atomics, and
  * checked again under the mutex when an answer is remembered. A bound file (of a handle
  * or a template) holds its own duplicate of the descriptor, closed when the last handle
  * or template using it lets go and no read of it is under way (refs), so a read never
