@@ -178,31 +178,36 @@ def _evict_pages(path: Path) -> None:
     assert _cached_pages(path) == 0
 
 
-def test_bytes_not_in_the_page_cache_are_read_direct_and_leave_none_there(
+def test_an_objects_last_bytes_not_in_the_page_cache_are_read_direct(
         loop: Loop, cache_file: Any) -> None:
-    """A read of a file none of whose bytes are in the page cache is made with O_DIRECT
-    (the kernel caches the answer for the FUSE file; a second copy in the cache file's
-    pages would double the memory): exact bytes, clipped to the object, and the cache
-    file's pages stay out of the page cache. Unaligned reads and reads of bytes in the
-    page cache (a file just written, not yet written back) are plain reads."""
+    """A read that reaches the object's end (a small file's only READ) none of whose bytes
+    are in the page cache is made with O_DIRECT (the kernel caches the answer for the
+    FUSE file; a second copy in the cache file's pages would double the memory): exact
+    bytes, clipped to the object, and the cache file's pages stay out of the page cache.
+    Reads short of the object's end (the cache file's readahead serves a large file read
+    in order), unaligned reads, and reads of bytes in the page cache (a file just
+    written, not yet written back) are plain reads."""
     path, data = cache_file
+    obj = data[:-5]  # the object ends 5 bytes before the file
     _evict_pages(path)
     backing = _register(loop.reads, path)
-    loop.reads.bind(7, backing, len(data) - 5)  # the object ends 5 bytes before the file
-    assert loop.ask(_read_request(1, 7, 0, 131_072)) == (1, 0, data[:131_072])
-    assert loop.ask(_read_request(2, 7, 290_816, 131_072)) == (2, 0, data[290_816:-5])
-    assert loop.reads.stats()["direct_reads"] == 2
+    loop.reads.bind(7, backing, len(obj))
+    assert loop.ask(_read_request(1, 7, 262_144, 131_072)) == (1, 0, obj[262_144:])
+    assert loop.reads.stats()["direct_reads"] == 1
     assert _cached_pages(path) == 0, "a direct read left the cache file's pages cached"
-    assert loop.ask(_read_request(3, 7, 12_345, 100_000)) == (3, 0, data[12_345:112_345])
-    assert loop.reads.stats()["direct_reads"] == 2  # (unaligned: a plain read)
+    assert loop.ask(_read_request(2, 7, 0, 131_072)) == (2, 0, obj[:131_072])
+    assert loop.reads.stats()["direct_reads"] == 1  # (short of the end: a plain read)
     assert _cached_pages(path) > 0
+    _evict_pages(path)
+    assert loop.ask(_read_request(3, 7, 150_001, 200_000)) == (3, 0, obj[150_001:])
+    assert loop.reads.stats()["direct_reads"] == 1  # (unaligned: a plain read)
     # A file just written: its pages are dirty in the page cache, a direct read would
     # first write them back.
     fresh = path.with_name("fresh")
     fresh.write_bytes(data[::-1])
     loop.reads.bind(8, _register(loop.reads, fresh), len(data))
-    assert loop.ask(_read_request(4, 8, 0, 131_072)) == (4, 0, data[::-1][:131_072])
-    assert loop.reads.stats()["direct_reads"] == 2
+    assert loop.ask(_read_request(4, 8, 200_704, 131_072)) == (4, 0, data[::-1][200_704:])
+    assert loop.reads.stats()["direct_reads"] == 1
     assert loop.handed == [] and loop.reads.stats()["fallbacks"] == 0
 
 

@@ -8,8 +8,8 @@
  *   READ  of a handle bound to a verified cache file (bind(): the file passed the same
  *         whole-object check as a file handed to the kernel by FUSE passthrough, and stays
  *         pinned while bound; see cachefs/fuse/native.py): one pread of the file and one
- *         writev of the answer (O_DIRECT when none of the bytes is in the page cache:
- *         read_file()). A read the file cannot answer in full (an error, a short
+ *         writev of the answer (O_DIRECT for an object's last bytes when none of them
+ *         is in the page cache: read_file()). A read the file cannot answer in full (an error, a short
  *         read inside the object) goes to Python, which serves and checks it as usual.
  *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
  *   LOOKUP of a name whose answer Python remembered here (remember_lookup()): the same
@@ -631,19 +631,22 @@ static int direct_fd(struct bound_file *f) {
 }
 
 /* Read up to ``n`` bytes at ``off`` of a bound file into ``dst`` (``room`` bytes of
- * space, at least ``n``), as pread(). Bytes not in the page cache at all are read
- * O_DIRECT: the kernel caches them for the FUSE file the answer fills, so a second copy
- * in the cache file's pages would only double the memory they take and add a copy out
- * of it. Bytes that are there (a file just written and not yet synced, one read through
- * Python) are read from it: O_DIRECT would first write dirty pages back. A direct read
- * needs ``off`` and ``dst`` aligned to DIRECT_ALIGN and reads whole DIRECT_ALIGN units,
- * so it may fill ``dst`` past ``n`` (never past ``room``); any direct read that cannot be
- * done that way is a plain pread. */
+ * space, at least ``n``), as pread(). The last bytes of an object (a small file's READ is
+ * all of it) are read O_DIRECT when none of them is in the page cache: the kernel caches
+ * them for the FUSE file the answer fills, so a second copy in the cache file's pages
+ * would only double the memory they take and add a copy out of it. Bytes that are there
+ * (a file just written and not yet synced, one read ahead or through Python) are read
+ * from it: O_DIRECT would first write dirty pages back. A read short of the object's end
+ * is a plain one too: the cache file's own readahead then reads what follows while this
+ * answer goes out (a large file read in order; one direct read per READ would wait for
+ * the disk each time). A direct read needs ``off`` and ``dst`` aligned to DIRECT_ALIGN
+ * and reads whole DIRECT_ALIGN units, so it may fill ``dst`` past ``n`` (never past
+ * ``room``); any direct read that cannot be done that way is a plain pread. */
 static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_t n,
                          uint64_t off, size_t room) {
     size_t whole = (n + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
-    if (off % DIRECT_ALIGN == 0 && (uintptr_t)dst % DIRECT_ALIGN == 0 && whole <= room &&
-        in_page_cache(f->fd, off, n) == 0) {
+    if (off + n >= f->size && off % DIRECT_ALIGN == 0 && (uintptr_t)dst % DIRECT_ALIGN == 0 &&
+        whole <= room && in_page_cache(f->fd, off, n) == 0) {
         int dfd = direct_fd(f);
         if (dfd >= 0) {
             ssize_t r = pread(dfd, dst, whole, (off_t)off);
