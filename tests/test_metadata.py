@@ -706,38 +706,69 @@ def test_next_dir_lists_several_following_directories_ahead(env: LmdbEnv) -> Non
     """A walk that goes on from folder to folder outruns a listing a folder (one LIST
     round trip: ~0.2 s of a few hundred small files): asking for the next directory lists
     the NEXT_DIRS_LISTED directories after it too, not only that one."""
-    from cachefs.cache.metadata import NEXT_DIRS_LISTED
+    from cachefs.cache.metadata import FILES_LISTED_AHEAD, NEXT_DIRS_LISTED
 
-    store = _class_folders(NEXT_DIRS_LISTED + 3)
+    store = _class_folders(NEXT_DIRS_LISTED + 3, files=FILES_LISTED_AHEAD // NEXT_DIRS_LISTED)
 
     async def body(md: Metadata) -> None:
         await md.ensure("t/")
+        await md.ensure("t/c00/")  # (a walk is in it: its listing is here)
         assert md.next_dir("t/c00/", "t/") == "t/c01/"
         await _listed_ahead_of(md, "t/c00/")
 
     run_with_metadata(env, store, body, list_ahead=2)
 
 
-def _class_folders(n: int) -> MemoryStore:
-    """Folders t/c00/ ... of one file each."""
+def test_after_a_folder_of_few_files_more_folders_are_listed_ahead(env: LmdbEnv) -> None:
+    """A walk's requests go on from folder to folder as far as its window reaches, in one
+    top-up, and stop at the first folder not listed: after a folder of few files,
+    next_dir() lists as many folders of that size as hold FILES_LISTED_AHEAD files (at
+    most MAX_DIRS_LISTED), not NEXT_DIRS_LISTED (16 folders of 6 files were passed in one
+    top-up, and the walk waited a LIST every 16 folders)."""
+    from cachefs.cache.metadata import (
+        FILES_LISTED_AHEAD,
+        MAX_DIRS_LISTED,
+        NEXT_DIRS_LISTED,
+        dirs_listed_ahead,
+    )
+
+    assert dirs_listed_ahead(0) == NEXT_DIRS_LISTED  # (not listed: not known)
+    assert dirs_listed_ahead(1300) == NEXT_DIRS_LISTED
+    assert dirs_listed_ahead(FILES_LISTED_AHEAD // 32) == 32  # (16 files a folder)
+    assert dirs_listed_ahead(6) == MAX_DIRS_LISTED
+    store = _class_folders(MAX_DIRS_LISTED + 3)
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        await md.ensure("t/c00/")
+        assert md.next_dir("t/c00/", "t/") == "t/c01/"
+        await _listed_ahead_of(md, "t/c00/", MAX_DIRS_LISTED)
+
+    run_with_metadata(env, store, body, list_ahead=8)
+
+
+def _class_folders(n: int, files: int = 1) -> MemoryStore:
+    """Folders t/c00/ ... of ``files`` files each."""
     store = MemoryStore()
     for d in range(n):
-        store.put(f"t/c{d:02d}/f", b"x")
+        for f in range(files):
+            store.put(f"t/c{d:02d}/f{f:03d}", b"x")
     return store
 
 
-async def _listed_ahead_of(md: Metadata, folder: str) -> None:
-    """Wait until the NEXT_DIRS_LISTED class folders after ``folder`` are listed, then
-    check that the one after those is not."""
+async def _listed_ahead_of(md: Metadata, folder: str, count: int | None = None) -> None:
+    """Wait until the ``count`` (NEXT_DIRS_LISTED) class folders after ``folder`` are
+    listed, then check that the one after those is not."""
     from cachefs.cache.metadata import NEXT_DIRS_LISTED
 
+    count = NEXT_DIRS_LISTED if count is None else count
     first = int(folder[len("t/c"):-1]) + 1
-    want = [f"t/c{d:02d}/" for d in range(first, first + NEXT_DIRS_LISTED)]
+    want = [f"t/c{d:02d}/" for d in range(first, first + count)]
     with trio.fail_after(5):
         while any(md.listed_at(d) is None for d in want):
             await trio.sleep(0.01)
     await trio.sleep(0.05)
-    assert md.listed_at(f"t/c{first + NEXT_DIRS_LISTED:02d}/") is None, "listed too far"
+    assert md.listed_at(f"t/c{first + count:02d}/") is None, "listed too far"
 
 
 def test_a_folder_a_reader_enters_has_the_next_folders_listed_ahead(env: LmdbEnv) -> None:
@@ -751,7 +782,7 @@ def test_a_folder_a_reader_enters_has_the_next_folders_listed_ahead(env: LmdbEnv
 
     async def body(md: Metadata) -> None:
         await md.ensure("t/")
-        assert await md.lookup("t/c00/", b"f") is not None  # the reader enters c00
+        assert await md.lookup("t/c00/", b"f000") is not None  # the reader enters c00
         # (listed ahead, not for a reader, they do not list further ahead themselves)
         await _listed_ahead_of(md, "t/c00/")
 
@@ -909,3 +940,43 @@ def test_remembered_inodes_are_bounded_and_never_outlive_a_listing_change_across
                 assert md.resolve_now(ino) == (None, None)
 
     run_with_metadata(env, store, body)
+
+
+def test_the_folders_a_walk_asks_for_are_listed_in_the_order_it_reaches_them(
+        env: LmdbEnv) -> None:
+    """A walk going on from folder to folder asks next_dir() at each one, and each ask
+    queues the folders after it that are not listed yet. The list-ahead workers take
+    them in the order asked (the walk's order), not the last asked first: a walk stops at
+    the first folder not listed, so listing the one it reaches last before the one it
+    reaches next held it up for a whole LIST (across regions, under a cold pass's load,
+    0.2-0.5 s: folders of a few small files stalled the link every NEXT_DIRS_LISTED
+    folders)."""
+    import threading
+
+    from cachefs.cache.metadata import NEXT_DIRS_LISTED
+
+    store = _class_folders(NEXT_DIRS_LISTED + 4)
+    order: list[str] = []
+    gate = threading.Event()
+
+    def fault(op: str, key: str) -> None:
+        if op == "list":
+            order.append(key)
+            gate.wait(5)  # (the listing's worker thread)
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        store.fault = fault
+        md.next_dir("t/c00/", "t/")  # queues c01..; the one worker takes c01 and waits
+        with trio.fail_after(5):
+            while not order:
+                await trio.sleep(0.01)
+        md.next_dir("t/c01/", "t/")  # the walk is in c01 now: one more folder is asked for
+        gate.set()
+        last = f"t/c{NEXT_DIRS_LISTED + 1:02d}/"
+        with trio.fail_after(5):
+            while md.listed_at(last) is None:
+                await trio.sleep(0.01)
+        assert order == [f"t/c{d:02d}/" for d in range(1, NEXT_DIRS_LISTED + 2)]
+
+    run_with_metadata(env, store, body, list_ahead=1)

@@ -44,8 +44,10 @@ deadline, its waits holding no S3 connection) while the range's thread waits.
 One listing per directory at a time (single flight); an invalidate() during a
 listing makes it run once more. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
-first, like a depth-first walker) and ``list_ahead`` workers list them before
-the walker gets there; a new mount lists the path a walk in name order starts on
+first, like a depth-first walker), a walk through folders in order queues the
+folders after the one it is in (:meth:`Metadata.next_dir`; a bounded queue, taken
+first and in the order asked: the walk stops at the first one not listed), and
+``list_ahead`` workers list them before the walker gets there; a new mount lists the path a walk in name order starts on
 (the root, its first sub-directory, and so on down: :meth:`Metadata.list_at_mount`).
 Reads of LMDB run on the trio thread and the FUSE request
 workers (lock-free snapshots); writes in the listing threads, a transaction per
@@ -94,6 +96,14 @@ NEXT_DIR_SCAN = 4096
 #: trip across regions, so one directory listed ahead is not enough for its lookahead
 #: to keep a window of GETs in flight across folders.
 NEXT_DIRS_LISTED = 16
+#: ... or, after a folder of few files, as many of that size as hold this many files, at
+#: most MAX_DIRS_LISTED: a walk's requests go on from folder to folder as far as its
+#: window and stretch reach (up to 2 x 256 files, read/lookahead.py), all in one top-up,
+#: and stop at the first folder not listed. 16 folders of 6 files were passed in one
+#: top-up, and the walk then waited a LIST (0.2-0.5 s under a cold pass's load) every
+#: 16 folders.
+FILES_LISTED_AHEAD = 512
+MAX_DIRS_LISTED = 64
 #: Levels below the mount's root that list_at_mount() lists, each its parent's first
 #: sub-directory (s3://bucket/ds/train/class000/: three).
 LIST_AT_MOUNT_DEPTH = 4
@@ -243,7 +253,13 @@ class Metadata:
         self._recent_lock = threading.Lock()
         self.recent_size = RECENT_INODES
         self._nursery: trio.Nursery | None = None
+        # Directories to list ahead (trio thread; both bounded by AHEAD_QUEUE): opendir's
+        # sub-directories, a stack taken newest first (a depth-first walker goes into the
+        # last directory it opened), and next_dir()'s folders, taken first and in the
+        # order asked (a walk through folders in order reaches them in that order, and
+        # stops at the first one not listed).
         self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
+        self._next_ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
         # Directories next_dir() queued to be listed ahead, and when (trio thread; bounded
         # by AHEAD_QUEUE): a walk asks at every top-up, and each ask would otherwise look
         # each following directory up in the index again.
@@ -613,9 +629,11 @@ class Metadata:
     def next_dir(self, prefix: str, root: str) -> str | None:
         """The directory after ``prefix`` in its parent's listing, or None (``prefix``
         is ``root`` or outside it, the last directory of its parent, or the parent's
-        listing is not here). That directory and up to :data:`NEXT_DIRS_LISTED` - 1
-        after it that have no listing are queued for the list-ahead workers. Trio
-        thread; looks at most NEXT_DIR_SCAN names."""
+        listing is not here). That directory and those after it, as many in all as
+        :func:`dirs_listed_ahead` says for ``prefix``'s number of files, that have no
+        listing are queued for the list-ahead workers (after those queued before: the
+        workers take them in the order asked, before opendir's). Trio thread; looks at
+        most NEXT_DIR_SCAN names."""
         if prefix == root or not prefix.startswith(root):
             return None
         parent = parent_prefix(prefix)
@@ -623,13 +641,15 @@ class Metadata:
         if v is None:
             return None
         following: list[str] = []
+        row = self._index.row(prefix)
+        wanted = dirs_listed_ahead(row[2] - row[3] if row is not None else 0)
         with snapshot(self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
                        ) as entries:
             for i, entry in enumerate(entries):
                 if entry.is_dir:
                     following.append(parent + entry.name.decode("utf-8", "surrogateescape")
                                      + "/")
-                    if len(following) >= NEXT_DIRS_LISTED:
+                    if len(following) >= wanted:
                         break
                 if i >= NEXT_DIR_SCAN:
                     break
@@ -647,7 +667,8 @@ class Metadata:
             while len(self._asked_ahead) > AHEAD_QUEUE:
                 self._asked_ahead.popitem(last=False)
             if unlisted:
-                self._queue_ahead(unlisted)
+                self._next_ahead.extend(unlisted)
+                self._ahead_lot.unpark(count=len(unlisted))
         return following[0] if following else None
 
     def _queue_ahead(self, subdirs: list[str]) -> None:
@@ -656,10 +677,13 @@ class Metadata:
 
     async def _ahead_worker(self) -> None:
         while True:
-            if not self._ahead:
+            if self._next_ahead:
+                prefix = self._next_ahead.popleft()
+            elif self._ahead:
+                prefix = self._ahead.pop()
+            else:
                 await self._ahead_lot.park()
                 continue
-            prefix = self._ahead.pop()
             if prefix in self._inflight or self.listed_at(prefix) is not None:
                 continue
             listing = self._start(prefix)
@@ -893,3 +917,13 @@ def _leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
+
+
+def dirs_listed_ahead(files: int) -> int:
+    """How many folders :meth:`Metadata.next_dir` has listed ahead of a walk in a folder of
+    ``files`` files (0: not known): :data:`NEXT_DIRS_LISTED`, or more such folders when
+    that many hold fewer than :data:`FILES_LISTED_AHEAD` files, at most
+    :data:`MAX_DIRS_LISTED`."""
+    if files <= 0:
+        return NEXT_DIRS_LISTED
+    return max(NEXT_DIRS_LISTED, min(MAX_DIRS_LISTED, -(-FILES_LISTED_AHEAD // files)))
