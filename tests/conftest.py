@@ -8,6 +8,8 @@ lazy-unmount in teardown.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 import os
 import shutil
 import subprocess
@@ -119,6 +121,41 @@ def drop_page_cache() -> None:
     """Drop the page cache, dentries and inodes: the next reads go to the file systems."""
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+
+
+def drop_cached(path: Path) -> None:
+    """Write ``path`` back and drop its pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident(path: Path, offset: int, size: int) -> int:
+    """Bytes of ``[offset, offset+size)`` in the page cache (``mincore``: it looks without
+    reading, unlike a read that may not wait, which starts the kernel's readahead)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = (size + page - 1) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, pages * page, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, pages * page, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(page for b in vec.raw if b & 1)
+        finally:
+            libc.munmap(addr, pages * page)
+    finally:
+        os.close(fd)
 
 
 def reread_cold(path: Path, data: bytes, offsets: tuple[int, ...], rounds: int = 2) -> None:

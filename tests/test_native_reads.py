@@ -27,9 +27,9 @@ import pytest
 import trio
 
 from cachefs.fuse import abi, native
+from tests.conftest import drop_cached, reread_cold, resident
 from tests.conftest import drop_page_cache as _drop_page_cache
 from tests.conftest import read_unbuffered as _read
-from tests.conftest import reread_cold
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
                                 reason="cachefs was built without its native loop")
@@ -147,34 +147,13 @@ def test_reads_of_a_bound_handle_are_answered_from_its_file(loop: Loop, cache_fi
 
 
 def _cached_pages(path: Path) -> int:
-    """Pages of ``path`` in the page cache (mincore(2) of a mapping of it)."""
-    import ctypes
-    import mmap
-
-    size = path.stat().st_size
-    # (a copy-on-write mapping: ctypes takes the address of a writable buffer only;
-    # nothing is written, so no page is touched)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        view = ctypes.c_char.from_buffer(mm)
-        try:
-            assert libc.mincore(ctypes.addressof(view), size, vec) == 0, ctypes.get_errno()
-        finally:
-            del view  # (the mapping closes only without exported buffers)
-        return sum(v & 1 for v in vec)
+    """Bytes of ``path`` in the page cache."""
+    return resident(path, 0, path.stat().st_size)
 
 
 def _evict_pages(path: Path) -> None:
     """Write ``path`` back and drop its pages from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached(path)
     assert _cached_pages(path) == 0
 
 

@@ -3,9 +3,7 @@ with its threads owned by run()."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import mmap
 import os
 import threading
 from pathlib import Path
@@ -14,6 +12,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.cache.readahead import DiskReadahead
+from tests.conftest import drop_cached, resident
 
 MiB = 1 << 20
 
@@ -27,40 +26,6 @@ def cold_file(path: Path, size: int) -> None:
     path.write_bytes(os.urandom(size))
     drop_cached(path)
     assert resident(path, 0, size) == 0, "the test's file system keeps files in memory"
-
-
-def drop_cached(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def resident(path: Path, offset: int, size: int) -> int:
-    """Bytes of ``[offset, offset+size)`` in the page cache (``mincore``: it looks without
-    reading, unlike a read that may not wait, which starts the kernel's readahead)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    pages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, pages * page, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            vec = ctypes.create_string_buffer(pages)
-            assert libc.mincore(addr, pages * page, vec) == 0, os.strerror(ctypes.get_errno())
-            return sum(page for b in vec.raw if b & 1)
-        finally:
-            libc.munmap(addr, pages * page)
-    finally:
-        os.close(fd)
 
 
 async def wait_for(cond: object, timeout: float = 10.0) -> None:
