@@ -971,12 +971,38 @@ def test_the_folders_a_walk_asks_for_are_listed_in_the_order_it_reaches_them(
         with trio.fail_after(5):
             while not order:
                 await trio.sleep(0.01)
-        md.next_dir("t/c01/", "t/")  # the walk is in c01 now: one more folder is asked for
+        # The walk went on to c09: fewer than half of the folders wanted are ahead of it
+        # among those asked for, so the ones after them are asked for too.
+        assert md.next_dir("t/c09/", "t/") == "t/c10/"
         gate.set()
-        last = f"t/c{NEXT_DIRS_LISTED + 1:02d}/"
+        last = f"t/c{NEXT_DIRS_LISTED + 3:02d}/"  # (the parent's last)
         with trio.fail_after(5):
             while md.listed_at(last) is None:
                 await trio.sleep(0.01)
-        assert order == [f"t/c{d:02d}/" for d in range(1, NEXT_DIRS_LISTED + 2)]
+        assert order == [f"t/c{d:02d}/" for d in range(1, NEXT_DIRS_LISTED + 4)]
 
     run_with_metadata(env, store, body, list_ahead=1)
+
+
+def test_next_dir_answers_a_walk_from_folder_to_folder_and_follows_a_new_listing(
+        env: LmdbEnv) -> None:
+    """next_dir() asked at every folder a walk passes answers from its last scan of the
+    parent (it looks again only when few of the folders wanted remain ahead), always the
+    directory right after the one asked about, and None after the last; once the parent
+    is listed again, a folder added in between is the answer."""
+    store = _class_folders(40)
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        for d in range(39):
+            assert md.next_dir(f"t/c{d:02d}/", "t/") == f"t/c{d + 1:02d}/"
+        assert md.next_dir("t/c39/", "t/") is None
+        assert md.next_dir("t/c05/", "t/") == "t/c06/"  # (asked again, out of order)
+        store.put("t/c05a/f000", b"x")
+        md.invalidate("t/")
+        await md.settled("t/")
+        assert md.next_dir("t/c04/", "t/") == "t/c05/"
+        assert md.next_dir("t/c05/", "t/") == "t/c05a/"
+        assert md.next_dir("t/c05a/", "t/") == "t/c06/"
+
+    run_with_metadata(env, store, body, list_ahead=4)

@@ -104,6 +104,8 @@ NEXT_DIRS_LISTED = 16
 #: 16 folders.
 FILES_LISTED_AHEAD = 512
 MAX_DIRS_LISTED = 64
+#: Parents whose last next_dir() scan is kept (walks through several parents at once).
+NEXT_SCANS = 64
 #: Levels below the mount's root that list_at_mount() lists, each its parent's first
 #: sub-directory (s3://bucket/ds/train/class000/: three).
 LIST_AT_MOUNT_DEPTH = 4
@@ -264,6 +266,11 @@ class Metadata:
         # by AHEAD_QUEUE): a walk asks at every top-up, and each ask would otherwise look
         # each following directory up in the index again.
         self._asked_ahead: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # The last next_dir() scan of each parent (trio thread; NEXT_SCANS parents, least
+        # recently scanned dropped): (the listing scanned, the directories found after the
+        # folder asked about, whether the parent's last directory is among them).
+        self._next_scans: collections.OrderedDict[str, tuple[View, list[str], bool]] = (
+            collections.OrderedDict())
         self._ahead_lot = trio.lowlevel.ParkingLot()
         self._recover()
 
@@ -640,9 +647,18 @@ class Metadata:
         v = self.view(parent)
         if v is None:
             return None
-        following: list[str] = []
         row = self._index.row(prefix)
         wanted = dirs_listed_ahead(row[2] - row[3] if row is not None else 0)
+        scan = self._next_scans.get(parent)
+        if scan is not None and scan[0] == v and prefix in scan[1]:
+            # A walk passing folder after folder asks at each: the folders after this one
+            # were found (and queued) by an earlier ask of the same listing; look again
+            # only once fewer than half of those wanted remain ahead of it.
+            rest = scan[1][scan[1].index(prefix) + 1:]
+            if len(rest) >= wanted // 2 or scan[2]:
+                return rest[0] if rest else None
+        following: list[str] = []
+        end = True  # (the parent's last directory is among them)
         with snapshot(self._iter(v, prefix[len(parent):-1].encode("utf-8", "surrogateescape"))
                        ) as entries:
             for i, entry in enumerate(entries):
@@ -650,9 +666,16 @@ class Metadata:
                     following.append(parent + entry.name.decode("utf-8", "surrogateescape")
                                      + "/")
                     if len(following) >= wanted:
+                        end = False
                         break
                 if i >= NEXT_DIR_SCAN:
+                    end = False
                     break
+        if v.limit is None:  # (a complete listing: what it says stays true)
+            self._next_scans[parent] = (v, following, end)
+            self._next_scans.move_to_end(parent)
+            while len(self._next_scans) > NEXT_SCANS:
+                self._next_scans.popitem(last=False)
         if self._store is not None and self.list_ahead_workers:
             now = self._clock()
             unlisted = []
