@@ -239,8 +239,8 @@ class NativeAnswers:
         direct = self.direct_reads
         yield CounterMetricFamily(
             "cachefs_native_direct_reads", "Reads of those the native loop made from the "
-            "cache disk with O_DIRECT (bytes not in the page cache: cached once, for the "
-            "FUSE file, not twice)", value=direct() if direct is not None else 0)
+            "cache disk with O_DIRECT (an object's last bytes, none in the page cache: "
+            "cached once, for the FUSE file, not twice)", value=direct() if direct is not None else 0)
 
 
 NATIVE_ANSWERS = NativeAnswers()

@@ -47,8 +47,9 @@ listing makes it run once more. Listing ahead:
 first, like a depth-first walker), a walk through folders in order queues the
 folders after the one it is in (:meth:`Metadata.next_dir`; a bounded queue, taken
 first and in the order asked: the walk stops at the first one not listed), and
-``list_ahead`` workers list them before the walker gets there; a new mount lists the path a walk in name order starts on
-(the root, its first sub-directory, and so on down: :meth:`Metadata.list_at_mount`).
+``list_ahead`` workers list them before the walker gets there; a new mount lists the
+path a walk in name order starts on (the root, its first sub-directory, and so on down:
+:meth:`Metadata.list_at_mount`).
 Reads of LMDB run on the trio thread and the FUSE request
 workers (lock-free snapshots); writes in the listing threads, a transaction per
 batch of names (LMDB lets one writer in at a time; the others wait in their

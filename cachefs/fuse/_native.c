@@ -9,7 +9,8 @@
  *         whole-object check as a file handed to the kernel by FUSE passthrough, and stays
  *         pinned while bound; see cachefs/fuse/native.py): one pread of the file and one
  *         writev of the answer (O_DIRECT for an object's last bytes when none of them
- *         is in the page cache: read_file()). A read the file cannot answer in full (an error, a short
+ *         is in the page cache: read_file()). A read the file cannot answer in full
+ *         (an error, a short
  *         read inside the object) goes to Python, which serves and checks it as usual.
  *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
  *   LOOKUP of a name whose answer Python remembered here (remember_lookup()): the same
@@ -199,6 +200,7 @@ struct table {
     /* statistics (atomic adds) */
     struct op_stats ops[KINDS];
     uint64_t read_bytes, ioctls, fallbacks, lookups_remembered, open_handovers, direct_reads;
+    int no_cachestat;  /* cachestat(2) was refused once: no read asks again (atomic) */
     int n_bounds;
     double bounds[MAX_BUCKETS];
 };
@@ -602,6 +604,11 @@ static int answer(int fd, uint64_t unique, int error, const void *data, size_t n
     }
 }
 
+/* ``n`` rounded up to whole DIRECT_ALIGN units. */
+static size_t whole_units(size_t n) {
+    return (n + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
+}
+
 /* Whether any of ``len`` bytes from ``off`` of ``fd`` is in the page cache: 1, 0, or -1
  * when the kernel cannot say (cachestat(2) is Linux 6.5 and later). */
 static int in_page_cache(int fd, uint64_t off, uint64_t len) {
@@ -644,10 +651,16 @@ static int direct_fd(struct bound_file *f) {
  * ``room``); any direct read that cannot be done that way is a plain pread. */
 static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_t n,
                          uint64_t off, size_t room) {
-    size_t whole = (n + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
+    size_t whole = whole_units(n);
     if (off + n >= f->size && off % DIRECT_ALIGN == 0 && (uintptr_t)dst % DIRECT_ALIGN == 0 &&
-        whole <= room && in_page_cache(f->fd, off, n) == 0) {
-        int dfd = direct_fd(f);
+        whole <= room && __atomic_load_n(&f->direct_fd, __ATOMIC_RELAXED) != -1 &&
+        !__atomic_load_n(&t->no_cachestat, __ATOMIC_RELAXED)) {
+        /* (neither asked again once refused: a kernel before 6.5 or a seccomp filter
+         * refuses cachestat for good, a file system O_DIRECT for the file's life) */
+        int cached = in_page_cache(f->fd, off, n);
+        if (cached < 0 && (errno == ENOSYS || errno == EPERM))
+            __atomic_store_n(&t->no_cachestat, 1, __ATOMIC_RELAXED);
+        int dfd = cached == 0 ? direct_fd(f) : -1;
         if (dfd >= 0) {
             ssize_t r = pread(dfd, dst, whole, (off_t)off);
             if (r >= 0) {
@@ -659,12 +672,6 @@ static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_
         }
     }
     return pread(f->fd, dst, n, (off_t)off);
-}
-
-/* The bytes a worker's data buffer of ``data_size`` has: whole DIRECT_ALIGN units (a
- * direct read of the last bytes of an answer reads the rest of their unit). */
-static size_t data_room(size_t data_size) {
-    return (data_size + DIRECT_ALIGN - 1) & ~(size_t)(DIRECT_ALIGN - 1);
 }
 
 /* A READ of a bound handle: 1 when answered, 0 when Python must answer it. */
@@ -698,7 +705,7 @@ static int serve_read(struct table *t, int fd, const struct in_header *h, const 
     int ok = want > 0 || in.offset >= f->size;
     while (ok && got < want) {
         ssize_t r = read_file(t, f, data + got, want - got, in.offset + got,
-                              data_room(data_cap) - got);
+                              whole_units(data_cap) - got);
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0) {
@@ -1138,9 +1145,11 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(buf_obj, &view, PyBUF_WRITABLE) != 0)
         return NULL;
+    /* (page-aligned and in whole units: a direct read of an answer's last bytes reads the
+     * rest of their unit) */
     char *data = NULL;
     if (data_size < 0 ||
-        posix_memalign((void **)&data, DIRECT_ALIGN, data_room((size_t)data_size)) != 0) {
+        posix_memalign((void **)&data, DIRECT_ALIGN, whole_units((size_t)data_size)) != 0) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }

@@ -9,9 +9,10 @@ pinned cache files with (the same whole-object check, the same pin, the same bou
 and a handle opened on such a file is *bound* to it (:meth:`NativeReads.bind`). The
 request workers then run :func:`serve`, the loop of ``_native.c``: a READ of a bound
 handle is one ``pread`` of the file and one ``writev`` of the answer, without the
-interpreter; so is the IOCTL every Python ``open()`` sends. Bytes of the file not in the
-page cache at all are read with O_DIRECT: the kernel caches them once, for the FUSE file
-the answer fills, instead of twice (``_native.c`` ``read_file``). Everything else goes to the
+interpreter; so is the IOCTL every Python ``open()`` sends. A READ reaching the object's
+end (a small file's only one) none of whose bytes is in the page cache is read with
+O_DIRECT: the kernel caches them once, for the FUSE file the answer fills, instead of
+twice (``_native.c`` ``read_file``). Everything else goes to the
 Python handler with the interpreter lock taken, as before.
 
 The guarantee is the passthrough one: bytes served from a bound file were checked with
@@ -232,7 +233,7 @@ class NativeReads:
         "lookup") (count, seconds, latency buckets); "read_bytes", "ioctls",
         "fallbacks" (reads given to Python), "bound" (handles now),
         "lookups_remembered", "templates", "events", "open_handovers" and "direct_reads"
-        (reads made with O_DIRECT, of bytes not in the page cache)."""
+        (reads made with O_DIRECT: an object's last bytes, none in the page cache)."""
         assert _native is not None
         return _native.stats(self._table)
 
