@@ -41,7 +41,7 @@ from pathlib import Path
 
 import trio
 
-from cachefs import gcpolicy, metrics
+from cachefs import descriptors, gcpolicy, metrics
 from cachefs.background import contained
 from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
@@ -214,6 +214,7 @@ class Daemon:
         self.server: RequestServer | None = None
         self._dev = ""  # major:minor of the mount, for aborting its connection
         self.shared: SharedTier | None = None
+        self.open_files_limit = 1024  # raised in run() (cachefs.descriptors)
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -221,6 +222,9 @@ class Daemon:
         cfg = self.cfg
         check_mountpoint(cfg.mountpoint)
         prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
+        # Cache files registered for reads hold descriptors: run under the hard limit.
+        self.open_files_limit = descriptors.raise_limit()
+        log.info("open-file limit %d", self.open_files_limit)
         with lock_cache_dir(cfg.cache_dir):
             # Read whole first: a damaged index is wiped (one log line), not a failed mount.
             self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb", check=True)
@@ -279,7 +283,9 @@ class Daemon:
         if manifest_path is not None:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
-        passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto")
+        passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
+                                  max_native_idle=descriptors.native_files(
+                                      self.open_files_limit, cfg.max_connections))
         # Without the kernel's passthrough, the request workers' C loop answers the reads
         # of verified files (cachefs.fuse.native); built without it, Python answers all.
         native = NativeReads() if cfg.native_reads == "auto" and native_available else None

@@ -140,6 +140,8 @@ LANDING_DELAY = 0.05
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
                           errno.ENOSYS, errno.EINVAL})
+#: The process is out of descriptors (cachefs.descriptors).
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 #: The first kernel with FUSE passthrough.
 _KERNEL = (6, 9)
 
@@ -195,7 +197,7 @@ class Passthrough:
 
     def __init__(self, fetcher: Fetcher, cache: BlockCache, ledger: PrefetchLedger, *,
                  enabled: bool, max_idle: int = MAX_IDLE_BACKINGS,
-                 max_idle_bytes: int | None = None) -> None:
+                 max_idle_bytes: int | None = None, max_native_idle: int | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
         self.ledger = ledger
@@ -224,6 +226,10 @@ class Passthrough:
         self._idle_bytes = 0
         self.max_idle = max_idle
         self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
+        # Registered with the native loop, each file holds open descriptors: the open-file
+        # limit bounds them too (cachefs.descriptors; applied in attach_device).
+        self.max_native_idle = max_native_idle
+        self._descriptors_warned = False
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
         # (object, whether it may only take free room among the idle backings, inode or 0)
         self._queue: deque[tuple[ObjectVersion, bool, int]] = deque()
@@ -257,6 +263,14 @@ class Passthrough:
         self._device = device if kernel else native
         self._loop = loop
         self.native = not kernel and native is not None
+        if self.native and self.max_native_idle is not None:
+            bound = self.max_native_idle
+            if bound < min(self.max_idle, MAX_IDLE_BACKINGS):
+                log.info("the open-file limit leaves room for %d cache files registered for "
+                         "reads without the daemon's Python (raise LimitNOFILE for more)",
+                         bound)
+            self.max_idle = min(self.max_idle, bound)
+            self.max_templates = min(self.max_templates, bound)
         self.enabled = self._device is not None
         metrics.PASSTHROUGH_ENABLED.set(1 if kernel else 0)
         metrics.NATIVE_READS_ENABLED.set(1 if self.native else 0)
@@ -540,8 +554,14 @@ class Passthrough:
                     and not self._drop_oldest_template()):
                 return False
             if self.native:
-                added = loop.add_template(ino, token=token, prefix=prefix,
-                                          native_backing=backing.backing_id, size=obj.size)
+                try:
+                    added = loop.add_template(ino, token=token, prefix=prefix,
+                                              native_backing=backing.backing_id, size=obj.size)
+                except OSError as exc:  # (a template holds a descriptor of its own)
+                    if exc.errno not in _OUT_OF_DESCRIPTORS:
+                        raise
+                    self._shrink_for_descriptors()
+                    return False
             else:
                 added = loop.add_template(ino, token=token, prefix=prefix,
                                           kernel_backing=backing.backing_id)
@@ -620,6 +640,10 @@ class Passthrough:
             return
         self._idle[backing.oid] = None
         self._idle_bytes += backing.size
+        self._trim_idle()
+
+    def _trim_idle(self) -> None:
+        """Close the least recently used idle backings beyond the bounds (under the lock)."""
         tries = len(self._idle)  # (a backing the loop still uses goes to the end, once)
         while self._idle and tries > 0 and (len(self._idle) > self.max_idle
                                             or self._idle_bytes > self.max_idle_bytes):
@@ -627,6 +651,26 @@ class Passthrough:
             oid = next(iter(self._idle))
             if not self._close(oid):
                 self._idle.move_to_end(oid)
+
+    def out_of_descriptors(self) -> None:
+        """A registration or template failed with EMFILE/ENFILE (any thread, without the
+        lock): keep at most three quarters of the idle backings there are now and close
+        the rest, so registered files give back the descriptors they hold. The open that
+        failed is served by the daemon; the bound stays lowered for the mount's life."""
+        with self._lock:
+            self._shrink_for_descriptors()
+
+    def _shrink_for_descriptors(self) -> None:
+        bound = len(self._idle) * 3 // 4
+        self.max_idle = min(self.max_idle, bound)
+        self.max_templates = min(self.max_templates, max(bound, len(self._templates) * 3 // 4))
+        self._trim_idle()
+        while len(self._templates) > self.max_templates and self._drop_oldest_template():
+            pass
+        if not self._descriptors_warned:
+            self._descriptors_warned = True
+            log.warning("out of open files: keeping at most %d cache files registered for "
+                        "reads (raise the open-file limit, LimitNOFILE, for more)", bound)
 
     def _close(self, oid: bytes) -> bool:
         """Drop an idle backing: an ioctl that only drops the kernel's reference to the
@@ -707,7 +751,10 @@ class Passthrough:
         try:
             try:
                 fd = os.open(self.cache.object_path(oid), os.O_RDONLY)
-            except OSError:
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self.out_of_descriptors()
+                    return 0, "refused"
                 return 0, "not_cached"  # evicted since the index said it was cached
             try:
                 verified = self.cache.verify_object(bids, fd)
@@ -722,6 +769,9 @@ class Passthrough:
                 except OSError as exc:
                     if exc.errno in _UNSUPPORTED and not self.native:
                         return 0, exc
+                    if exc.errno in _OUT_OF_DESCRIPTORS:
+                        self.out_of_descriptors()
+                        return 0, "refused"
                     log.warning("cannot register a cache file for reads without the daemon's "
                                 "Python (%s); serving it", exc.strerror or exc)
                     return 0, "refused"

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +190,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_cachefs(*args: str, env: dict[str, str] | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_cachefs(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+                preexec_fn: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=env, preexec_fn=preexec_fn)
 
 
 def is_mounted(path: Path) -> bool:
@@ -212,12 +212,15 @@ class Mount:
         self.endpoint = endpoint
         self.extra = extra
         self.metrics_addr = f"127.0.0.1:{free_port()}"
+        # Run in the mount command's process before it starts (the daemon inherits it).
+        self.preexec_fn: Callable[[], None] | None = None
 
     def start(self) -> None:
         self.metrics_addr = f"127.0.0.1:{free_port()}"
         proc = run_cachefs("mount", self.source, str(self.path), "--cache-dir",
                            str(self.cache_dir), "--endpoint-url", self.endpoint,
-                           "--metrics-addr", self.metrics_addr, *self.extra)
+                           "--metrics-addr", self.metrics_addr, *self.extra,
+                           preexec_fn=self.preexec_fn)
         if proc.returncode != 0:
             log = self.cache_dir / "cachefs.log"
             tail = log.read_text()[-4000:] if log.exists() else ""

@@ -60,6 +60,7 @@ drain under way, the trio thread skips). The C table has its own mutex (see
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
@@ -131,13 +132,19 @@ class NativeReads:
     def bind(self, fh: int, backing_id: int, size: int) -> bool:
         """Answer reads of handle ``fh`` (up to ``size`` bytes, the object's) from the
         file registered as ``backing_id``; False if it is not registered (the handle's
-        reads then go to Python)."""
+        reads then go to Python), or if the process is out of descriptors (a bound handle
+        holds one of its own)."""
         with self._lock:
             fd = self._files.get(backing_id)
             if fd is None:
                 return False
             assert _native is not None
-            _native.bind(self._table, fh, fd, size)  # (under the lock: fd stays open)
+            try:
+                _native.bind(self._table, fh, fd, size)  # (under the lock: fd stays open)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                return False
         return True
 
     def unbind(self, fh: int) -> bool:

@@ -1,0 +1,91 @@
+"""The open-file budget (cachefs/descriptors.py): the daemon raises its soft limit, bounds
+the cache files registered for reads in C by what the limit leaves, and serves every read
+when the budget still runs out.
+
+The bug: without passthrough, each cache file registered for reads in C holds up to three
+descriptors while idle, and up to 65,536 were kept; a walk over 14,000 small files ran a
+daemon with a 20,000-descriptor limit out of them, and opens failed with EIO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from cachefs import descriptors
+from cachefs.fuse import native
+from tests.conftest import drop_page_cache, read_unbuffered, run_cachefs
+
+#: The daemon's open-file limit in the mount test, hard and soft.
+LIMIT = 1400
+CONNECTIONS = 16
+
+
+def test_the_soft_limit_is_raised_to_the_hard_one() -> None:
+    code = ("import resource; from cachefs import descriptors; "
+            "print(descriptors.raise_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, preexec_fn=lower).stdout.split()
+    assert out == ["4096", "4096"]
+
+
+def test_registered_files_get_what_the_reserve_leaves() -> None:
+    reserve = descriptors.reserved(CONNECTIONS)
+    assert reserve == 2 * CONNECTIONS + descriptors.FIXED_RESERVE
+    assert descriptors.native_files(reserve + 300, CONNECTIONS) == 300 // descriptors.PER_NATIVE_FILE
+    assert descriptors.native_files(reserve - 1, CONNECTIONS) == 0
+
+
+def _limit_open_files() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
+                    reason="cachefs was built without its native loop")
+@pytest.mark.parametrize("when", ["at-start", "while-mounted"])
+def test_a_walk_over_more_files_than_descriptors_reads_every_byte(bucket, mount_factory, when) -> None:  # type: ignore[no-untyped-def]
+    """At start, the daemon bounds its registered files by the limit it was given; a limit
+    lowered under a running daemon (its bound then too high) is met with EMFILE, and the
+    daemon shrinks its bound instead of failing the opens."""
+    client, name = bucket
+    rnd = random.Random(5)
+    files = {f"c{i % 8}/f{i:04d}.bin": rnd.randbytes(2000 + rnd.randrange(6000))
+             for i in range(700)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    # Without passthrough: verified files are registered with the native loop, each
+    # holding descriptors while idle; 700 of them need more than LIMIT.
+    m = mount_factory(f"s3://{name}", "--passthrough", "off",
+                      "--max-connections", str(CONNECTIONS), start=False)
+    if when == "at-start":
+        m.preexec_fn = _limit_open_files
+    m.start()
+    status = run_cachefs("status", "--json", str(m.path))
+    pid = int(json.loads(status.stdout)["pid"])
+    if when == "while-mounted":
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
+    for epoch in range(3):
+        order = sorted(files) if epoch < 2 else rnd.sample(sorted(files), len(files))
+        for rel in order:
+            assert read_unbuffered(m.path / rel) == files[rel], (epoch, rel)
+        drop_page_cache()
+    assert len(os.listdir(f"/proc/{pid}/fd")) < LIMIT
+    assert m.metric('cachefs_fuse_native_answers_total{op="read"}') > 0, "files were read in C"
+    assert "unexpected error" not in m.log()
+    if when == "at-start":
+        bound = descriptors.native_files(LIMIT, CONNECTIONS)
+        assert 0 < m.metric("cachefs_passthrough_backing_files") <= bound
+        assert "Too many open files" not in m.log()
+    else:
+        assert "out of open files: keeping at most" in m.log()
