@@ -64,7 +64,7 @@ image: dist
 
 deps: $(STAMP) $(PT_STAMP)
 
-$(STAMP): pyproject.toml cachefs/fuse/_native.c
+$(STAMP): pyproject.toml cachefs/fuse/_native.c cachefs/cache/_cachefile.c
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -320,19 +320,53 @@ def test_write_failure_returns_false(make_cache) -> None:  # type: ignore[no-unt
     assert c.get(bid(0)) is None
 
 
-def test_disk_full_returns_false_and_frees_the_block(make_cache, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["native", "python"])
+def cache_writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each cache-file write path: the C one (cachefs/cache/_cachefile.c) and Python's."""
+    from cachefs.cache import objectfiles
+
+    if request.param == "python":
+        monkeypatch.setattr(objectfiles, "_cachefile", None)
+    elif not objectfiles.NATIVE_WRITES:
+        assert not os.environ.get("CI"), "the cache-file extension was not built"
+        pytest.skip("built without the cache-file extension")
+    return str(request.param)
+
+
+def test_disk_full_returns_false_and_frees_the_block(make_cache, cache_writes: str) -> None:  # type: ignore[no-untyped-def]
+    import resource
+
     c = make_cache()
     assert c.put(bid(0), data(0))
-    real_pwrite = os.pwrite
-
-    def no_space(fd: int, buf: bytes, offset: int) -> int:
-        real_pwrite(fd, bytes(buf)[:100], offset)  # a torn write, then the disk is full
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr("cachefs.cache.blocks.os.pwrite", no_space)
-    assert c.put(bid(1), data(1)) is False
+    # A real torn write: the file-size limit lets 100 bytes of block 1 through, then the
+    # next write fails (EFBIG; Python ignores SIGXFSZ), as a filling disk does with ENOSPC.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (BLOCK + 100, hard))
+    try:
+        stored = c.put(bid(1), data(1))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert stored is False
     assert not c.cache.contains(bid(1)) and not c.stored(bid(1)).strip(b"\0")
     assert c.get(bid(0)) == data(0)
+
+
+def test_a_cache_file_is_written_at_its_offset_in_a_private_directory(make_cache, cache_writes: str) -> None:  # type: ignore[no-untyped-def]
+    c = make_cache()
+    assert c.put(bid(2), data(2))  # the object's file and its directory are made here
+    path = Path(c.cache.location(bid(2))[0])
+    assert c.stored(bid(2)) == data(2) and c.stored(bid(0)) == bytes(BLOCK)
+    assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    oid = object_id("bucket", "key", "etag", BLOCK)
+    assert c.cache.files.write_at(oid, memoryview(b"xy"), 1) == path.stat().st_ino
+    assert c.stored(bid(0), 3) == b"\0xy"
+    # A failure is the failing call's OSError, naming the file.
+    other = next(o for o in (object_id("bucket", "key", f"e{i}", BLOCK) for i in range(1000))
+                 if not Path(c.cache.files.path(o)).parent.exists())
+    Path(c.cache.files.path(other)).parent.write_bytes(b"")  # its directory's name is a file
+    with pytest.raises(NotADirectoryError) as caught:
+        c.cache.files.write_at(other, b"x", 0)
+    assert caught.value.filename == c.cache.files.path(other)
 
 
 def test_index_failure_returns_false_and_removes_file(make_cache, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

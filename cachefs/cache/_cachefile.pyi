@@ -1,0 +1,3 @@
+"""Types of the C extension built from _cachefile.c (see cachefs/cache/objectfiles.py)."""
+
+def write_at(path: str, data: bytes | bytearray | memoryview, offset: int) -> int: ...
