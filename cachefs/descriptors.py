@@ -2,13 +2,13 @@
 
 Without passthrough, every cache file registered for reads in C
 (:mod:`cachefs.fuse.native`) holds open descriptors for as long as it stays registered:
-the registration's own, its open template's, and the O_DIRECT one its first direct read
-opens (:data:`PER_NATIVE_FILE`). Registrations are kept idle, up to
+the registration's own and its open template's (:data:`PER_NATIVE_FILE`; a direct read
+opens and closes its own). Registrations are kept idle, up to
 :data:`cachefs.passthrough.MAX_IDLE_BACKINGS` files, so the next epoch's opens need no
-Python; a walk over 14,000 small files ran a daemon out of its 20,000 descriptors, and
-every cache write, registration and (through an open template) open then failed with
-EMFILE. With the kernel's passthrough a registration holds no descriptor (the kernel
-keeps its own reference to the file).
+Python. When each also kept an O_DIRECT descriptor, a walk over 14,000 small files ran a
+daemon out of its 20,000 descriptors, and every cache write, registration and (through an
+open template) open then failed with EMFILE. With the kernel's passthrough a registration
+holds no descriptor (the kernel keeps its own reference to the file).
 
 So at start the daemon
 
@@ -37,7 +37,7 @@ import resource
 log = logging.getLogger(__name__)
 
 #: Descriptors an idle cache file registered for reads in C holds (see the module docstring).
-PER_NATIVE_FILE = 3
+PER_NATIVE_FILE = 2
 #: Descriptors kept for what is not counted per S3 connection: the handles readers hold
 #: open, FUSE, LMDB, sockets, threads, logs.
 FIXED_RESERVE = 1024

@@ -2,7 +2,7 @@
 the cache files registered for reads in C by what the limit leaves, and serves every read
 when the budget still runs out.
 
-The bug: without passthrough, each cache file registered for reads in C holds up to three
+The bug: without passthrough, each cache file registered for reads in C held up to three
 descriptors while idle, and up to 65,536 were kept; a walk over 14,000 small files ran a
 daemon with a 20,000-descriptor limit out of them, and opens failed with EIO.
 """
@@ -65,7 +65,7 @@ def test_a_walk_over_more_files_than_descriptors_reads_every_byte(bucket, mount_
     for key, body in files.items():
         client.put_object(Bucket=name, Key=key, Body=body)
     # Without passthrough: verified files are registered with the native loop, each
-    # holding descriptors while idle; 700 of them need more than LIMIT.
+    # holding descriptors while idle; 700 of them need more than LIMIT (two each).
     m = mount_factory(f"s3://{name}", "--passthrough", "off",
                       "--max-connections", str(CONNECTIONS), start=False)
     if when == "at-start":

@@ -44,9 +44,9 @@
  * Concurrency: any number of workers share one table (a capsule). Its mutex guards the
  * handle map, the template map, each template's handle count, each file's reference
  * count, the event ring and the remembered lookups; it is never held across a system
- * call other than close(). A bound file's O_DIRECT descriptor is opened by the first read
- * that needs it, outside the mutex, and published by compare-and-swap (a loser closes its
- * own); it is closed with the file. The lookup epochs are read and advanced with atomics, and
+ * call other than close(). A direct read opens its own O_DIRECT descriptor of the file,
+ * outside the mutex, and closes it after (open_direct()); a file that refuses O_DIRECT is
+ * marked so with an atomic store. The lookup epochs are read and advanced with atomics, and
  * checked again under the mutex when an answer is remembered. A bound file (of a handle
  * or a template) holds its own duplicate of the descriptor, closed when the last handle
  * or template using it lets go and no read of it is under way (refs), so a read never
@@ -83,8 +83,6 @@
 /* O_DIRECT reads (read_file()) are aligned to this: the page size, which every Linux
  * file system's logical block size divides. */
 #define DIRECT_ALIGN 4096
-/* bound_file.direct_fd before the file's first read from the disk. */
-#define DIRECT_UNOPENED (-2)
 #ifndef __NR_cachestat
 #define __NR_cachestat 451  /* (the same number on every architecture) */
 #endif
@@ -128,8 +126,7 @@ struct read_in {
 
 struct bound_file {
     int fd;
-    int direct_fd;  /* the same file opened O_DIRECT (read_file()); DIRECT_UNOPENED until
-                     * the first read that misses the page cache, -1 if it cannot be */
+    int no_direct;  /* set (atomically) once the file refused to be opened O_DIRECT */
     uint64_t size;
     int refs;  /* the map's own reference, plus one per read under way */
 };
@@ -301,7 +298,7 @@ static struct bound_file *new_bound_file(int fd, uint64_t size) {
         errno = saved;
         return NULL;
     }
-    f->direct_fd = DIRECT_UNOPENED;
+    f->no_direct = 0;
     f->size = size;
     f->refs = 1;
     return f;
@@ -312,9 +309,6 @@ static void dispose(struct bound_file *f) {
     if (f == NULL)
         return;
     close(f->fd);
-    int dfd = __atomic_load_n(&f->direct_fd, __ATOMIC_ACQUIRE);
-    if (dfd >= 0)
-        close(dfd);
     free(f);
 }
 
@@ -619,22 +613,19 @@ static int in_page_cache(int fd, uint64_t off, uint64_t len) {
     return st.nr_cache > 0;
 }
 
-/* The file's O_DIRECT descriptor, opened at the first call (any thread: the first to
- * publish one wins); -1 when the file or the kernel refuses O_DIRECT. */
-static int direct_fd(struct bound_file *f) {
-    int dfd = __atomic_load_n(&f->direct_fd, __ATOMIC_ACQUIRE);
-    if (dfd != DIRECT_UNOPENED)
-        return dfd;
+/* An O_DIRECT descriptor of the file for one read, which the caller closes; -1 when
+ * none can be had (a file the kernel or its file system refuses O_DIRECT is marked, and
+ * not asked again). Opened per read rather than kept with the file: a registered file then
+ * holds one descriptor, not two, for as long as it stays registered (the daemon's budget
+ * of descriptors, cachefs/descriptors.py), and a small file has one such read per open
+ * (it costs the open of a /proc/self/fd link and a close). */
+static int open_direct(struct bound_file *f) {
     char path[64];
     snprintf(path, sizeof(path), "/proc/self/fd/%d", f->fd);
-    int fresh = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
-    int expected = DIRECT_UNOPENED;
-    if (__atomic_compare_exchange_n(&f->direct_fd, &expected, fresh < 0 ? -1 : fresh, 0,
-                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return fresh < 0 ? -1 : fresh;
-    if (fresh >= 0)
-        close(fresh);  /* another read published its own first */
-    return expected;
+    int dfd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (dfd < 0 && errno != EMFILE && errno != ENFILE && errno != EINTR && errno != ENOMEM)
+        __atomic_store_n(&f->no_direct, 1, __ATOMIC_RELAXED);  /* refused for good */
+    return dfd;
 }
 
 /* Read up to ``n`` bytes at ``off`` of a bound file into ``dst`` (``room`` bytes of
@@ -653,16 +644,17 @@ static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_
                          uint64_t off, size_t room) {
     size_t whole = whole_units(n);
     if (off + n >= f->size && off % DIRECT_ALIGN == 0 && (uintptr_t)dst % DIRECT_ALIGN == 0 &&
-        whole <= room && __atomic_load_n(&f->direct_fd, __ATOMIC_RELAXED) != -1 &&
+        whole <= room && !__atomic_load_n(&f->no_direct, __ATOMIC_RELAXED) &&
         !__atomic_load_n(&t->no_cachestat, __ATOMIC_RELAXED)) {
         /* (neither asked again once refused: a kernel before 6.5 or a seccomp filter
          * refuses cachestat for good, a file system O_DIRECT for the file's life) */
         int cached = in_page_cache(f->fd, off, n);
         if (cached < 0 && (errno == ENOSYS || errno == EPERM))
             __atomic_store_n(&t->no_cachestat, 1, __ATOMIC_RELAXED);
-        int dfd = cached == 0 ? direct_fd(f) : -1;
+        int dfd = cached == 0 ? open_direct(f) : -1;
         if (dfd >= 0) {
             ssize_t r = pread(dfd, dst, whole, (off_t)off);
+            close(dfd);
             if (r >= 0) {
                 __atomic_fetch_add(&t->direct_reads, 1, __ATOMIC_RELAXED);
                 return r < (ssize_t)n ? r : (ssize_t)n;
