@@ -654,15 +654,20 @@ class Passthrough:
 
     def out_of_descriptors(self) -> None:
         """A registration or template failed with EMFILE/ENFILE (any thread, without the
-        lock): keep at most three quarters of the idle backings there are now and close
-        the rest, so registered files give back the descriptors they hold. The open that
-        failed is served by the daemon; the bound stays lowered for the mount's life."""
+        lock): with the native loop, keep at most three quarters of the idle backings
+        there are now and close the rest, so registered files give back the descriptors
+        they hold (the kernel's backings hold none of ours: nothing to give back). The
+        open that failed is served by the daemon; the bound stays lowered for the mount's
+        life."""
         with self._lock:
             self._shrink_for_descriptors()
 
     def _shrink_for_descriptors(self) -> None:
+        if not self.native:
+            return
         bound = len(self._idle) * 3 // 4
         self.max_idle = min(self.max_idle, bound)
+        # (a template holds a descriptor too, and needs a registration)
         self.max_templates = min(self.max_templates, max(bound, len(self._templates) * 3 // 4))
         self._trim_idle()
         while len(self._templates) > self.max_templates and self._drop_oldest_template():
