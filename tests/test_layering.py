@@ -82,6 +82,7 @@ ALLOWED: dict[str, set[str]] = {
     "background": {"errors", "metrics"},
     "failpoints": {"errors"},
     "gcpolicy": set(),  # the process's garbage-collector settings: the daemon applies them
+    "descriptors": set(),  # the process's open-file limit and budget: the daemon applies them
     "s3": {"errors", "metrics", "failpoints"},
     "cache": {"s3", "background", "errors", "metrics", "failpoints"},
     "read": {"cache", "s3", "background", "errors", "metrics", "failpoints"},
@@ -93,7 +94,7 @@ ALLOWED: dict[str, set[str]] = {
     "startup": {"control", "config", "errors", "metrics"},
     "torch": {"control", "errors"},
     "daemon": {"s3", "cache", "read", "fs", "control", "passthrough", "fuse", "fuse_ops",
-               "startup", "gcpolicy", *BASE},
+               "startup", "gcpolicy", "descriptors", *BASE},
     "cli": {"daemon", "s3", "control", "startup", *BASE},
     "__main__": {"cli"},
 }
