@@ -1,14 +1,15 @@
 """The daemon's open-file budget: the limit it runs under, and what is left for cache files.
 
 Without passthrough, every cache file registered for reads in C
-(:mod:`cachefs.fuse.native`) holds open descriptors for as long as it stays registered:
-the registration's own and its open template's (:data:`PER_NATIVE_FILE`; a direct read
-opens and closes its own). Registrations are kept idle, up to
+(:mod:`cachefs.fuse.native`) holds an open descriptor for as long as it stays registered
+(:data:`PER_NATIVE_FILE`: one, shared by the handles and the open template reading it; a
+direct read opens and closes its own). Registrations are kept idle, up to
 :data:`cachefs.passthrough.MAX_IDLE_BACKINGS` files, so the next epoch's opens need no
-Python. When each also kept an O_DIRECT descriptor, a walk over 14,000 small files ran a
-daemon out of its 20,000 descriptors, and every cache write, registration and (through an
-open template) open then failed with EMFILE. With the kernel's passthrough a registration
-holds no descriptor (the kernel keeps its own reference to the file).
+Python. When each held three (the registration's, its template's and an O_DIRECT one), a
+walk over 14,000 small files ran a daemon out of its 20,000 descriptors, and every cache
+write, registration and (through an open template) open then failed with EMFILE. With the
+kernel's passthrough a registration holds no descriptor of ours (the kernel keeps its own
+reference to the file).
 
 So at start the daemon
 
@@ -18,8 +19,8 @@ So at start the daemon
   ``LimitNOFILE=1048576`` for the same reason;
 * keeps :func:`reserved` descriptors for everything else it opens -- two per S3
   connection (its socket, and the cache file a cold GET writes), the FUSE device and its
-  clones, LMDB, threads, the handles readers hold open (each bound handle holds up to
-  two), and the control and metrics sockets -- and lets registered files use the rest
+  clones, LMDB, threads, a direct read's descriptor per request worker, and the control
+  and metrics sockets -- and lets registered files use the rest
   (:func:`native_files`), which bounds the idle registrations
   (:meth:`cachefs.passthrough.Passthrough.attach_device`).
 
@@ -37,7 +38,7 @@ import resource
 log = logging.getLogger(__name__)
 
 #: Descriptors an idle cache file registered for reads in C holds (see the module docstring).
-PER_NATIVE_FILE = 2
+PER_NATIVE_FILE = 1
 #: Descriptors kept for what is not counted per S3 connection: the handles readers hold
 #: open, FUSE, LMDB, sockets, threads, logs.
 FIXED_RESERVE = 1024

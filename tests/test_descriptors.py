@@ -22,8 +22,11 @@ from cachefs import descriptors
 from cachefs.fuse import native
 from tests.conftest import drop_page_cache, read_unbuffered, run_cachefs
 
-#: The daemon's open-file limit in the mount test, hard and soft.
+#: The daemon's open-file limit in the mount test, hard and soft: given at start (room
+#: for 344 registered files), or set under a running daemon, whose bound (computed from
+#: the limit it started with) is then too high for 700 files.
 LIMIT = 1400
+LOWERED = 500
 CONNECTIONS = 16
 
 
@@ -65,7 +68,7 @@ def test_a_walk_over_more_files_than_descriptors_reads_every_byte(bucket, mount_
     for key, body in files.items():
         client.put_object(Bucket=name, Key=key, Body=body)
     # Without passthrough: verified files are registered with the native loop, each
-    # holding descriptors while idle; 700 of them need more than LIMIT (two each).
+    # holding a descriptor while idle.
     m = mount_factory(f"s3://{name}", "--passthrough", "off",
                       "--max-connections", str(CONNECTIONS), start=False)
     if when == "at-start":
@@ -73,14 +76,16 @@ def test_a_walk_over_more_files_than_descriptors_reads_every_byte(bucket, mount_
     m.start()
     status = run_cachefs("status", "--json", str(m.path))
     pid = int(json.loads(status.stdout)["pid"])
+    limit = LIMIT if when == "at-start" else LOWERED
     if when == "while-mounted":
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
+        assert len(os.listdir(f"/proc/{pid}/fd")) < LOWERED - 200
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (LOWERED, LOWERED))
     for epoch in range(3):
         order = sorted(files) if epoch < 2 else rnd.sample(sorted(files), len(files))
         for rel in order:
             assert read_unbuffered(m.path / rel) == files[rel], (epoch, rel)
         drop_page_cache()
-    assert len(os.listdir(f"/proc/{pid}/fd")) < LIMIT
+    assert len(os.listdir(f"/proc/{pid}/fd")) < limit
     assert m.metric('cachefs_fuse_native_answers_total{op="read"}') > 0, "files were read in C"
     assert "unexpected error" not in m.log()
     if when == "at-start":

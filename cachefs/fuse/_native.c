@@ -48,9 +48,12 @@
  * outside the mutex, and closes it after (open_direct()); a file that refuses O_DIRECT is
  * marked so with an atomic store. The lookup epochs are read and advanced with atomics, and
  * checked again under the mutex when an answer is remembered. A bound file (of a handle
- * or a template) holds its own duplicate of the descriptor, closed when the last handle
- * or template using it lets go and no read of it is under way (refs), so a read never
- * reaches a descriptor number reused for another file. Counters are atomic adds.
+ * or a template) is freed when the last handle or template using it lets go and no read
+ * of it is under way (refs, under the mutex); the registered file's one descriptor, which
+ * all bound files of it share (shared_fd), is closed when the last of them and the
+ * registration are gone (an atomic count: bound files are disposed of outside the mutex),
+ * so a read never reaches a descriptor number reused for another file. Counters are
+ * atomic adds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -124,11 +127,19 @@ struct read_in {
     uint32_t flags, padding;
 };
 
-struct bound_file {
+/* A registered cache file's one descriptor, shared by every bound file reading it
+ * (register_file()): closed when the last of them is disposed of. */
+struct shared_fd {
     int fd;
+    int refs;  /* bound files using it (atomic: dispose() runs without the mutex) */
+};
+
+struct bound_file {
+    int fd;  /* shared->fd */
     int no_direct;  /* set (atomically) once the file refused to be opened O_DIRECT */
     uint64_t size;
     int refs;  /* the map's own reference, plus one per read under way */
+    struct shared_fd *shared;
 };
 
 /* An open template: how the loop answers an OPEN of one inode itself (see
@@ -183,6 +194,7 @@ struct table {
     pthread_mutex_t lock;
     struct map handles;  /* bound handles and handles the loop opened */
     struct map templates;  /* open templates by inode */
+    struct map files;  /* registered files by id (register_file()): size 0, one reference */
     uint64_t next_fh;
     /* events for Python: a ring */
     struct event *events;
@@ -285,31 +297,32 @@ static int map_init(struct map *m) {
     return m->slots == NULL ? -1 : 0;
 }
 
-/* A bound file reading a duplicate of ``fd`` (the caller keeps its own), ``size`` bytes
- * long, with one reference; NULL with errno set. */
-static struct bound_file *new_bound_file(int fd, uint64_t size) {
+/* A bound file reading the shared descriptor ``sh`` (one more user of it), ``size``
+ * bytes long, with one reference; NULL (ENOMEM) if out of memory. */
+static struct bound_file *share_file(struct shared_fd *sh, uint64_t size) {
     struct bound_file *f = malloc(sizeof(struct bound_file));
     if (f == NULL)
         return NULL;
-    f->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (f->fd < 0) {
-        int saved = errno;
-        free(f);
-        errno = saved;
-        return NULL;
-    }
+    __atomic_add_fetch(&sh->refs, 1, __ATOMIC_RELAXED);
+    f->shared = sh;
+    f->fd = sh->fd;
     f->no_direct = 0;
     f->size = size;
     f->refs = 1;
     return f;
 }
 
-/* Close a bound file's descriptors and free it (without the lock: close() may wait). */
+/* Free a bound file, and close its descriptor if it was the last to use it (without the
+ * lock: close() may wait). */
 static void dispose(struct bound_file *f) {
     if (f == NULL)
         return;
-    close(f->fd);
+    struct shared_fd *sh = f->shared;
     free(f);
+    if (__atomic_sub_fetch(&sh->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        close(sh->fd);
+        free(sh);
+    }
 }
 
 /* Drop one reference (under the lock); returns the file to dispose() once the lock is
@@ -336,8 +349,13 @@ static void table_free(PyObject *capsule) {
             free(tpl);
         }
     }
+    for (size_t i = 0; i < t->files.capacity; i++) {
+        if (t->files.slots[i].fh != 0)
+            dispose(unref(t->files.slots[i].file));
+    }
     free(t->handles.slots);
     free(t->templates.slots);
+    free(t->files.slots);
     free(t->events);
     for (size_t i = 0; i <= t->lookup_mask; i++)
         free(t->lookups[i]);
@@ -392,12 +410,13 @@ static PyObject *new_table(PyObject *self, PyObject *args) {
         return NULL;
     }
     t->n_bounds = (int)n;
-    int failed = map_init(&t->handles) | map_init(&t->templates);
+    int failed = map_init(&t->handles) | map_init(&t->templates) | map_init(&t->files);
     t->lookups = calloc((size_t)lookup_slots, sizeof(struct lookup_entry *));
     t->events = calloc(MAX_EVENTS, sizeof(struct event));
     if (failed || t->lookups == NULL || t->events == NULL) {
         free(t->handles.slots);
         free(t->templates.slots);
+        free(t->files.slots);
         free(t->lookups);
         free(t->events);
         free(t);
@@ -419,6 +438,7 @@ static PyObject *new_table(PyObject *self, PyObject *args) {
     if (capsule == NULL) {
         free(t->handles.slots);
         free(t->templates.slots);
+        free(t->files.slots);
         free(t->lookups);
         free(t->events);
         free(t);
@@ -426,13 +446,110 @@ static PyObject *new_table(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-/* bind(table, fh, fd, size): reads of handle ``fh`` are answered from a duplicate of
- * ``fd`` (the caller keeps its own), up to ``size`` bytes. */
+/* register_file(table, file_id, fd): registration ``file_id`` (> 0) reads a duplicate of
+ * ``fd`` (the caller closes its own). Handles bound to it (bind()) and templates made with
+ * it (add_template()) share that one descriptor, each with a bound file of its own (its
+ * size, its references), so a registered file costs one descriptor however many use it:
+ * the daemon keeps up to tens of thousands registered (cachefs/descriptors.py). The
+ * descriptor is closed when the registration is dropped (unregister_file()) and the last
+ * handle or template using it lets go. A registration under an id in use replaces it. */
+static PyObject *register_file(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long id;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OKi", &capsule, &id, &fd))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    if (id == 0) {
+        PyErr_SetString(PyExc_ValueError, "file id 0 cannot be registered");
+        return NULL;
+    }
+    struct shared_fd *sh = malloc(sizeof(struct shared_fd));
+    if (sh == NULL)
+        return PyErr_NoMemory();
+    sh->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (sh->fd < 0) {
+        int saved = errno;
+        free(sh);
+        errno = saved;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    sh->refs = 0;
+    struct bound_file *holder = share_file(sh, 0);  /* (the registration's reference) */
+    if (holder == NULL) {
+        close(sh->fd);
+        free(sh);
+        return PyErr_NoMemory();
+    }
+    struct bound_file *old = NULL;
+    int failed = 0;
+    pthread_mutex_lock(&t->lock);
+    if (make_room(&t->files) != 0) {
+        failed = 1;
+    } else {
+        struct slot *s = find_slot(&t->files, id);
+        if (s->fh != 0)
+            old = unref(s->file);
+        put_slot(&t->files, id, holder, NULL);
+    }
+    pthread_mutex_unlock(&t->lock);
+    dispose(old);
+    if (failed) {
+        dispose(holder);
+        return PyErr_NoMemory();
+    }
+    Py_RETURN_NONE;
+}
+
+/* unregister_file(table, file_id) -> bool: drop registration ``file_id`` (whether there
+ * was one); handles and templates using it keep its descriptor until they let go. */
+static PyObject *unregister_file(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long id;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &id))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    struct bound_file *gone = NULL;
+    int found = 0;
+    pthread_mutex_lock(&t->lock);
+    if (id != 0) {
+        struct slot *s = find_slot(&t->files, id);
+        if (s->fh != 0) {
+            found = 1;
+            gone = unref(s->file);
+            remove_slot(&t->files, s);
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    dispose(gone);
+    return PyBool_FromLong(found);
+}
+
+/* Under the lock: a new bound file of registration ``file_id``, ``size`` bytes long (one
+ * reference), or NULL: no such registration (errno 0) or out of memory (ENOMEM). */
+static struct bound_file *share_registered(struct table *t, uint64_t file_id, uint64_t size) {
+    struct slot *r = file_id != 0 ? find_slot(&t->files, file_id) : NULL;
+    if (r == NULL || r->fh == 0) {
+        errno = 0;
+        return NULL;
+    }
+    struct bound_file *f = share_file(r->file->shared, size);
+    if (f == NULL)
+        errno = ENOMEM;
+    return f;
+}
+
+/* bind(table, fh, file_id, size) -> bool: reads of handle ``fh`` are answered from
+ * registration ``file_id``, up to ``size`` bytes; False if there is no such registration
+ * (its reads stay Python's). */
 static PyObject *bind(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long fh, size;
-    int fd;
-    if (!PyArg_ParseTuple(args, "OKiK", &capsule, &fh, &fd, &size))
+    unsigned long long fh, file_id, size;
+    if (!PyArg_ParseTuple(args, "OKKK", &capsule, &fh, &file_id, &size))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
@@ -441,10 +558,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "handle 0 cannot be bound");
         return NULL;
     }
-    struct bound_file *f = new_bound_file(fd, size);
-    if (f == NULL)
-        return errno == ENOMEM ? PyErr_NoMemory() : PyErr_SetFromErrno(PyExc_OSError);
-    struct bound_file *old = NULL;
+    struct bound_file *old = NULL, *f = NULL;
     int failed = 0;
     pthread_mutex_lock(&t->lock);
     struct slot *s = find_slot(&t->handles, fh);
@@ -452,6 +566,8 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         failed = 2;  /* a handle the loop opened: it has its file */
     } else if (make_room(&t->handles) != 0) {
         failed = 1;
+    } else if ((f = share_registered(t, file_id, size)) == NULL) {
+        failed = errno == ENOMEM ? 1 : 3;
     } else {
         s = find_slot(&t->handles, fh);
         if (s->fh != 0)
@@ -460,15 +576,15 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     }
     pthread_mutex_unlock(&t->lock);
     dispose(old);
-    if (failed) {
-        dispose(f);
-        if (failed == 2) {
-            PyErr_SetString(PyExc_ValueError, "the handle was opened by the loop");
-            return NULL;
-        }
-        return PyErr_NoMemory();
+    if (failed == 3)
+        Py_RETURN_FALSE;
+    if (failed == 2) {
+        PyErr_SetString(PyExc_ValueError, "the handle was opened by the loop");
+        return NULL;
     }
-    Py_RETURN_NONE;
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_TRUE;
 }
 
 /* unbind(table, fh) -> bool: whether ``fh`` was bound (or opened by the loop: then it is
@@ -876,23 +992,23 @@ struct release_in {
     uint64_t lock_owner;
 };
 
-/* add_template(table, ino, token, dir_key, open_flags, backing_id, fd, size) -> bool:
+/* add_template(table, ino, token, dir_key, open_flags, backing_id, file_id, size) -> bool:
  * answer OPENs of inode ``ino`` here (read-only opens without O_DIRECT): a new handle,
  * answered with ``open_flags`` and ``backing_id`` (the kernel's passthrough backing, or
- * 0), and bound to a duplicate of ``fd`` up to ``size`` bytes unless ``fd`` is -1 -- while
+ * 0), and bound to registration ``file_id`` up to ``size`` bytes unless it is 0 -- while
  * the epochs stay those of ``token`` (lookup_epoch() of the inode's directory
  * ``dir_key``, read before Python saw the inode listed): once its directory's listing
  * changes, its opens go to Python, which may find the inode no longer listed. If the
  * inode has a template already, only its epochs are renewed. False if ``token`` is not
- * current (nothing done). Each handle opened and released here is an event for Python
- * (take_events()). */
+ * current, or ``file_id`` is not registered (nothing done). Each handle opened and
+ * released here is an event for Python (take_events()). */
 static PyObject *add_template(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long ino, size, token, dir_key;
+    unsigned long long ino, size, token, dir_key, file_id;
     unsigned int open_flags;
-    int backing_id, fd;
-    if (!PyArg_ParseTuple(args, "OKKKIiiK", &capsule, &ino, &token, &dir_key, &open_flags,
-                          &backing_id, &fd, &size))
+    int backing_id;
+    if (!PyArg_ParseTuple(args, "OKKKIiKK", &capsule, &ino, &token, &dir_key, &open_flags,
+                          &backing_id, &file_id, &size))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
@@ -911,13 +1027,6 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     tpl->dir_epoch = (uint32_t)token;
     tpl->open_flags = open_flags;
     tpl->backing_id = backing_id;
-    if (fd >= 0) {
-        tpl->file = new_bound_file(fd, size);  /* (its reference is the template's) */
-        if (tpl->file == NULL) {
-            free(tpl);
-            return errno == ENOMEM ? PyErr_NoMemory() : PyErr_SetFromErrno(PyExc_OSError);
-        }
-    }
     int added = 0, renewed = 0, failed = 0;
     pthread_mutex_lock(&t->lock);
     if (token == epoch_token(t, dir_slot)) {  /* (under the mutex: see remember_lookup) */
@@ -929,8 +1038,11 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
             renewed = 1;
         } else if (make_room(&t->templates) != 0) {
             failed = 1;
+        } else if (file_id != 0 &&
+                   (tpl->file = share_registered(t, file_id, size)) == NULL) {
+            failed = errno == ENOMEM;  /* (else not registered: not added) */
         } else {
-            put_slot(&t->templates, ino, NULL, tpl);
+            put_slot(&t->templates, ino, NULL, tpl);  /* (its file's reference is its own) */
             added = 1;
         }
     }
@@ -1220,7 +1332,9 @@ static PyObject *serve(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"new_table", new_table, METH_VARARGS, "A table of bound handles."},
-    {"bind", bind, METH_VARARGS, "Answer reads of a handle from a file."},
+    {"register_file", register_file, METH_VARARGS, "Register a file for handles to read."},
+    {"unregister_file", unregister_file, METH_VARARGS, "Drop a file's registration."},
+    {"bind", bind, METH_VARARGS, "Answer reads of a handle from a registered file."},
     {"unbind", unbind, METH_VARARGS, "Stop answering reads of a handle."},
     {"stats", stats, METH_VARARGS, "Counts of the requests answered here."},
     {"lookup_epoch", lookup_epoch, METH_VARARGS, "The epoch of lookups starting now."},

@@ -52,7 +52,9 @@ and every read is answered in Python.
 Concurrency: :meth:`bind` and :meth:`unbind` run on the request workers (open and
 release), :meth:`backing_open`, :meth:`backing_close`, :meth:`add_template` and
 :meth:`drop_template` wherever :class:`~cachefs.passthrough.Passthrough` registers
-(workers, its verifying threads; under its lock); ``_lock`` guards ``_files``.
+(workers, its verifying threads; under its lock); ``_lock`` guards ``_next_id``. The
+registered files themselves are the C table's (one descriptor each, shared by the handles
+and templates reading them, see ``_native.c`` ``register_file``).
 :meth:`drain` runs on any thread, one at a time (``_drain_lock``: a worker waits for a
 drain under way, the trio thread skips). The C table has its own mutex (see
 ``_native.c``), a leaf: nothing else is taken under it.
@@ -60,7 +62,6 @@ drain under way, the trio thread skips). The C table has its own mutex (see
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import threading
@@ -102,8 +103,7 @@ class NativeReads:
         if _native is None:
             raise RuntimeError("cachefs was built without its native request loop")
         self._table: Any = _native.new_table(metrics.LATENCY_BUCKETS, lookup_slots)
-        self._lock = threading.Lock()
-        self._files: dict[int, int] = {}  # backing id -> our descriptor of the file
+        self._lock = threading.Lock()  # (the next id)
         self._next_id = 1
         # Written by the loop when its event ring stops being empty (see wait_events).
         self._event_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -113,39 +113,29 @@ class NativeReads:
 
     # -- the BackingDevice interface (cachefs.passthrough) --------------------------------
     def backing_open(self, fd: int) -> int:
-        """Register a verified cache file (a duplicate of ``fd`` is kept); its id (> 0)."""
-        dup = os.dup(fd)
+        """Register a verified cache file; its id (> 0). The loop keeps one duplicate of
+        ``fd``, which every handle and template of the file reads: a registered file holds
+        one descriptor (:mod:`cachefs.descriptors`). Raises OSError (EMFILE)."""
         with self._lock:
             backing_id = self._next_id
             self._next_id += 1
-            self._files[backing_id] = dup
+        assert _native is not None
+        _native.register_file(self._table, backing_id, fd)
         return backing_id
 
     def backing_close(self, backing_id: int) -> None:
-        """Forget a registered file (handles bound to it keep their own descriptor)."""
-        with self._lock:
-            fd = self._files.pop(backing_id, None)
-        if fd is not None:
-            os.close(fd)
+        """Forget a registered file (handles and templates using it keep its descriptor
+        until they let go)."""
+        assert _native is not None
+        _native.unregister_file(self._table, backing_id)
 
     # -- handles ------------------------------------------------------------------------
     def bind(self, fh: int, backing_id: int, size: int) -> bool:
         """Answer reads of handle ``fh`` (up to ``size`` bytes, the object's) from the
         file registered as ``backing_id``; False if it is not registered (the handle's
-        reads then go to Python), or if the process is out of descriptors (a bound handle
-        holds one of its own)."""
-        with self._lock:
-            fd = self._files.get(backing_id)
-            if fd is None:
-                return False
-            assert _native is not None
-            try:
-                _native.bind(self._table, fh, fd, size)  # (under the lock: fd stays open)
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                    raise
-                return False
-        return True
+        reads then go to Python)."""
+        assert _native is not None
+        return _native.bind(self._table, fh, backing_id, size)
 
     def unbind(self, fh: int) -> bool:
         """Handle ``fh`` is closed: its reads are no longer answered here. Returns whether
@@ -167,15 +157,10 @@ class NativeReads:
         assert _native is not None
         key = _dir_key(prefix)
         if native_backing:
-            with self._lock:
-                fd = self._files.get(native_backing)
-                if fd is None:
-                    return False
-                return _native.add_template(self._table, ino, token, key,
-                                            abi.FOPEN_KEEP_CACHE, 0, fd, size)
-                # (under the lock: fd stays open)
+            return _native.add_template(self._table, ino, token, key, abi.FOPEN_KEEP_CACHE,
+                                        0, native_backing, size)
         return _native.add_template(self._table, ino, token, key, abi.FOPEN_PASSTHROUGH,
-                                    kernel_backing, -1, 0)
+                                    kernel_backing, 0, 0)
 
     def drop_template(self, ino: int) -> bool:
         """The loop no longer opens ``ino`` (True), or it keeps the template because
