@@ -234,6 +234,39 @@ def test_a_handle_keeps_its_file_after_the_registration_is_closed(loop: Loop, ca
     assert not loop.reads.bind(12, backing, len(data)), "a closed registration was bound"
 
 
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_registered_file_holds_one_descriptor_however_many_read_it(loop: Loop, cache_file: Any) -> None:
+    """Handles and templates share their registration's descriptor (cachefs/descriptors.py
+    counts one per registered file): 50 handles and 10 templates add none, and the
+    descriptor is closed only once the registration and the last of them are gone."""
+    path, data = cache_file
+    before = _open_descriptors()
+    backing = _register(loop.reads, path)
+    assert _open_descriptors() == before + 1
+    for fh in range(1, 51):
+        assert loop.reads.bind(fh, backing, len(data) - fh)  # (each its own size)
+    for ino in range(100, 110):
+        assert loop.reads.add_template(ino, token=loop.reads.lookup_epoch("d/"), prefix="d/",
+                                       native_backing=backing, size=len(data))
+    assert _open_descriptors() == before + 1
+    loop.reads.backing_close(backing)
+    assert _open_descriptors() == before + 1, "handles and templates still read it"
+    assert loop.ask(_read_request(1, 7, 0, 100))[2] == data[:100]
+    assert loop.ask(_read_request(2, 50, len(data) - 60, 100))[2] == data[-60:-50]  # its size
+    for fh in range(1, 51):
+        assert loop.reads.unbind(fh)
+    assert _open_descriptors() == before + 1
+    for ino in range(100, 110):
+        assert loop.reads.drop_template(ino)
+    assert _open_descriptors() == before, "the last user closed it"
+    assert not loop.reads.bind(1, backing, len(data))
+    assert not loop.reads.add_template(100, token=loop.reads.lookup_epoch("d/"), prefix="d/",
+                                       native_backing=backing, size=len(data))
+
+
 def test_many_handles_bound_and_unbound_while_reads_run(loop: Loop, tmp_path: Path) -> None:
     """The handle table grows and shrinks (open addressing with deletions) without losing
     a live handle: 3,000 handles over 30 files, every other one unbound, all checked."""
