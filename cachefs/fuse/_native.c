@@ -503,30 +503,42 @@ static PyObject *register_file(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* unregister_file(table, file_id) -> bool: drop registration ``file_id`` (whether there
- * was one); handles and templates using it keep its descriptor until they let go. */
-static PyObject *unregister_file(PyObject *self, PyObject *args) {
+/* Under the lock: take ``key`` out of ``m`` (a handle released, a registration dropped);
+ * whether it was there. Its file's reference is dropped: *gone is the file to dispose() once
+ * the lock is released, or NULL. */
+static int take_out(struct map *m, uint64_t key, struct bound_file **gone) {
+    struct slot *s = key != 0 ? find_slot(m, key) : NULL;
+    if (s == NULL || s->fh == 0)
+        return 0;
+    *gone = unref(s->file);
+    if (s->tpl != NULL)
+        s->tpl->handles--;  /* (a handle the loop opened with that template) */
+    remove_slot(m, s);
+    return 1;
+}
+
+/* unregister_file() and unbind(): (table, key) -> bool, ``key`` taken out of the
+ * registered files (``files``) or of the handles. */
+static PyObject *take_out_call(PyObject *args, int files) {
     PyObject *capsule;
-    unsigned long long id;
-    if (!PyArg_ParseTuple(args, "OK", &capsule, &id))
+    unsigned long long key;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &key))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
         return NULL;
     struct bound_file *gone = NULL;
-    int found = 0;
     pthread_mutex_lock(&t->lock);
-    if (id != 0) {
-        struct slot *s = find_slot(&t->files, id);
-        if (s->fh != 0) {
-            found = 1;
-            gone = unref(s->file);
-            remove_slot(&t->files, s);
-        }
-    }
+    int found = take_out(files ? &t->files : &t->handles, key, &gone);
     pthread_mutex_unlock(&t->lock);
     dispose(gone);
     return PyBool_FromLong(found);
+}
+
+/* unregister_file(table, file_id) -> bool: drop registration ``file_id`` (whether there
+ * was one); handles and templates using it keep its descriptor until they let go. */
+static PyObject *unregister_file(PyObject *self, PyObject *args) {
+    return take_out_call(args, 1);
 }
 
 /* Under the lock: a new bound file of registration ``file_id``, ``size`` bytes long (one
@@ -591,29 +603,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
  * released here, as a RELEASE the loop answered would be, without an event); its reads go
  * to Python from now. */
 static PyObject *unbind(PyObject *self, PyObject *args) {
-    PyObject *capsule;
-    unsigned long long fh;
-    if (!PyArg_ParseTuple(args, "OK", &capsule, &fh))
-        return NULL;
-    struct table *t = get_table(capsule);
-    if (t == NULL)
-        return NULL;
-    struct bound_file *gone = NULL;
-    int found = 0;
-    pthread_mutex_lock(&t->lock);
-    if (fh != 0) {
-        struct slot *s = find_slot(&t->handles, fh);
-        if (s->fh != 0) {
-            found = 1;
-            gone = unref(s->file);
-            if (s->tpl != NULL)
-                s->tpl->handles--;
-            remove_slot(&t->handles, s);
-        }
-    }
-    pthread_mutex_unlock(&t->lock);
-    dispose(gone);
-    return PyBool_FromLong(found);
+    return take_out_call(args, 0);
 }
 
 /* stats(table) -> dict: per timed request kind (read, lookup) (count, seconds, buckets);
