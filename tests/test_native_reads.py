@@ -267,6 +267,69 @@ def test_a_registered_file_holds_one_descriptor_however_many_read_it(loop: Loop,
                                        native_backing=backing, size=len(data))
 
 
+def test_registrations_come_and_go_while_their_handles_are_read(loop: Loop, tmp_path: Path) -> None:
+    """A thread registers files, binds handles to them and drops the registrations (and
+    later the handles) while the loop answers reads of those handles: every answer is its
+    file's bytes, and once all are gone every descriptor is closed (the shared count)."""
+    bodies = []
+    for i in range(8):
+        p = tmp_path / f"f{i}"
+        body = random.Random(100 + i).randbytes(6000 + i)
+        p.write_bytes(body)
+        bodies.append((p, body))
+    before = _open_descriptors()
+    live: dict[int, int] = {}  # bound handle -> file index
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    failed: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            _churn()
+        except BaseException as exc:  # reported by the test
+            failed.append(exc)
+
+    def _churn() -> None:
+        rnd = random.Random(1)
+        fh = 0
+        while not stop.is_set():
+            i = rnd.randrange(len(bodies))
+            backing = _register(loop.reads, bodies[i][0])
+            fh += 1
+            assert loop.reads.bind(fh, backing, len(bodies[i][1]))
+            loop.reads.backing_close(backing)  # the handle keeps the descriptor
+            with lock:
+                live[fh] = i
+                if len(live) > 40:
+                    old = next(iter(live))
+                    del live[old]
+                    assert loop.reads.unbind(old)
+
+    mutator = threading.Thread(target=churn)
+    mutator.start()
+    try:
+        checked = 0
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with lock:
+                if not live:
+                    continue
+                fh, i = random.choice(list(live.items()))
+            _, error, answer = loop.ask(_read_request(checked + 1, fh, 100, 200))
+            # (unbound meanwhile: the read went to Python)
+            assert (error, answer) in ((0, bodies[i][1][100:300]), (0, struct.pack("<I", abi.READ)))
+            checked += 1
+    finally:
+        stop.set()
+        mutator.join(10)
+    assert not failed, failed
+    assert checked > 100
+    for fh in list(live):
+        assert loop.reads.unbind(fh)
+    assert _open_descriptors() == before
+
+
 def test_many_handles_bound_and_unbound_while_reads_run(loop: Loop, tmp_path: Path) -> None:
     """The handle table grows and shrinks (open addressing with deletions) without losing
     a live handle: 3,000 handles over 30 files, every other one unbound, all checked."""
