@@ -270,7 +270,6 @@ class Passthrough:
                          "reads without the daemon's Python (raise LimitNOFILE for more)",
                          bound)
             self.max_idle = min(self.max_idle, bound)
-            self.max_templates = min(self.max_templates, bound)
         self.enabled = self._device is not None
         metrics.PASSTHROUGH_ENABLED.set(1 if kernel else 0)
         metrics.NATIVE_READS_ENABLED.set(1 if self.native else 0)
@@ -554,14 +553,8 @@ class Passthrough:
                     and not self._drop_oldest_template()):
                 return False
             if self.native:
-                try:
-                    added = loop.add_template(ino, token=token, prefix=prefix,
-                                              native_backing=backing.backing_id, size=obj.size)
-                except OSError as exc:  # (a template holds a descriptor of its own)
-                    if exc.errno not in _OUT_OF_DESCRIPTORS:
-                        raise
-                    self._shrink_for_descriptors()
-                    return False
+                added = loop.add_template(ino, token=token, prefix=prefix,
+                                          native_backing=backing.backing_id, size=obj.size)
             else:
                 added = loop.add_template(ino, token=token, prefix=prefix,
                                           kernel_backing=backing.backing_id)
@@ -653,27 +646,19 @@ class Passthrough:
                 self._idle.move_to_end(oid)
 
     def out_of_descriptors(self) -> None:
-        """A registration or template failed with EMFILE/ENFILE (any thread, without the
-        lock): with the native loop, keep at most three quarters of the idle backings
-        there are now and close the rest, so registered files give back the descriptors
-        they hold (the kernel's backings hold none of ours: nothing to give back). The
-        open that failed is served by the daemon; the bound stays lowered for the mount's
-        life."""
-        with self._lock:
-            self._shrink_for_descriptors()
-
-    def _shrink_for_descriptors(self) -> None:
+        """A registration failed with EMFILE/ENFILE (any thread, without the lock): with
+        the native loop, keep at most three quarters of the idle backings there are now
+        and close the rest, so registered files give back the descriptor each holds (the
+        kernel's backings hold none of ours: nothing to give back). The open that failed
+        is served by the daemon; the bound stays lowered for the mount's life."""
         if not self.native:
             return
-        bound = len(self._idle) * 3 // 4
-        self.max_idle = min(self.max_idle, bound)
-        # (a template holds a descriptor too, and needs a registration)
-        self.max_templates = min(self.max_templates, max(bound, len(self._templates) * 3 // 4))
-        self._trim_idle()
-        while len(self._templates) > self.max_templates and self._drop_oldest_template():
-            pass
-        if not self._descriptors_warned:
-            self._descriptors_warned = True
+        with self._lock:
+            bound = len(self._idle) * 3 // 4
+            self.max_idle = min(self.max_idle, bound)
+            self._trim_idle()  # (closing a backing drops its templates first)
+            warn, self._descriptors_warned = not self._descriptors_warned, True
+        if warn:
             log.warning("out of open files: keeping at most %d cache files registered for "
                         "reads (raise the open-file limit, LimitNOFILE, for more)", bound)
 

@@ -132,11 +132,10 @@ struct read_in {
 struct shared_fd {
     int fd;
     int refs;  /* bound files using it (atomic: dispose() runs without the mutex) */
+    int no_direct;  /* set (atomically) once the file refused to be opened O_DIRECT */
 };
 
 struct bound_file {
-    int fd;  /* shared->fd */
-    int no_direct;  /* set (atomically) once the file refused to be opened O_DIRECT */
     uint64_t size;
     int refs;  /* the map's own reference, plus one per read under way */
     struct shared_fd *shared;
@@ -305,8 +304,6 @@ static struct bound_file *share_file(struct shared_fd *sh, uint64_t size) {
         return NULL;
     __atomic_add_fetch(&sh->refs, 1, __ATOMIC_RELAXED);
     f->shared = sh;
-    f->fd = sh->fd;
-    f->no_direct = 0;
     f->size = size;
     f->refs = 1;
     return f;
@@ -477,6 +474,7 @@ static PyObject *register_file(PyObject *self, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     sh->refs = 0;
+    sh->no_direct = 0;
     struct bound_file *holder = share_file(sh, 0);  /* (the registration's reference) */
     if (holder == NULL) {
         close(sh->fd);
@@ -541,18 +539,10 @@ static PyObject *unregister_file(PyObject *self, PyObject *args) {
     return take_out_call(args, 1);
 }
 
-/* Under the lock: a new bound file of registration ``file_id``, ``size`` bytes long (one
- * reference), or NULL: no such registration (errno 0) or out of memory (ENOMEM). */
-static struct bound_file *share_registered(struct table *t, uint64_t file_id, uint64_t size) {
+/* Under the lock: the descriptor of registration ``file_id``, or NULL if there is none. */
+static struct shared_fd *registered(struct table *t, uint64_t file_id) {
     struct slot *r = file_id != 0 ? find_slot(&t->files, file_id) : NULL;
-    if (r == NULL || r->fh == 0) {
-        errno = 0;
-        return NULL;
-    }
-    struct bound_file *f = share_file(r->file->shared, size);
-    if (f == NULL)
-        errno = ENOMEM;
-    return f;
+    return r != NULL && r->fh != 0 ? r->file->shared : NULL;
 }
 
 /* bind(table, fh, file_id, size) -> bool: reads of handle ``fh`` are answered from
@@ -571,15 +561,16 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         return NULL;
     }
     struct bound_file *old = NULL, *f = NULL;
+    struct shared_fd *sh = NULL;
     int failed = 0;
     pthread_mutex_lock(&t->lock);
     struct slot *s = find_slot(&t->handles, fh);
     if (s->fh != 0 && s->tpl != NULL) {
         failed = 2;  /* a handle the loop opened: it has its file */
-    } else if (make_room(&t->handles) != 0) {
+    } else if ((sh = registered(t, file_id)) == NULL) {
+        failed = 3;
+    } else if (make_room(&t->handles) != 0 || (f = share_file(sh, size)) == NULL) {
         failed = 1;
-    } else if ((f = share_registered(t, file_id, size)) == NULL) {
-        failed = errno == ENOMEM ? 1 : 3;
     } else {
         s = find_slot(&t->handles, fh);
         if (s->fh != 0)
@@ -727,10 +718,10 @@ static int in_page_cache(int fd, uint64_t off, uint64_t len) {
  * (it costs the open of a /proc/self/fd link and a close). */
 static int open_direct(struct bound_file *f) {
     char path[64];
-    snprintf(path, sizeof(path), "/proc/self/fd/%d", f->fd);
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", f->shared->fd);
     int dfd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
     if (dfd < 0 && errno != EMFILE && errno != ENFILE && errno != EINTR && errno != ENOMEM)
-        __atomic_store_n(&f->no_direct, 1, __ATOMIC_RELAXED);  /* refused for good */
+        __atomic_store_n(&f->shared->no_direct, 1, __ATOMIC_RELAXED);  /* refused for good */
     return dfd;
 }
 
@@ -750,11 +741,11 @@ static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_
                          uint64_t off, size_t room) {
     size_t whole = whole_units(n);
     if (off + n >= f->size && off % DIRECT_ALIGN == 0 && (uintptr_t)dst % DIRECT_ALIGN == 0 &&
-        whole <= room && !__atomic_load_n(&f->no_direct, __ATOMIC_RELAXED) &&
+        whole <= room && !__atomic_load_n(&f->shared->no_direct, __ATOMIC_RELAXED) &&
         !__atomic_load_n(&t->no_cachestat, __ATOMIC_RELAXED)) {
         /* (neither asked again once refused: a kernel before 6.5 or a seccomp filter
          * refuses cachestat for good, a file system O_DIRECT for the file's life) */
-        int cached = in_page_cache(f->fd, off, n);
+        int cached = in_page_cache(f->shared->fd, off, n);
         if (cached < 0 && (errno == ENOSYS || errno == EPERM))
             __atomic_store_n(&t->no_cachestat, 1, __ATOMIC_RELAXED);
         int dfd = cached == 0 ? open_direct(f) : -1;
@@ -769,7 +760,7 @@ static ssize_t read_file(struct table *t, struct bound_file *f, char *dst, size_
              * below answers, as it does every read the direct one fails) */
         }
     }
-    return pread(f->fd, dst, n, (off_t)off);
+    return pread(f->shared->fd, dst, n, (off_t)off);
 }
 
 /* A READ of a bound handle: 1 when answered, 0 when Python must answer it. */
@@ -1026,11 +1017,12 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
             s->tpl->dir_slot = tpl->dir_slot;
             s->tpl->dir_epoch = tpl->dir_epoch;
             renewed = 1;
-        } else if (make_room(&t->templates) != 0) {
+        } else if (file_id != 0 && registered(t, file_id) == NULL) {
+            /* (not registered: not added) */
+        } else if (make_room(&t->templates) != 0 ||
+                   (file_id != 0 &&
+                    (tpl->file = share_file(registered(t, file_id), size)) == NULL)) {
             failed = 1;
-        } else if (file_id != 0 &&
-                   (tpl->file = share_registered(t, file_id, size)) == NULL) {
-            failed = errno == ENOMEM;  /* (else not registered: not added) */
         } else {
             put_slot(&t->templates, ino, NULL, tpl);  /* (its file's reference is its own) */
             added = 1;
