@@ -236,6 +236,11 @@ OPTIONS: tuple[Option, ...] = (
            "Without passthrough, answer reads of fully cached, verified files in the request "
            "workers' C loop, not in Python (the same check and pins as passthrough); 'auto' "
            "uses it when cachefs was built with it.", metavar="auto|off"),
+    Option("registered_files", parse_int, 65536,
+           "Closed, fully cached files kept registered for reads without the daemon "
+           "(passthrough, or the C loop) at most, least recently used dropped first: each "
+           "holds ~1 KiB of kernel memory (or, without passthrough, an open file); the "
+           "open-file limit may lower it. Eviction drops them too.", metavar="N"),
     Option("metadata_ttl", parse_duration, "300s",
            "How long a directory listing or object attribute is trusted before S3 is asked "
            "again ('inf' for immutable datasets); an expired listing is still answered while "
@@ -315,6 +320,7 @@ class MountConfig:
     cache_policy: str
     passthrough: str
     native_reads: str
+    registered_files: int
     block_size: int
     endpoint_url: str | None
     region: str | None
@@ -422,6 +428,8 @@ def _check_ranges(cfg: MountConfig) -> None:
         raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:
         raise ConfigError("--max-connections must be between 1 and 1024")
+    if not 0 <= cfg.registered_files <= 1 << 20:
+        raise ConfigError("--registered-files must be between 0 and 1048576")
     if not 1 <= cfg.fuse_workers <= 64:
         raise ConfigError("--fuse-workers must be between 1 and 64")
     if cfg.retry_deadline < 1:

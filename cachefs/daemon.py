@@ -284,8 +284,11 @@ class Daemon:
             manifest.load(env, manifest_path, bucket=cfg.source.bucket,
                           root_prefix=cfg.source.prefix)
         passthrough = Passthrough(fetcher, cache, ledger, enabled=cfg.passthrough == "auto",
+                                  max_idle=cfg.registered_files,
                                   max_native_idle=descriptors.native_files(
                                       self.open_files_limit, cfg.max_connections))
+        # Idle registrations yield to eviction: the cache tells passthrough which to close.
+        cache.on_yielded = passthrough.yielded
         # Without the kernel's passthrough, the request workers' C loop answers the reads
         # of verified files (cachefs.fuse.native); built without it, Python answers all.
         native = NativeReads() if cfg.native_reads == "auto" and native_available else None

@@ -208,6 +208,10 @@ PASSTHROUGH_BACKINGS = Gauge(
     "cachefs_passthrough_backing_files", "Cache files the kernel (or the native loop) "
     "currently reads directly",
     registry=REGISTRY)
+PASSTHROUGH_YIELDED = Counter(
+    "cachefs_passthrough_yielded", "Idle registered cache files closed because the cache "
+    "evicted their blocks (room for new blocks)",
+    registry=REGISTRY)
 PASSTHROUGH_ENABLED = Gauge(
     "cachefs_passthrough_enabled", "1 while opens may use FUSE passthrough", registry=REGISTRY)
 NATIVE_READS_ENABLED = Gauge(

@@ -18,9 +18,11 @@ Contracts:
   (:meth:`~cachefs.cache.blocks.BlockCache.verify_object`: written marks), as
   for the files a cold pass fetches just before their open. A registered file stays
   registered while handles use it and, idle, until it is among the least
-  recently used beyond :data:`MAX_IDLE_BACKINGS` files or a quarter of the
-  cache size; reopening it meanwhile needs no verification. Objects larger than
-  :data:`MAX_OBJECT_BYTES` are never passed through.
+  recently used beyond ``max_idle`` files (``--registered-files``, at most
+  :data:`MAX_IDLE_BACKINGS` by default; fewer when the open-file limit binds, see
+  :mod:`cachefs.descriptors`) or the cache evicts its blocks; reopening it
+  meanwhile needs no verification. Objects larger than :data:`MAX_OBJECT_BYTES`
+  are never passed through.
 * While registered, an object is pinned in the block cache: its bytes are never
   punched out of its file (an evicted block's hole would read as zeros; see
   :meth:`~cachefs.cache.blocks.BlockCache.pin` for how pins and evictions
@@ -28,7 +30,13 @@ Contracts:
   before they are indexed; a block evicted from the index but kept for the
   kernel may be written again, with the same bytes). The pin is taken before
   the file is opened and verified, and the descriptor verified is the one
-  handed to the kernel.
+  handed to the kernel. While handles use the registration the pin keeps
+  eviction away too; idle, the pin *yields*: eviction may drop the object's
+  blocks from the index (so idle registrations never cost the cache room:
+  their number is the only bound), the cache tells :meth:`Passthrough.yielded`,
+  and the registration is closed -- at once, or when the native loop's last
+  handle of it closes -- which releases the bytes. Until then new opens may
+  still use it: the bytes it reads are kept.
 * The kernel allows one I/O mode and one backing file per inode at a time:
   while an inode has handles served by the daemon, no passthrough is granted;
   while it has passed-through handles, every new open shares their file. An
@@ -72,8 +80,8 @@ time; a preparing thread calls ``on_prepared`` holding none of this class's lock
 takes the file system's, then ``_lock`` in :meth:`Passthrough.add_template_ahead`);
 predictions and settled loads arrive on the trio thread (they only queue;
 ``_awaiting`` is touched on the trio thread only). ``_lock`` guards
-``_backings``, ``_active``, ``_direct``, ``_fetched`` and ``_idle`` (held for
-dictionary work and the close ioctl only, never while a file is verified);
+``_backings``, ``_active``, ``_direct``, ``_fetched``, ``_idle`` and ``_evicted_idle``
+(held for dictionary work and the close ioctl only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
 ``_lock``); ``_templates`` and each backing's ``templates`` are under ``_lock`` too, and
 the loop's calls made under it (adding and dropping templates) take only the loop's own
@@ -82,7 +90,9 @@ preparing thread (either may wait on the disk); whoever puts an object's entry
 in ``_backings`` first verifies it, and opens of that object meanwhile wait for
 its outcome (one registration per object at a time). The preparing threads
 belong to :meth:`Passthrough.run` (a task of the daemon's nursery), which
-joins them before it returns, so none outlives the cache index.
+joins them before it returns, so none outlives the cache index. The cache calls
+:meth:`Passthrough.yielded` holding none of its locks; under ``_lock`` this class calls
+the cache's pin methods (they take only the cache's innermost lock).
 """
 
 from __future__ import annotations
@@ -112,11 +122,13 @@ log = logging.getLogger(__name__)
 #: Larger objects are served by the daemon: verifying one whole at its first open
 #: would cost a random reader more than it reads.
 MAX_OBJECT_BYTES = 1 << 30
-#: Idle backings kept registered (each holds one open file in the kernel, about 1 KiB
-#: of kernel memory with its inode and dentry: 64 MiB at most). A dataset with more files
-#: than this re-registers each file every epoch (an open and two ioctls, and a read-back
-#: if this daemon did not write or check it), so the bound is set well above a typical
-#: node's share of files: 4,096 made warm epochs over 4,800 files 2x slower.
+#: Idle backings kept registered by default (the default of ``--registered-files`` in
+#: :mod:`cachefs.config` is the same number; each holds one open
+#: file in the kernel, about 1 KiB of kernel memory with its inode and dentry: 64 MiB at
+#: most). A dataset with more files than this re-registers each file every epoch (an open
+#: and two ioctls, and a read-back if this daemon did not write or check it), so the bound
+#: is set well above a typical node's share of files: 4,096 made warm epochs over 4,800
+#: files 2x slower.
 MAX_IDLE_BACKINGS = 65536
 #: Files predicted to be opened next (directory lookahead) are verified and registered
 #: ahead of their open by this many threads, so that the open finds its backing ready
@@ -187,6 +199,9 @@ class _Backing:
     ready: threading.Event
     backing_id: int = 0
     opens: int = 0  # open handles using it, over all inodes (Python's; see templates)
+    # The cache evicted its blocks (a yielding pin kept their bytes): closed as soon as
+    # no handle uses it instead of being left idle.
+    evicted: bool = False
     # Inodes whose opens the native loop answers with this backing (open templates).
     templates: set[int] = dataclasses.field(default_factory=set)
 
@@ -197,7 +212,7 @@ class Passthrough:
 
     def __init__(self, fetcher: Fetcher, cache: BlockCache, ledger: PrefetchLedger, *,
                  enabled: bool, max_idle: int = MAX_IDLE_BACKINGS,
-                 max_idle_bytes: int | None = None, max_native_idle: int | None = None) -> None:
+                 max_native_idle: int | None = None) -> None:
         self.fetcher = fetcher
         self.cache = cache
         self.ledger = ledger
@@ -220,12 +235,14 @@ class Passthrough:
         # ahead of the next open once their handles are closed; see release)
         self._fetched: dict[int, ObjectVersion] = {}
         # Backings with no open handle, least recently used first. They stay registered
-        # (and their objects pinned) so the next open of the object needs no verification
-        # and no thread hop; bounded in number and in pinned bytes (a quarter of the cache).
+        # so the next open of the object needs no verification and no thread hop, their
+        # objects pinned with a yielding pin (eviction may take them: see yielded);
+        # bounded in number.
         self._idle: OrderedDict[bytes, None] = OrderedDict()
-        self._idle_bytes = 0
         self.max_idle = max_idle
-        self.max_idle_bytes = cache.capacity // 4 if max_idle_bytes is None else max_idle_bytes
+        # Idle backings the cache evicted that could not be closed yet (the native loop
+        # had handles open with their template): tried again at every trim.
+        self._evicted_idle: set[bytes] = set()
         # Registered with the native loop, each file holds open descriptors: the open-file
         # limit bounds them too (cachefs.descriptors; applied in attach_device).
         self.max_native_idle = max_native_idle
@@ -265,7 +282,7 @@ class Passthrough:
         self.native = not kernel and native is not None
         if self.native and self.max_native_idle is not None:
             bound = self.max_native_idle
-            if bound < min(self.max_idle, MAX_IDLE_BACKINGS):
+            if bound < self.max_idle:
                 log.info("the open-file limit leaves room for %d cache files registered for "
                          "reads without the daemon's Python (raise LimitNOFILE for more)",
                          bound)
@@ -397,7 +414,7 @@ class Passthrough:
         with self._lock:
             if oid in self._backings:
                 return "known"
-            if spare and not self._idle_room(obj.size):
+            if spare and not self._idle_room():
                 return "full"
         bids = self.fetcher.block_ids(obj)
         reason = self._decline_reason(obj, bids)
@@ -408,7 +425,7 @@ class Passthrough:
         with self._lock:
             if oid in self._backings:
                 return "known"
-            if spare and not self._idle_room(obj.size):
+            if spare and not self._idle_room():
                 return "full"
             backing = _Backing(oid, obj.size, threading.Event())
             self._backings[oid] = backing
@@ -617,33 +634,57 @@ class Passthrough:
     def _use(self, ino: int, backing: _Backing) -> int:
         if backing.opens == 0 and backing.oid in self._idle:
             del self._idle[backing.oid]
-            self._idle_bytes -= backing.size
+            self._evicted_idle.discard(backing.oid)
+            # In use: eviction must not choose its blocks (the kernel reads them).
+            self.cache.convert_pin(backing.oid, yielding=False)
         backing.opens += 1
         oid, n = self._active.get(ino, (backing.oid, 0))
         self._active[ino] = (oid, n + 1)
         metrics.PASSTHROUGH_OPENS.inc()
         return backing.backing_id
 
-    def _idle_room(self, size: int) -> bool:
-        return (len(self._idle) < self.max_idle
-                and self._idle_bytes + size <= self.max_idle_bytes)
+    def _idle_room(self) -> bool:
+        return len(self._idle) < self.max_idle
 
     def _idle_or_keep(self, backing: _Backing) -> None:
         if backing.opens > 0 or backing.oid in self._idle:
             return
         self._idle[backing.oid] = None
-        self._idle_bytes += backing.size
+        # Idle: its pin yields to eviction (room for new blocks is worth more).
+        self.cache.convert_pin(backing.oid, yielding=True)
+        if backing.evicted:
+            self._evicted_idle.add(backing.oid)
         self._trim_idle()
 
     def _trim_idle(self) -> None:
-        """Close the least recently used idle backings beyond the bounds (under the lock)."""
+        """Close the idle backings the cache evicted, and the least recently used beyond
+        the bound (under the lock)."""
+        for oid in list(self._evicted_idle):
+            if self._close(oid):
+                metrics.PASSTHROUGH_YIELDED.inc()
         tries = len(self._idle)  # (a backing the loop still uses goes to the end, once)
-        while self._idle and tries > 0 and (len(self._idle) > self.max_idle
-                                            or self._idle_bytes > self.max_idle_bytes):
+        while self._idle and tries > 0 and len(self._idle) > self.max_idle:
             tries -= 1
             oid = next(iter(self._idle))
             if not self._close(oid):
                 self._idle.move_to_end(oid)
+
+    def yielded(self, oids: list[bytes]) -> None:
+        """The cache evicted blocks of these objects while only a yielding pin kept their
+        bytes (any thread, holding none of the cache's locks: :attr:`BlockCache.on_yielded`).
+        An idle registration among them is closed now, which unpins its bytes; one in use
+        is closed once no handle uses it (its bytes stay right until then). New opens may
+        still use it meanwhile: the bytes the kernel reads are kept."""
+        with self._lock:
+            for oid in oids:
+                backing = self._backings.get(oid)
+                if backing is None:
+                    continue  # closed meanwhile
+                backing.evicted = True
+                if oid in self._idle:
+                    self._evicted_idle.add(oid)
+            if self._evicted_idle:
+                self._trim_idle()
 
     def out_of_descriptors(self) -> None:
         """A registration failed with EMFILE/ENFILE (any thread, without the lock): with
@@ -671,7 +712,7 @@ class Passthrough:
             return False
         del self._backings[oid]
         del self._idle[oid]
-        self._idle_bytes -= backing.size
+        self._evicted_idle.discard(oid)
         metrics.PASSTHROUGH_BACKINGS.dec()
         try:
             assert self._device is not None
@@ -679,7 +720,7 @@ class Passthrough:
         except OSError as exc:
             log.warning("cannot close passthrough backing %d: %s", backing.backing_id,
                         exc.strerror)
-        self.cache.unpin(oid)
+        self.cache.unpin(oid, yielding=True)  # (an idle backing's pin yields)
         return True
 
     # -- internals -------------------------------------------------------------------------

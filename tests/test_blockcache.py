@@ -415,6 +415,49 @@ def test_lru_never_evicts_a_pinned_object(make_cache) -> None:  # type: ignore[n
     assert not c.cache.contains(pinned[0]), "unpinned, the oldest goes first"
 
 
+def test_a_yielding_pin_lets_eviction_choose_and_keeps_the_bytes_until_the_unpin(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """An idle registration's pin: eviction may drop the object's blocks from the index
+    (the holder is told, once, outside the cache's locks), but their bytes stay in the
+    file, right, until the last unpin; turned back into a plain pin it keeps eviction
+    away again."""
+    c = make_cache(capacity=3 * BLOCK, policy="lru")
+    held = [block_id("bucket", "held", "e", BLOCK, i) for i in range(2)]
+    for i, b in enumerate(held):
+        assert c.put(b, data(10 + i))
+        time.sleep(0.002)
+    oid = object_id("bucket", "held", "e", BLOCK)
+    told: list[list[bytes]] = []
+
+    def on_yielded(oids: list[bytes]) -> None:
+        assert not c.cache._lock.locked(), "told under the cache's lock"
+        told.append(oids)
+
+    c.cache.on_yielded = on_yielded
+    c.cache.pin(oid)
+    c.cache.convert_pin(oid, yielding=True)  # (as a registration going idle does)
+    assert c.put(bid(0), data(0))
+    time.sleep(0.002)
+    assert c.put(bid(1), data(1)), "the held object's oldest block makes room"
+    assert not c.cache.contains(held[0])
+    assert told == [[oid]]
+    path = c.cache.object_path(oid)
+    with open(path, "rb") as f:
+        assert f.read(BLOCK) == data(10), "its bytes are kept while the pin lasts"
+    assert c.cache.deferred_bytes == BLOCK
+    c.cache.convert_pin(oid, yielding=False)  # (in use again)
+    time.sleep(0.002)
+    assert c.put(bid(2), data(2))
+    assert c.cache.contains(held[1]), "a plain pin keeps eviction away"
+    assert not c.cache.contains(bid(0))
+    assert told == [[oid]], "a plain pin's deferred release is not told"
+    c.cache.unpin(oid)
+    c.cache.flush_touches({})
+    assert c.cache.deferred_bytes == 0
+    with open(path, "rb") as f:
+        assert f.read(BLOCK) == bytes(BLOCK), "released at the unpin: a hole"
+        assert f.read(BLOCK) == data(11)
+
+
 def test_verify_object_checks_every_block(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(3)]

@@ -395,7 +395,8 @@ def test_a_file_evicted_under_a_passthrough_open_is_a_miss_for_that_open(bucket,
     open verified it: the open must neither hand punched bytes to the kernel nor
     switch passthrough off for the mount."""
     files = _objects(bucket, {"a.bin": MNT_BLOCK, "b.bin": MNT_BLOCK})
-    m = _mount(mount_factory, bucket, 1)
+    # (no idle registration: a's next open registers its file again)
+    m = _mount(mount_factory, bucket, 1, "--registered-files", "0")
     _cached(m, m.path / "a.bin", files["a.bin"], 1)
     holds.hold("put.index")
     holds.hold("attach.verified")
@@ -417,7 +418,8 @@ def test_a_file_evicted_under_a_passthrough_open_is_a_miss_for_that_open(bucket,
 @needs_passthrough
 def test_a_file_gone_before_a_passthrough_open_is_a_miss_for_that_open(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
     files = _objects(bucket, {"a.bin": MNT_BLOCK, "b.bin": MNT_BLOCK})
-    m = _mount(mount_factory, bucket, 1)
+    # (no idle registration: a's next open registers its file again)
+    m = _mount(mount_factory, bucket, 1, "--registered-files", "0")
     _cached(m, m.path / "a.bin", files["a.bin"], 1)
     declined = 'cachefs_passthrough_declined_total{reason="not_cached"}'
     assert _read_file(m.path / "b.bin") == files["b.bin"]  # b cached now, a evicted
@@ -600,7 +602,7 @@ def test_a_file_closed_before_its_blocks_landed_is_registered_once_they_have(buc
     while they are still being written: the preparing thread looks again once they have
     landed instead of giving the file up."""
     files = _objects(bucket, {"a.bin": 3 * MNT_BLOCK})
-    m = _mount(mount_factory, bucket, 16)  # (idle registrations: a quarter, 4 blocks)
+    m = _mount(mount_factory, bucket, 16)
     holds.hold("put.index")  # every write-back waits before it is indexed
     assert _read_file(m.path / "a.bin") == files["a.bin"]
     holds.wait("put.index")

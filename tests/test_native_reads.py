@@ -671,8 +671,8 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
     client.put_object(Bucket=name, Key="a.bin", Body=a)
     client.put_object(Bucket=name, Key="b.bin", Body=b)
     extra = ("--passthrough", "off") if reader == "native" else ()
-    # Idle registrations may pin a quarter of the cache: 128 KiB here, one file.
-    args = ("--block-size", "64K", "--cache-size", "512K", "--memory-budget", "256K", *extra)
+    args = ("--block-size", "64K", "--cache-size", "512K", "--memory-budget", "256K",
+            "--registered-files", "1", *extra)
     m = mount_factory(f"s3://{name}", *args)
     assert _read(m.path / "a.bin") == a and _read(m.path / "b.bin") == b
     _wait_metric(m, "cachefs_cache_blocks", 4)

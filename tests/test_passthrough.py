@@ -290,9 +290,9 @@ def test_idle_backings_are_bounded_and_a_new_version_is_served(bucket, mount_fac
     a, b = _payload(1, 100_000), _payload(2, 100_000)
     client.put_object(Bucket=name, Key="a.bin", Body=a)
     client.put_object(Bucket=name, Key="b.bin", Body=b)
-    # Idle registrations may pin a quarter of the cache: 128 KiB here, one file.
     m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "512K",
-                      "--memory-budget", "256K", "--metadata-ttl", "0")
+                      "--memory-budget", "256K", "--metadata-ttl", "0",
+                      "--registered-files", "1")
     for i in range(2):
         assert _read(m.path / "a.bin") == a
         assert _read(m.path / "b.bin") == b
@@ -318,6 +318,55 @@ def test_idle_backings_are_bounded_and_a_new_version_is_served(bucket, mount_fac
     opens = m.metric("cachefs_passthrough_opens_total")
     assert _read(m.path / "a.bin") == new_a  # now cached whole: passed through
     assert m.metric("cachefs_passthrough_opens_total") == opens + 1
+
+
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_idle_registrations_take_no_cache_room_and_go_when_evicted(bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """Idle registrations hold no room in the cache (they used to pin up to a quarter of
+    it, and a dataset past that was re-registered, read back, every epoch): every file of
+    a dataset the cache holds stays registered. When eviction wants their blocks, the
+    registrations are closed and their bytes freed, and every read stays right."""
+    client, name = bucket
+    first = {f"a/f{i}.bin": _payload(500 + i, 60_000) for i in range(6)}
+    later = {f"b/g{i}.bin": _payload(600 + i, 60_000) for i in range(4)}
+    for key, body in first.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    # Eight blocks; the six files of a/ are three quarters of it.
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "512K",
+                      "--cache-policy", "lru", "--memory-budget", "256K",
+                      "--metadata-ttl", "0", *extra)
+    for key in sorted(first):
+        assert _read(m.path / key) == first[key]
+    _wait_for(m, "cachefs_open_file_handles", 0)
+    _wait_for(m, "cachefs_passthrough_backing_files", 6)
+    assert m.metric("cachefs_passthrough_backing_files") == 6, "not every idle file stayed"
+    assert m.metric("cachefs_passthrough_yielded_total") == 0
+    for key, body in later.items():  # (put only now: no walk fetched them ahead)
+        client.put_object(Bucket=name, Key=key, Body=body)
+    for key in sorted(later):
+        for _ in range(100):  # (an expired listing is answered while it is refreshed)
+            if (m.path / key).exists():
+                break
+            time.sleep(0.05)  # two of a/'s blocks must go to make room
+        assert _read(m.path / key) == later[key]
+    _wait_for(m, "cachefs_open_file_handles", 0)
+    for _ in range(100):
+        if m.metric("cachefs_passthrough_yielded_total") >= 2 and _allocated(m) <= 8 * BLOCK:
+            break
+        time.sleep(0.05)
+    assert m.metric("cachefs_passthrough_yielded_total") >= 2
+    assert m.metric("cachefs_passthrough_backing_files") <= 8
+    assert _allocated(m) <= 8 * BLOCK, "evicted bytes still on disk once their registration went"
+    for key, body in sorted({**first, **later}.items()):
+        assert _read(m.path / key) == body
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+def _allocated(m: Any) -> int:
+    """Bytes the cache's object files take on disk."""
+    return sum(f.stat().st_blocks * 512 for f in (m.cache_dir / "objects").rglob("*")
+               if f.is_file())
 
 
 def _wait_for(m: Any, metric: str, value: float) -> None:
@@ -430,8 +479,8 @@ def test_a_close_registers_a_file_only_into_spare_idle_room(bucket, mount_factor
     a, b = _payload(4, 50_000), _payload(5, 50_000)
     client.put_object(Bucket=name, Key="a.bin", Body=a)
     client.put_object(Bucket=name, Key="b.bin", Body=b)
-    # Idle registrations may pin a quarter of the cache: 64 KiB here, one of these files.
-    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "256K")
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "256K",
+                      "--registered-files", "1")
     assert _read(m.path / "a.bin") == a
     _wait_for(m, 'cachefs_passthrough_prepared_total{outcome="registered"}', 1)
     assert _read(m.path / "b.bin") == b

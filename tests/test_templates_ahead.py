@@ -51,11 +51,14 @@ class _Cache:
     def verify_object(self, bids: list[bytes], fd: int | None = None) -> int:
         return OBJ.size
 
-    def pin(self, oid: bytes) -> None:
+    def pin(self, oid: bytes, *, yielding: bool = False) -> None:
         self.pins += 1
 
-    def unpin(self, oid: bytes) -> None:
+    def unpin(self, oid: bytes, *, yielding: bool = False) -> None:
         self.pins -= 1
+
+    def convert_pin(self, oid: bytes, *, yielding: bool) -> None:
+        pass
 
 
 class _Device:

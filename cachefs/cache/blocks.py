@@ -61,6 +61,12 @@ Contracts:
   committed) defers the release until the last unpin. Deferred bytes are
   released by the next put or :meth:`flush_touches` after that, unless the block
   was stored again meanwhile (a release never punches a block the index names).
+* A *yielding* pin keeps an object's bytes the same way but does not keep eviction
+  from choosing its blocks (an idle passthrough registration: worth less than room
+  for new blocks). When an eviction drops blocks of an object only yielding pins
+  keep, their release is deferred as above and :attr:`BlockCache.on_yielded` is
+  told, after every lock of the cache is let go, so the holder can unpin. Until it
+  does, those bytes are on disk beyond the capacity the index accounts.
 
 Policies (``keep``, ``lru``): see :mod:`cachefs.cache.blockindex`.
 
@@ -84,7 +90,7 @@ Locks, in the only order they may be taken:
    A thread holds at most one object lock.
 2. the LMDB write transaction (one writer at a time); it may be opened while an
    object lock is held, never the other way round.
-3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_deferred``,
+3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_yielding``, ``_deferred``,
    ``_touched`` and ``_written`` (which is changed, and read for a trust
    decision, only while the object's lock is held too); held only for a
    few dict operations, taken last.
@@ -97,7 +103,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -142,7 +148,12 @@ class BlockCache:
         self._limiter = limiter or trio.CapacityLimiter(16)
         self._lock = threading.Lock()
         self._file_locks = ObjectLocks()
-        self._pinned: dict[bytes, int] = {}
+        self._pinned: dict[bytes, int] = {}  # object id -> plain pins
+        self._yielding: dict[bytes, int] = {}  # object id -> yielding pins (see pin)
+        # Told (outside every lock of this class, on the thread that released them) of the
+        # objects whose blocks were dropped from the index while only yielding pins kept
+        # their bytes: the holders let go, and the bytes go at the unpin.
+        self.on_yielded: Callable[[list[bytes]], None] | None = None
         # Byte ranges of dropped blocks whose release waits for their object's unpin.
         self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
@@ -189,28 +200,44 @@ class BlockCache:
         return self._file_locks.hold(oid)
 
     # -- pins (objects whose file the kernel reads directly) ----------------------------
-    def pin(self, oid: bytes) -> None:
+    def pin(self, oid: bytes, *, yielding: bool = False) -> None:
         """Keep the bytes of every block of ``oid`` in its file until the matching
-        :meth:`unpin`: no eviction chooses them from now on, and a release decided
-        before (by an eviction racing this pin) waits for the unpin. Take the pin
-        before verifying the file: a block evicted before it is then not indexed
-        any more, so the verification fails instead of trusting bytes about to go."""
+        :meth:`unpin`: a release decided before (by an eviction racing this pin) or
+        after waits for the last unpin. A plain pin also keeps eviction from choosing
+        the object's blocks from now on. A *yielding* pin does not: eviction may drop
+        the blocks from the index (their bytes stay until the unpin), and then
+        :attr:`on_yielded` is told, so the holder can let go (an idle registration is
+        worth less than room for new blocks). Take the pin before verifying the file:
+        a block evicted before it is then not indexed any more, so the verification
+        fails instead of trusting bytes about to go."""
         with self._lock:
-            self._pinned[oid] = self._pinned.get(oid, 0) + 1
+            pins = self._yielding if yielding else self._pinned
+            pins[oid] = pins.get(oid, 0) + 1
 
-    def unpin(self, oid: bytes) -> None:
+    def unpin(self, oid: bytes, *, yielding: bool = False) -> None:
         """Any thread; never waits. Deferred releases happen at the next put or
         :meth:`flush_touches`."""
         with self._lock:
-            n = self._pinned.get(oid, 0) - 1
-            if n > 0:
-                self._pinned[oid] = n
-            else:
-                self._pinned.pop(oid, None)
+            _uncount(self._yielding if yielding else self._pinned, oid)
+
+    def convert_pin(self, oid: bytes, *, yielding: bool) -> None:
+        """Turn one plain pin of ``oid`` into a yielding one (``yielding``) or back, at
+        once: the bytes are kept throughout (any thread; never waits)."""
+        with self._lock:
+            old, new = ((self._pinned, self._yielding) if yielding
+                        else (self._yielding, self._pinned))
+            _uncount(old, oid)
+            new[oid] = new.get(oid, 0) + 1
 
     def _is_pinned(self, oid: bytes) -> bool:
+        """Whether eviction must not choose ``oid``'s blocks (a plain pin)."""
         with self._lock:
             return oid in self._pinned
+
+    def _is_kept(self, oid: bytes) -> bool:
+        """Whether ``oid``'s bytes must stay in its file (any pin; the caller holds
+        ``_lock``)."""
+        return oid in self._pinned or oid in self._yielding
 
     # -- index lookups (any thread; synchronous, no transaction outlives them) -----------
     def _entry(self, bid: bytes) -> Entry | None:
@@ -493,45 +520,53 @@ class BlockCache:
         self._release_blocks(removed)
 
     def _release_blocks(self, blocks: list[tuple[bytes, int]]) -> None:
-        """Free the bytes of blocks the index no longer names (worker thread)."""
+        """Free the bytes of blocks the index no longer names (worker thread); then tell
+        :attr:`on_yielded` of the objects whose only pins yield (their bytes wait)."""
         by_object: dict[bytes, list[tuple[int, int]]] = {}
         for bid, length in blocks:
             oid, offset = split_block_id(bid)
             by_object.setdefault(oid, []).append((offset, length))
+        yielded: list[bytes] = []
         for oid, ranges in by_object.items():
             failpoints.hit("evict.release")
             with self._file_lock(oid):
-                self._release_bytes(oid, ranges)
+                if self._release_bytes(oid, ranges):
+                    yielded.append(oid)
+        on_yielded = self.on_yielded
+        if yielded and on_yielded is not None:
+            on_yielded(yielded)
 
-    def _release_bytes(self, oid: bytes, ranges: list[tuple[int, int]]) -> None:
+    def _release_bytes(self, oid: bytes, ranges: list[tuple[int, int]]) -> bool:
         """Free the byte ranges of dropped blocks of ``oid``: remove the object's file if
         the index names none of its blocks, else punch the ranges out of it. Ranges of
         blocks indexed again meanwhile are kept; a pinned object's release is deferred
-        until its unpin. The caller holds the object's lock. The object's written
+        until its last unpin. The caller holds the object's lock. The object's written
         marks are dropped first in every case (a deferred release too: fewer marks only
-        cost read-backs)."""
+        cost read-backs). Returns whether the release was deferred for yielding pins
+        only (their holders are to be told)."""
         self._unmark_written(oid)
         with self._lock:
-            if oid in self._pinned:
+            if self._is_kept(oid):
                 self._deferred.setdefault(oid, []).extend(ranges)
-                return
+                return oid not in self._pinned
         try:
             indexed, any_indexed = self.index.state(oid, [off for off, _ in ranges])
         except CacheError as exc:
             self.index.report_error(exc)
-            return  # keep the bytes: never punch what the index may still name
+            return False  # keep the bytes: never punch what the index may still name
         if not any_indexed:
             self.files.remove(oid)
-            return
+            return False
         ranges = [(off, n) for off, n in ranges if off not in indexed]
         if ranges:
             self.files.punch(oid, ranges)
+        return False
 
     def release_deferred(self) -> None:
         """Release the bytes whose release waited for an object's unpin (worker thread)."""
         with self._lock:
             jobs = [(oid, self._deferred.pop(oid)) for oid in list(self._deferred)
-                    if oid not in self._pinned]
+                    if not self._is_kept(oid)]
         for oid, ranges in jobs:
             with self._file_lock(oid):
                 self._release_bytes(oid, ranges)  # pinned again meanwhile: deferred again
@@ -591,13 +626,23 @@ class BlockCache:
                     removed += 1
                 continue
             with self._file_lock(oid):
-                if not self._is_pinned(oid) and not self._object_indexed(oid) and stale(f):
+                with self._lock:
+                    kept = self._is_kept(oid)
+                if not kept and not self._object_indexed(oid) and stale(f):
                     self._unmark_written(oid)
                     unlink(f)
                     removed += 1
         if removed:
             log.info("removed %d orphan file(s) from the cache", removed)
         return removed
+
+
+def _uncount(pins: dict[bytes, int], oid: bytes) -> None:
+    n = pins.get(oid, 0) - 1
+    if n > 0:
+        pins[oid] = n
+    else:
+        pins.pop(oid, None)
 
 
 def _matches(data: bytes, entry: Entry) -> bool:
