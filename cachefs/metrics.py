@@ -91,7 +91,8 @@ BUILD_INFO.info({"version": __version__})
 # --- block cache -----------------------------------------------------------
 CACHE_HIT_BYTES = Counter(
     "cachefs_cache_hit_bytes",
-    "Bytes of file reads served from the block cache (passthrough: whole objects verified at open)",
+    "Bytes of file reads served from the block cache (a file read without the daemon, by "
+    "passthrough or the C loop: its whole object at each open)",
     registry=REGISTRY)
 CACHE_MISS_BYTES = Counter(
     "cachefs_cache_miss_bytes", "Bytes of file reads that had to be fetched from S3", registry=REGISTRY)
@@ -207,6 +208,11 @@ PASSTHROUGH_PREPARED = Counter(
 PASSTHROUGH_BACKINGS = Gauge(
     "cachefs_passthrough_backing_files", "Cache files the kernel (or the native loop) "
     "currently reads directly",
+    registry=REGISTRY)
+PASSTHROUGH_VERIFIED_BYTES = Counter(
+    "cachefs_passthrough_verified_bytes", "Bytes of cache files checked before they were "
+    "registered for reads without the daemon (read back, or trusted as written by this "
+    "daemon: cachefs_cache_objects_trusted_total)",
     registry=REGISTRY)
 PASSTHROUGH_YIELDED = Counter(
     "cachefs_passthrough_yielded", "Idle registered cache files closed because the cache "

@@ -324,8 +324,8 @@ class Passthrough:
         and not registered yet, a preparing thread verifies and registers its file,
         leaving the backing idle for the open to use (and, with ``ino``, tells
         :attr:`on_prepared`)."""
-        if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES:
-            return
+        if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES or self.max_idle == 0:
+            return  # (with no idle registration kept, one made ahead would be closed at once)
         # (read without _lock: a stale answer only costs the preparing thread a look)
         if self.fetcher.object_id(obj) in self._backings:
             return  # registered already (the previous epoch's open) or being verified
@@ -476,8 +476,7 @@ class Passthrough:
             # handles (or a template: its first open may be this one, which the loop left
             # to Python) using the file: if its blocks were fetched ahead, the kernel's
             # reads of them are their use.
-            if self.ledger.pending:
-                self.ledger.mark_used(self.fetcher.block_ids(obj))
+            self._used(obj)
             return backing_id
         bids = self.fetcher.block_ids(obj)
         reason = self._decline_reason(obj, bids)
@@ -584,8 +583,21 @@ class Passthrough:
         """The native loop opened a handle of ``obj`` with its template (any thread; told
         in batches, after the fact): counted as an open of a registered file."""
         metrics.PASSTHROUGH_OPENS.inc()
-        if self.ledger.pending:
-            self.ledger.mark_used(self.fetcher.block_ids(obj))
+        metrics.CACHE_HIT_BYTES.inc(obj.size)
+        self._used(obj)
+
+    def _used(self, obj: ObjectVersion, bids: list[bytes] | None = None) -> None:
+        """An open of a registered file: its prefetched blocks are used, and under the
+        ``lru`` policy it is recently used (the daemon sees none of its reads; an idle
+        registration's pin yields to eviction, which would otherwise take the hottest
+        files first)."""
+        lru = self.cache.policy == "lru"
+        if self.ledger.pending or lru:
+            bids = bids or self.fetcher.block_ids(obj)
+            if self.ledger.pending:
+                self.ledger.mark_used(bids)
+            if lru:
+                self.cache.touch(bids)
 
     @property
     def templates(self) -> int:
@@ -641,6 +653,8 @@ class Passthrough:
         oid, n = self._active.get(ino, (backing.oid, 0))
         self._active[ino] = (oid, n + 1)
         metrics.PASSTHROUGH_OPENS.inc()
+        # (the daemon sees none of its reads: the whole object counts as read from the cache)
+        metrics.CACHE_HIT_BYTES.inc(backing.size)
         return backing.backing_id
 
     def _idle_room(self) -> bool:
@@ -811,7 +825,7 @@ class Passthrough:
         finally:
             if not backing_id:
                 self.cache.unpin(oid)
-        metrics.CACHE_HIT_BYTES.inc(verified)
+        metrics.PASSTHROUGH_VERIFIED_BYTES.inc(verified)
         return backing_id, ""
 
     def _switch_off(self, error: OSError) -> None:

@@ -41,6 +41,7 @@ class _Cache:
         self.path = path
         path.write_bytes(b"x" * OBJ.size)
         self.pins = 0
+        self.policy = "keep"
 
     def object_path(self, oid: bytes) -> str:
         return str(self.path)
