@@ -158,6 +158,11 @@ _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 _KERNEL = (6, 9)
 
 
+#: The event of every settled registration (see _Backing.ready).
+_SETTLED = threading.Event()
+_SETTLED.set()
+
+
 def supported() -> bool:
     """Whether this kernel can let a FUSE file system hand files to it (Linux >= 6.9;
     whether it does is settled at INIT, and the daemon needs CAP_SYS_ADMIN)."""
@@ -196,14 +201,16 @@ class _Backing:
 
     oid: bytes
     size: int
-    ready: threading.Event
+    ready: threading.Event  # set once verified (or failed); then the shared _SETTLED
     backing_id: int = 0
     opens: int = 0  # open handles using it, over all inodes (Python's; see templates)
     # The cache evicted its blocks (a yielding pin kept their bytes): closed as soon as
     # no handle uses it instead of being left idle.
     evicted: bool = False
-    # Inodes whose opens the native loop answers with this backing (open templates).
-    templates: set[int] = dataclasses.field(default_factory=set)
+    # Inodes whose opens the native loop answers with this backing (open templates;
+    # None until the first: most registrations have one or none, and an empty set is
+    # 216 bytes, times up to --registered-files).
+    templates: set[int] | None = None
 
 
 class Passthrough:
@@ -243,6 +250,7 @@ class Passthrough:
         # Idle backings the cache evicted that could not be closed yet (the native loop
         # had handles open with their template): tried again at every trim.
         self._evicted_idle: set[bytes] = set()
+        self._bound_told = False  # (the log said the number bound binds)
         # Registered with the native loop, each file holds open descriptors: the open-file
         # limit bounds them too (cachefs.descriptors; applied in attach_device).
         self.max_native_idle = max_native_idle
@@ -576,6 +584,8 @@ class Passthrough:
                                           kernel_backing=backing.backing_id)
             if added and not known:
                 self._templates[ino] = oid
+                if backing.templates is None:
+                    backing.templates = set()
                 backing.templates.add(ino)
         return added
 
@@ -586,14 +596,14 @@ class Passthrough:
         metrics.CACHE_HIT_BYTES.inc(obj.size)
         self._used(obj)
 
-    def _used(self, obj: ObjectVersion, bids: list[bytes] | None = None) -> None:
+    def _used(self, obj: ObjectVersion) -> None:
         """An open of a registered file: its prefetched blocks are used, and under the
         ``lru`` policy it is recently used (the daemon sees none of its reads; an idle
         registration's pin yields to eviction, which would otherwise take the hottest
         files first)."""
         lru = self.cache.policy == "lru"
         if self.ledger.pending or lru:
-            bids = bids or self.fetcher.block_ids(obj)
+            bids = self.fetcher.block_ids(obj)
             if self.ledger.pending:
                 self.ledger.mark_used(bids)
             if lru:
@@ -609,10 +619,11 @@ class Passthrough:
         """Drop the templates of ``backing``'s inodes; False if the loop still has handles
         open with one (that one and those not tried yet are kept)."""
         loop = self._loop
-        for ino in list(backing.templates):
+        templates = backing.templates or set()
+        for ino in list(templates):
             if loop is not None and not loop.drop_template(ino):
                 return False
-            backing.templates.discard(ino)
+            templates.discard(ino)
             self._templates.pop(ino, None)
         return True
 
@@ -624,7 +635,7 @@ class Passthrough:
             if loop is None or loop.drop_template(ino):
                 oid = self._templates.pop(ino)
                 backing = self._backings.get(oid)
-                if backing is not None:
+                if backing is not None and backing.templates:
                     backing.templates.discard(ino)
                 return True
         return False
@@ -682,6 +693,12 @@ class Passthrough:
             oid = next(iter(self._idle))
             if not self._close(oid):
                 self._idle.move_to_end(oid)
+            elif not self._bound_told:
+                self._bound_told = True
+                log.info("%d cache files are registered for reads without the daemon, the "
+                         "most kept (--registered-files): files read beyond them are "
+                         "registered again at their next open (raise it for datasets of "
+                         "more files per node)", self.max_idle)
 
     def yielded(self, oids: list[bytes]) -> None:
         """The cache evicted blocks of these objects while only a yielding pin kept their
@@ -777,6 +794,9 @@ class Passthrough:
                 else:
                     del self._backings[backing.oid]
                 backing.ready.set()
+                # (settled: its waiters are woken; later ones need no event of their own,
+                # and one is ~1 KiB, times up to --registered-files)
+                backing.ready = _SETTLED
         if backing.backing_id:
             return "registered"
         if isinstance(outcome, OSError):
