@@ -306,6 +306,8 @@ def test_idle_backings_are_bounded_and_a_new_version_is_served(bucket, mount_fac
     _wait_for(m, "cachefs_open_file_handles", 0)
     assert m.metric("cachefs_passthrough_opens_total") == 2
     assert m.metric("cachefs_passthrough_backing_files") == 1, "a's idle registration was dropped"
+    log = (m.cache_dir / "cachefs.log").read_text()
+    assert log.count("the most kept (--registered-files)") == 1, "the bound binding is not told once"
     new_a = _payload(3, 90_000)
     client.put_object(Bucket=name, Key="a.bin", Body=new_a)
     # The expired listing is answered at once (one version, whole: the old one) while it is
