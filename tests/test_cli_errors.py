@@ -109,6 +109,7 @@ def test_impossible_cache_size(mp, tmp_path, s3_endpoint, bucket, size, fragment
     ("--cache-size", "-5G", "negative"),
     ("--metadata-ttl", "-5s", "invalid duration"),
     ("--max-connections", "-3", "must not be negative"),
+    ("--registered-files", "-1", "must not be negative"),
     ("--memory-budget", "-1", "negative"),
 ])
 def test_negative_values_are_named_as_such(mp, tmp_path, flag, value, fragment):

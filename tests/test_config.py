@@ -238,10 +238,17 @@ def test_memory_budget_must_hold_four_blocks() -> None:
     ({"max_connections": "1025"}, "--max-connections"),
     ({"read_ahead": "1K"}, "--read-ahead"),
     ({"read_ahead": "128M"}, "--read-ahead"),
+    ({"registered_files": "1048577"}, "--registered-files"),
 ])
 def test_other_range_checks(cli: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         make(cli)
+
+
+def test_registered_files_may_be_none_or_many() -> None:
+    assert make({"registered_files": "0"}).registered_files == 0
+    assert make({"registered_files": "1048576"}).registered_files == 1 << 20
+    assert make({}).registered_files == 65536
 
 
 # -- config file ---------------------------------------------------------------------------------
