@@ -716,6 +716,55 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
 
 @pytest.mark.fuse
 @pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_closes(
+        bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """An idle registration's pin yields to eviction, but a handle the native loop opened
+    with its template may still read the file (Python does not see it): eviction drops
+    the blocks from the index, the bytes stay right under the open handle, and the
+    registration is closed, and its bytes freed, only after that handle is closed."""
+    client, name = bucket
+    # (z/ sorts after b/: no walk of z/ goes on into b/ and fetches its files ahead)
+    files = {"z/a.bin": _payload(11, 100_000), "b/c.bin": _payload(12, 100_000),
+             "b/d.bin": _payload(13, 100_000)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    a = files["z/a.bin"]
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    # 256 KiB: a, c and d (100,000 bytes, two blocks each) do not all fit, and a is the
+    # least recently used.
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "256K",
+                      "--cache-policy", "lru", "--memory-budget", "256K", *extra)
+    assert _read(m.path / "z/a.bin") == a
+    _wait_metric(m, "cachefs_cache_blocks", 2)
+    m.stop()
+    m.start()  # (an empty memory tier: the native loop reads the file)
+    assert _read(m.path / "z/a.bin") == a  # opened in Python: registered, given a template
+    _wait_metric(m, "cachefs_native_open_templates", 1)
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    before = m.metric(opens)
+    fd = os.open(m.path / "z/a.bin", os.O_RDONLY)  # opened by the loop
+    try:
+        assert m.metric(opens) == before + 1
+        for key in ("b/c.bin", "b/d.bin"):
+            assert _read(m.path / key) == files[key]
+        # (d's put needs one of a's blocks: the least recently used)
+        _wait_metric(m, "cachefs_cache_evictions_total", 1)
+        _wait_metric(m, "cachefs_open_file_handles", 1)
+        assert m.metric("cachefs_passthrough_yielded_total") == 0, \
+            "closed under a handle the loop opened"
+        _drop_page_cache()
+        assert os.pread(fd, len(a) + 10, 0) == a, "the loop's handle read freed bytes"
+    finally:
+        os.close(fd)
+    _wait_metric(m, "cachefs_open_file_handles", 0)
+    assert _read(m.path / "b/d.bin") == files["b/d.bin"]  # (a release in Python: a trim)
+    _wait_metric(m, "cachefs_passthrough_yielded_total", 1)
+    assert _read(m.path / "z/a.bin") == a  # (not whole on disk any more: the daemon's)
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_an_open_the_loop_answers_sees_a_listing_change_as_python_would(
         bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
     """The kernel keeps a name's inode for the metadata TTL and opens it without a lookup.
