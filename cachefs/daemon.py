@@ -267,6 +267,8 @@ class Daemon:
         shared = make_shared_tier(cfg, publish_queue)
         self.shared = shared
         ledger = PrefetchLedger()
+        # Under lru, blocks fetched ahead and not read yet are not evicted first.
+        cache.is_unread = ledger.is_unread
         # The shared tier's misses go to the origin (retries, hedging, integrity checks);
         # a block is published only as the fetcher writes it back, i.e. once the origin's
         # checks passed (the combined CRC of multi-block objects withdraws it, see

@@ -458,6 +458,32 @@ def test_a_yielding_pin_lets_eviction_choose_and_keeps_the_bytes_until_the_unpin
         assert f.read(BLOCK) == data(11)
 
 
+def test_lru_gives_blocks_fetched_ahead_and_unread_a_second_chance(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """A block fetched ahead that no reader took yet is not evicted as the least recently
+    used: evicting it would fetch it twice (a sweep fills free space early in an epoch,
+    its reader comes later). Once read it ages like any other; and when only unread
+    blocks are left, the oldest goes rather than refusing the new one."""
+    c = make_cache(capacity=3 * BLOCK, policy="lru")
+    unread = {bid(0)}
+    c.cache.is_unread = lambda b: b in unread
+    for i in range(3):
+        assert c.put(bid(i), data(i))
+        time.sleep(0.002)
+    assert c.put(bid(3), data(3))
+    assert c.cache.contains(bid(0)), "the unread block fetched ahead was evicted"
+    assert not c.cache.contains(bid(1))
+    unread.clear()  # read now; it was made most recently used when spared
+    time.sleep(0.002)
+    assert c.put(bid(4), data(4))
+    assert not c.cache.contains(bid(2)) and c.cache.contains(bid(0))
+    unread.update({bid(0), bid(3), bid(4)})  # nothing else left to take
+    time.sleep(0.002)
+    assert c.put(bid(5), data(5)), "refused while unread blocks could make room"
+    assert c.cache.contains(bid(4)) and c.cache.contains(bid(5))
+    assert [c.cache.contains(bid(i)) for i in (0, 3)].count(True) == 1, "not one evicted"
+    assert c.cache.used == 3 * BLOCK
+
+
 def test_verify_object_checks_every_block(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(3)]

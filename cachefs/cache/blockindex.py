@@ -11,6 +11,9 @@ reached and then refuses (the optimum for a fresh random permutation every epoch
 over a dataset larger than the cache: hit ratio = cache/dataset, where LRU gets
 c + (1-c) ln(1-c)); ``lru`` removes the least recently used blocks to make room,
 skipping those of pinned objects, in the same write transaction as the admission.
+Blocks fetched ahead that no reader took yet get a second chance (made most recently
+used instead): a sweep fills free space early in an epoch, and its readers come later;
+evicting those blocks first fetched 1.16-1.19x the dataset in a first epoch.
 
 Contracts: lookups (:meth:`entry`, :meth:`entries`, :meth:`contains_all`) are
 small synchronous helpers: no transaction outlives them, so no reader slot is
@@ -152,10 +155,14 @@ class BlockIndex:
 
     # -- writes (worker threads; raise CacheError) ------------------------------------------
     def put(self, bid: bytes, length: int, digest: int,
-            is_pinned: Callable[[bytes], bool]) -> PutResult:
+            is_pinned: Callable[[bytes], bool],
+            is_unread: Callable[[bytes], bool] | None = None) -> PutResult:
         """Index a block whose bytes are written, making room by the policy. Pins are
         read inside the write transaction (``is_pinned(object id)``): no pinned
-        object's block is chosen. ``used`` is None when nothing changed."""
+        object's block is chosen. A block fetched ahead that no reader took yet
+        (``is_unread(block id)``) gets a second chance: it is made most recently used
+        instead of evicted, unless nothing else frees enough. ``used`` is None when
+        nothing changed."""
         now = time.time()
         evicted: list[tuple[bytes, int]] = []
         with self._env.write() as txn:
@@ -167,7 +174,8 @@ class BlockIndex:
                 if self.policy == "keep":
                     metrics.CACHE_ADMISSION_REJECTS.inc()
                     return PutResult(False, [], None)
-                evicted = self._evict_lru(txn, used + length - self.capacity, is_pinned)
+                evicted = self._evict_lru(txn, used + length - self.capacity, is_pinned,
+                                          is_unread, now)
                 failpoints.hit("evict.chosen")
                 freed = sum(n for _, n in evicted)
                 if used - freed + length > self.capacity:
@@ -183,19 +191,28 @@ class BlockIndex:
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
         return PutResult(True, evicted, used)
 
-    def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool]
+    def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool],
+                   is_unread: Callable[[bytes], bool] | None = None, now: float = 0.0
                    ) -> list[tuple[bytes, int]]:
         """Remove least recently used blocks of unpinned objects until ``need`` bytes
-        are freed (or none is left); returns them."""
+        are freed (or none is left); returns them. Blocks fetched ahead and unread are
+        passed over and made most recently used (a reader is expected: evicting them
+        would fetch them twice), and taken only when nothing else frees enough."""
         evicted: list[tuple[bytes, int]] = []
+        spared: list[bytes] = []
         freed = 0
         cur = txn.cursor(db=self._lru_db)  # type: ignore[attr-defined]
         cur.first()
         while freed < need and cur.key():
-            old = bytes(cur.key()[_LRU_TIME.size:])
+            key = bytes(cur.key())
+            old = key[_LRU_TIME.size:]
             if is_pinned(old[:OID_LEN]):
                 if not cur.next():
                     break
+                continue
+            if is_unread is not None and is_unread(old):
+                spared.append(old)
+                cur.delete()  # (put back below, as used now)
                 continue
             cur.delete()  # moves to the next entry
             raw = txn.pop(old, db=self._blocks_db)  # type: ignore[attr-defined]
@@ -203,6 +220,17 @@ class BlockIndex:
                 n = _BLOCK.unpack(raw)[0]
                 freed += n
                 evicted.append((old, n))
+        for old in spared:
+            raw = txn.pop(old, db=self._blocks_db)  # type: ignore[attr-defined]
+            if raw is None:
+                continue
+            length, digest, _ = _BLOCK.unpack(raw)
+            if freed < need:  # nothing else was left to take
+                freed += length
+                evicted.append((old, length))
+                continue
+            txn.put(old, _BLOCK.pack(length, digest, now), db=self._blocks_db)  # type: ignore[attr-defined]
+            txn.put(_LRU_TIME.pack(now) + old, b"", db=self._lru_db)  # type: ignore[attr-defined]
         return evicted
 
     def remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None

@@ -154,6 +154,9 @@ class BlockCache:
         # objects whose blocks were dropped from the index while only yielding pins kept
         # their bytes: the holders let go, and the bytes go at the unpin.
         self.on_yielded: Callable[[list[bytes]], None] | None = None
+        # Whether a block was fetched ahead and no reader took it yet (any thread; the
+        # prefetch ledger's): eviction under lru gives such blocks a second chance.
+        self.is_unread: Callable[[bytes], bool] | None = None
         # Byte ranges of dropped blocks whose release waits for their object's unpin.
         self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
@@ -494,7 +497,7 @@ class BlockCache:
         return admitted
 
     def _index_put(self, bid: bytes, length: int, digest: int) -> tuple[bool, list[tuple[bytes, int]]]:
-        result: PutResult = self.index.put(bid, length, digest, self._is_pinned)
+        result: PutResult = self.index.put(bid, length, digest, self._is_pinned, self.is_unread)
         if result.used is not None:
             delta = (1 if result.admitted else 0) - len(result.evicted)
             self._account(result.used, delta, result.evicted_bytes, len(result.evicted))

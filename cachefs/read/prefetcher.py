@@ -102,6 +102,11 @@ class PrefetchLedger:
         """Whether any block fetched ahead is still unread (any thread; a hint)."""
         return bool(self._open)
 
+    def is_unread(self, bid: bytes) -> bool:
+        """Whether block ``bid`` was fetched ahead and no reader took it yet (any thread:
+        one dictionary lookup)."""
+        return bid in self._open
+
     def note_read(self, bid: bytes) -> None:
         """A reader took block ``bid`` (through the daemon)."""
         if self._open:
