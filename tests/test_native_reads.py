@@ -658,6 +658,18 @@ def _wait_metric(m: Any, metric: str, value: float) -> None:
         time.sleep(0.05)
 
 
+def _give_a_template(m: Any, key: str, body: bytes, *, cached_blocks: int) -> None:
+    """Read ``key`` (cold), wait for the cache to hold ``cached_blocks``, restart the daemon
+    (an empty memory tier: the native loop reads the file) and open ``key`` once in Python,
+    which registers it and gives its inode an open template: its next open is the loop's."""
+    assert _read(m.path / key) == body
+    _wait_metric(m, "cachefs_cache_blocks", cached_blocks)
+    m.stop()
+    m.start()
+    assert _read(m.path / key) == body
+    _wait_metric(m, "cachefs_native_open_templates", 1)
+
+
 @pytest.mark.fuse
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
@@ -674,12 +686,8 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
     args = ("--block-size", "64K", "--cache-size", "512K", "--memory-budget", "256K",
             "--registered-files", "1", *extra)
     m = mount_factory(f"s3://{name}", *args)
-    assert _read(m.path / "a.bin") == a and _read(m.path / "b.bin") == b
-    _wait_metric(m, "cachefs_cache_blocks", 4)
-    m.stop()
-    m.start()  # (an empty memory tier: the native loop reads the files)
-    assert _read(m.path / "a.bin") == a  # opened in Python: registered, given a template
-    _wait_metric(m, "cachefs_native_open_templates", 1)
+    assert _read(m.path / "b.bin") == b
+    _give_a_template(m, "a.bin", a, cached_blocks=4)
     opens = 'cachefs_fuse_native_answers_total{op="open"}'
     before = m.metric(opens)
     _drop_page_cache()
@@ -734,12 +742,7 @@ def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_close
     # least recently used.
     m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "256K",
                       "--cache-policy", "lru", "--memory-budget", "256K", *extra)
-    assert _read(m.path / "z/a.bin") == a
-    _wait_metric(m, "cachefs_cache_blocks", 2)
-    m.stop()
-    m.start()  # (an empty memory tier: the native loop reads the file)
-    assert _read(m.path / "z/a.bin") == a  # opened in Python: registered, given a template
-    _wait_metric(m, "cachefs_native_open_templates", 1)
+    _give_a_template(m, "z/a.bin", a, cached_blocks=2)
     opens = 'cachefs_fuse_native_answers_total{op="open"}'
     before = m.metric(opens)
     fd = os.open(m.path / "z/a.bin", os.O_RDONLY)  # opened by the loop
