@@ -123,7 +123,7 @@ log = logging.getLogger(__name__)
 #: would cost a random reader more than it reads.
 MAX_OBJECT_BYTES = 1 << 30
 #: Idle backings kept registered by default (the default of ``--registered-files`` in
-#: :mod:`cachefs.config` is the same number; each holds one open
+#: :mod:`cachefs.config` is the same number; this unit may not import config; each holds one open
 #: file in the kernel, about 1 KiB of kernel memory with its inode and dentry: 64 MiB at
 #: most). A dataset with more files than this re-registers each file every epoch (an open
 #: and two ioctls, and a read-back if this daemon did not write or check it), so the bound
@@ -684,9 +684,10 @@ class Passthrough:
     def _trim_idle(self) -> None:
         """Close the idle backings the cache evicted, and the least recently used beyond
         the bound (under the lock)."""
-        for oid in list(self._evicted_idle):
-            if self._close(oid):
-                metrics.PASSTHROUGH_YIELDED.inc()
+        if self._evicted_idle:  # (rare: not a set copy at every release)
+            for oid in list(self._evicted_idle):
+                if self._close(oid):
+                    metrics.PASSTHROUGH_YIELDED.inc()
         tries = len(self._idle)  # (a backing the loop still uses goes to the end, once)
         while self._idle and tries > 0 and len(self._idle) > self.max_idle:
             tries -= 1

@@ -192,7 +192,7 @@ class BlockIndex:
         return PutResult(True, evicted, used)
 
     def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool],
-                   is_unread: Callable[[bytes], bool] | None = None, now: float = 0.0
+                   is_unread: Callable[[bytes], bool] | None, now: float
                    ) -> list[tuple[bytes, int]]:
         """Remove least recently used blocks of unpinned objects until ``need`` bytes
         are freed (or none is left); returns them. Blocks fetched ahead and unread are
@@ -204,8 +204,7 @@ class BlockIndex:
         cur = txn.cursor(db=self._lru_db)  # type: ignore[attr-defined]
         cur.first()
         while freed < need and cur.key():
-            key = bytes(cur.key())
-            old = key[_LRU_TIME.size:]
+            old = bytes(cur.key()[_LRU_TIME.size:])
             if is_pinned(old[:OID_LEN]):
                 if not cur.next():
                     break

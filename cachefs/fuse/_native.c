@@ -1012,16 +1012,16 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     pthread_mutex_lock(&t->lock);
     if (token == epoch_token(t, dir_slot)) {  /* (under the mutex: see remember_lookup) */
         struct slot *s = find_slot(&t->templates, ino);
+        struct shared_fd *sh = file_id != 0 ? registered(t, file_id) : NULL;
         if (s->fh != 0) {
             s->tpl->epoch = tpl->epoch;  /* the same inode is the same file: renew */
             s->tpl->dir_slot = tpl->dir_slot;
             s->tpl->dir_epoch = tpl->dir_epoch;
             renewed = 1;
-        } else if (file_id != 0 && registered(t, file_id) == NULL) {
+        } else if (file_id != 0 && sh == NULL) {
             /* (not registered: not added) */
         } else if (make_room(&t->templates) != 0 ||
-                   (file_id != 0 &&
-                    (tpl->file = share_file(registered(t, file_id), size)) == NULL)) {
+                   (sh != NULL && (tpl->file = share_file(sh, size)) == NULL)) {
             failed = 1;
         } else {
             put_slot(&t->templates, ino, NULL, tpl);  /* (its file's reference is its own) */
