@@ -290,7 +290,7 @@ class Daemon:
                                   max_native_idle=descriptors.native_files(
                                       self.open_files_limit, cfg.max_connections))
         # Idle registrations yield to eviction: the cache tells passthrough which to close.
-        cache.on_yielded = passthrough.yielded
+        cache.on_evicted_while_pinned = passthrough.evicted
         # Without the kernel's passthrough, the request workers' C loop answers the reads
         # of verified files (cachefs.fuse.native); built without it, Python answers all.
         native = NativeReads() if cfg.native_reads == "auto" and native_available else None

@@ -33,9 +33,10 @@ Contracts:
   handed to the kernel. While handles use the registration the pin keeps
   eviction away too; idle, the pin *yields*: eviction may drop the object's
   blocks from the index (so idle registrations never cost the cache room:
-  their number is the only bound), the cache tells :meth:`Passthrough.yielded`,
-  and the registration is closed -- at once, or when the native loop's last
-  handle of it closes -- which releases the bytes. Until then new opens may
+  their number is the only bound), the cache tells :meth:`Passthrough.evicted`,
+  and the registration is closed -- at once, or within
+  :data:`EVICTED_RECHECK_SECONDS` of the native loop's last handle of it closing --
+  which releases the bytes. Until then new opens may
   still use it: the bytes it reads are kept.
 * The kernel allows one I/O mode and one backing file per inode at a time:
   while an inode has handles served by the daemon, no passthrough is granted;
@@ -90,8 +91,10 @@ preparing thread (either may wait on the disk); whoever puts an object's entry
 in ``_backings`` first verifies it, and opens of that object meanwhile wait for
 its outcome (one registration per object at a time). The preparing threads
 belong to :meth:`Passthrough.run` (a task of the daemon's nursery), which
-joins them before it returns, so none outlives the cache index. The cache calls
-:meth:`Passthrough.yielded` holding none of its locks; under ``_lock`` this class calls
+joins them before it returns, so none outlives the cache index; its other task
+looks at ``_evicted_idle`` every :data:`EVICTED_RECHECK_SECONDS` and, when not
+empty, trims in a worker thread (never on the trio thread: it takes ``_lock``). The cache calls
+:meth:`Passthrough.evicted` holding none of its locks; under ``_lock`` this class calls
 the cache's pin methods (they take only the cache's innermost lock).
 """
 
@@ -99,6 +102,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -148,6 +152,11 @@ PREPARE_MAX_BYTES = 8 << 20
 #: (reads are answered before their blocks are on disk) is looked at again this many
 #: times, this many seconds apart, before its registration is given up.
 LANDING_TRIES = 40
+#: The native loop tells Python nothing when its handles close, so an evicted idle
+#: registration it still had a handle of is looked at again this often (and at every
+#: release here): its bytes, above the cache's size, are freed within this after the
+#: handle's close even on a mount where nothing else happens.
+EVICTED_RECHECK_SECONDS = 1.0
 LANDING_DELAY = 0.05
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
@@ -302,11 +311,31 @@ class Passthrough:
     async def run(self, *, threads: int = PREPARE_THREADS,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the threads that verify predicted files ahead of their open (see
-        :meth:`predicted`) until cancelled; they are stopped and joined before this
-        returns (each finishes the file it is verifying first), so none touches the
-        cache index after its owner's nursery ends."""
-        await own_threads(self._prepare_loop, threads, "cachefs-verify",
-                          stop=self._stop_preparing, task_status=task_status)
+        :meth:`predicted`), and the task that closes evicted registrations once the
+        native loop's handles of them are closed (:meth:`close_evicted`), until
+        cancelled; the threads are stopped and joined before this returns (each finishes
+        the file it is verifying first), so none touches the cache index after its
+        owner's nursery ends."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(
+                own_threads, self._prepare_loop, threads, "cachefs-verify",
+                stop=self._stop_preparing))
+            nursery.start_soon(self._recheck_evicted)
+            task_status.started()
+
+    async def _recheck_evicted(self) -> None:
+        while True:
+            await trio.sleep(EVICTED_RECHECK_SECONDS)
+            if self._evicted_idle:  # (read without the lock: a hint; usually empty)
+                await trio.to_thread.run_sync(self.close_evicted)
+
+    def close_evicted(self) -> None:
+        """Close the evicted idle registrations no handle uses any more (any thread; the
+        lock is held for the template drops and close ioctls only). One the native loop
+        still has a handle of stays until a later call."""
+        with self._lock:
+            if self._evicted_idle:
+                self._trim_idle()
 
     def _stop_preparing(self) -> None:
         with self._queue_cond:
@@ -701,12 +730,14 @@ class Passthrough:
                          "registered again at their next open (raise it for datasets of "
                          "more files per node)", self.max_idle)
 
-    def yielded(self, oids: list[bytes]) -> None:
-        """The cache evicted blocks of these objects while only a yielding pin kept their
-        bytes (any thread, holding none of the cache's locks: :attr:`BlockCache.on_yielded`).
-        An idle registration among them is closed now, which unpins its bytes; one in use
-        is closed once no handle uses it (its bytes stay right until then). New opens may
-        still use it meanwhile: the bytes the kernel reads are kept."""
+    def evicted(self, oids: list[bytes]) -> None:
+        """The cache evicted blocks of these objects while a pin kept their bytes (any
+        thread, holding none of the cache's locks: :attr:`BlockCache.on_evicted_while_pinned`):
+        the yielding pin of an idle registration, or the plain pin of a registration whose
+        verification raced the eviction. An idle registration among them is closed now,
+        which unpins its bytes; one in use is closed once no handle uses it (its bytes
+        stay right until then). New opens may still use it meanwhile: the bytes the
+        kernel reads are kept."""
         with self._lock:
             for oid in oids:
                 backing = self._backings.get(oid)

@@ -432,7 +432,7 @@ def test_a_yielding_pin_lets_eviction_choose_and_keeps_the_bytes_until_the_unpin
         assert not c.cache._lock.locked(), "told under the cache's lock"
         told.append(oids)
 
-    c.cache.on_yielded = on_yielded
+    c.cache.on_evicted_while_pinned = on_yielded
     c.cache.pin(oid)
     c.cache.convert_pin(oid, yielding=True)  # (as a registration going idle does)
     assert c.put(bid(0), data(0))
@@ -449,13 +449,41 @@ def test_a_yielding_pin_lets_eviction_choose_and_keeps_the_bytes_until_the_unpin
     assert c.put(bid(2), data(2))
     assert c.cache.contains(held[1]), "a plain pin keeps eviction away"
     assert not c.cache.contains(bid(0))
-    assert told == [[oid]], "a plain pin's deferred release is not told"
+    assert told == [[oid]], "nothing more was evicted"
     c.cache.unpin(oid)
     c.cache.flush_touches({})
     assert c.cache.deferred_bytes == 0
     with open(path, "rb") as f:
         assert f.read(BLOCK) == bytes(BLOCK), "released at the unpin: a hole"
         assert f.read(BLOCK) == data(11)
+
+
+def test_a_pin_taken_while_an_eviction_is_decided_is_told_of_it(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """A plain pin taken after eviction chose an object's blocks (a registration whose
+    verification read them before the eviction committed) defers their release like any
+    pin, and its holder is told too: otherwise the registration would never learn that
+    its bytes are no longer the cache's, and would hold them beyond the cache's size
+    until some bound closed it."""
+    c = make_cache(capacity=2 * BLOCK, policy="lru")
+    victim = block_id("bucket", "victim", "e", BLOCK, 0)
+    assert c.put(victim, data(10))
+    time.sleep(0.002)
+    assert c.put(bid(0), data(0))
+    oid = object_id("bucket", "victim", "e", BLOCK)
+    told: list[list[bytes]] = []
+    c.cache.on_evicted_while_pinned = told.append
+    # The pin lands between the eviction's commit and the release of the bytes.
+    failpoints.arm("evict.release", lambda: c.cache.pin(oid))
+    try:
+        assert c.put(bid(1), data(1)), "the victim makes room"
+    finally:
+        failpoints.disarm("evict.release")
+    assert not c.cache.contains(victim)
+    assert c.cache.deferred_bytes == BLOCK, "the pin keeps the bytes"
+    assert told == [[oid]], "the pin's holder was not told its blocks were evicted"
+    c.cache.unpin(oid)
+    c.cache.flush_touches({})
+    assert c.cache.deferred_bytes == 0
 
 
 def test_lru_gives_blocks_fetched_ahead_and_unread_a_second_chance(make_cache) -> None:  # type: ignore[no-untyped-def]

@@ -63,10 +63,11 @@ Contracts:
   was stored again meanwhile (a release never punches a block the index names).
 * A *yielding* pin keeps an object's bytes the same way but does not keep eviction
   from choosing its blocks (an idle passthrough registration: worth less than room
-  for new blocks). When an eviction drops blocks of an object only yielding pins
-  keep, their release is deferred as above and :attr:`BlockCache.on_yielded` is
-  told, after every lock of the cache is let go, so the holder can unpin. Until it
-  does, those bytes are on disk beyond the capacity the index accounts.
+  for new blocks). Whenever a release is deferred for pins -- yielding ones, or a
+  plain pin that raced the eviction as above -- :attr:`BlockCache.on_evicted_while_pinned`
+  is told, after every lock of the cache is let go, so the holder can unpin once it
+  no longer needs the bytes. Until it does, those bytes are on disk beyond the
+  capacity the index accounts.
 
 Policies (``keep``, ``lru``): see :mod:`cachefs.cache.blockindex`.
 
@@ -151,9 +152,9 @@ class BlockCache:
         self._pinned: dict[bytes, int] = {}  # object id -> plain pins
         self._yielding: dict[bytes, int] = {}  # object id -> yielding pins (see pin)
         # Told (outside every lock of this class, on the thread that released them) of the
-        # objects whose blocks were dropped from the index while only yielding pins kept
-        # their bytes: the holders let go, and the bytes go at the unpin.
-        self.on_yielded: Callable[[list[bytes]], None] | None = None
+        # objects whose blocks were dropped from the index while pins kept their bytes:
+        # the holders let go, and the bytes go at the last unpin.
+        self.on_evicted_while_pinned: Callable[[list[bytes]], None] | None = None
         # Whether a block was fetched ahead and no reader took it yet (any thread; the
         # prefetch ledger's): eviction under lru gives such blocks a second chance.
         self.is_unread: Callable[[bytes], bool] | None = None
@@ -208,11 +209,12 @@ class BlockCache:
         :meth:`unpin`: a release decided before (by an eviction racing this pin) or
         after waits for the last unpin. A plain pin also keeps eviction from choosing
         the object's blocks from now on. A *yielding* pin does not: eviction may drop
-        the blocks from the index (their bytes stay until the unpin), and then
-        :attr:`on_yielded` is told, so the holder can let go (an idle registration is
-        worth less than room for new blocks). Take the pin before verifying the file:
-        a block evicted before it is then not indexed any more, so the verification
-        fails instead of trusting bytes about to go."""
+        the blocks from the index (their bytes stay until the unpin; an idle
+        registration is worth less than room for new blocks). Either way, when a
+        release waits for pins, :attr:`on_evicted_while_pinned` is told, so the holder
+        can let go once it is done with the bytes. Take the pin before verifying the
+        file: a block evicted before it is then not indexed any more, so the
+        verification fails instead of trusting bytes about to go."""
         with self._lock:
             pins = self._yielding if yielding else self._pinned
             pins[oid] = pins.get(oid, 0) + 1
@@ -524,20 +526,21 @@ class BlockCache:
 
     def _release_blocks(self, blocks: list[tuple[bytes, int]]) -> None:
         """Free the bytes of blocks the index no longer names (worker thread); then tell
-        :attr:`on_yielded` of the objects whose only pins yield (their bytes wait)."""
+        :attr:`on_evicted_while_pinned` of the objects whose pins keep them (their bytes
+        wait for the last unpin)."""
         by_object: dict[bytes, list[tuple[int, int]]] = {}
         for bid, length in blocks:
             oid, offset = split_block_id(bid)
             by_object.setdefault(oid, []).append((offset, length))
-        yielded: list[bytes] = []
+        kept: list[bytes] = []
         for oid, ranges in by_object.items():
             failpoints.hit("evict.release")
             with self._file_lock(oid):
                 if self._release_bytes(oid, ranges):
-                    yielded.append(oid)
-        on_yielded = self.on_yielded
-        if yielded and on_yielded is not None:
-            on_yielded(yielded)
+                    kept.append(oid)
+        tell = self.on_evicted_while_pinned
+        if kept and tell is not None:
+            tell(kept)
 
     def _release_bytes(self, oid: bytes, ranges: list[tuple[int, int]]) -> bool:
         """Free the byte ranges of dropped blocks of ``oid``: remove the object's file if
@@ -545,13 +548,13 @@ class BlockCache:
         blocks indexed again meanwhile are kept; a pinned object's release is deferred
         until its last unpin. The caller holds the object's lock. The object's written
         marks are dropped first in every case (a deferred release too: fewer marks only
-        cost read-backs). Returns whether the release was deferred for yielding pins
-        only (their holders are to be told)."""
+        cost read-backs). Returns whether the release was deferred for pins (their
+        holders are to be told)."""
         self._unmark_written(oid)
         with self._lock:
             if self._is_kept(oid):
                 self._deferred.setdefault(oid, []).extend(ranges)
-                return oid not in self._pinned
+                return True
         try:
             indexed, any_indexed = self.index.state(oid, [off for off, _ in ranges])
         except CacheError as exc:
