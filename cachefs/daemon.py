@@ -63,7 +63,7 @@ from cachefs.fs import FileSystem
 from cachefs.fuse import abi
 from cachefs.fuse.device import Device
 from cachefs.fuse.native import AVAILABLE as native_available
-from cachefs.fuse.native import NativeReads
+from cachefs.fuse.native import NativeReads, lookup_slots_for
 from cachefs.fuse.server import RequestServer
 from cachefs.fuse_ops import Operations
 from cachefs.passthrough import Passthrough
@@ -293,7 +293,9 @@ class Daemon:
         cache.on_evicted_while_pinned = passthrough.evicted
         # Without the kernel's passthrough, the request workers' C loop answers the reads
         # of verified files (cachefs.fuse.native); built without it, Python answers all.
-        native = NativeReads() if cfg.native_reads == "auto" and native_available else None
+        # (it remembers the lookups of as many files as are kept registered)
+        native = (NativeReads(lookup_slots_for(cfg.registered_files))
+                  if cfg.native_reads == "auto" and native_available else None)
         if native is not None:
             native.publish()
             metadata.add_listener(native.forget_dir)
@@ -441,9 +443,10 @@ class Daemon:
                 gcpolicy.settle_after_startup()  # (once the long-lived state exists)
                 on_ready()
                 sd_notify("READY=1")
-                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s%s)", cfg.source,
-                         cfg.mountpoint, cfg.cache_dir, cfg.cache_policy,
-                         "on" if passthrough.enabled else "off",
+                log.info("mounted %s at %s (cache %s, %s policy, passthrough %s, up to %d "
+                         "files registered%s)", cfg.source, cfg.mountpoint, cfg.cache_dir,
+                         cfg.cache_policy, "on" if passthrough.enabled else "off",
+                         passthrough.max_idle,
                          f", shared tier {shared.label}" if shared is not None else "")
                 nursery.start_soon(self._watch_unmount, origin)
             log.info("unmounted; finishing cache writes")

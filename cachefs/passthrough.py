@@ -18,8 +18,8 @@ Contracts:
   (:meth:`~cachefs.cache.blocks.BlockCache.verify_object`: written marks), as
   for the files a cold pass fetches just before their open. A registered file stays
   registered while handles use it and, idle, until it is among the least
-  recently used beyond ``max_idle`` files (``--registered-files``, at most
-  :data:`MAX_IDLE_BACKINGS` by default; fewer when the open-file limit binds, see
+  recently used beyond ``max_idle`` files (``--registered-files``: by default
+  scaled to the memory, at least :data:`MAX_IDLE_BACKINGS`; fewer when the open-file limit binds, see
   :mod:`cachefs.descriptors`) or the cache evicts its blocks; reopening it
   meanwhile needs no verification. Objects larger than :data:`MAX_OBJECT_BYTES`
   are never passed through.
@@ -126,13 +126,13 @@ log = logging.getLogger(__name__)
 #: Larger objects are served by the daemon: verifying one whole at its first open
 #: would cost a random reader more than it reads.
 MAX_OBJECT_BYTES = 1 << 30
-#: Idle backings kept registered by default (the default of ``--registered-files`` in
-#: :mod:`cachefs.config` is the same number; this unit may not import config; each holds one open
-#: file in the kernel, about 1 KiB of kernel memory with its inode and dentry: 64 MiB at
-#: most). A dataset with more files than this re-registers each file every epoch (an open
-#: and two ioctls, and a read-back if this daemon did not write or check it), so the bound
-#: is set well above a typical node's share of files: 4,096 made warm epochs over 4,800
-#: files 2x slower.
+#: Idle backings kept registered unless told otherwise (the least ``--registered-files
+#: auto`` gives, :data:`cachefs.config.REGISTERED_FILES_AUTO_MIN`, is the same number; this
+#: unit may not import config; each holds one open file in the kernel, about 1 KiB of kernel
+#: memory with its inode and dentry). A dataset with more files than the bound re-registers
+#: each file every epoch (an open and two ioctls, and a read-back if this daemon did not
+#: write or check it), so the bound is set well above a node's share of files: 4,096 made
+#: warm epochs over 4,800 files 2x slower, 65,536 warm epochs over 80,000 files 2.3x.
 MAX_IDLE_BACKINGS = 65536
 #: Files predicted to be opened next (directory lookahead) are verified and registered
 #: ahead of their open by this many threads, so that the open finds its backing ready

@@ -15,6 +15,7 @@ from cachefs.config import (
     KiB,
     MiB,
     TiB,
+    auto_registered_files,
     load_config_file,
     parse_duration,
     parse_s3_url,
@@ -238,7 +239,8 @@ def test_memory_budget_must_hold_four_blocks() -> None:
     ({"max_connections": "1025"}, "--max-connections"),
     ({"read_ahead": "1K"}, "--read-ahead"),
     ({"read_ahead": "128M"}, "--read-ahead"),
-    ({"registered_files": "1048577"}, "--registered-files"),
+    ({"registered_files": "4194305"}, "--registered-files"),
+    ({"registered_files": "many"}, "invalid number"),
 ])
 def test_other_range_checks(cli: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
@@ -247,8 +249,17 @@ def test_other_range_checks(cli: dict[str, Any], needle: str) -> None:
 
 def test_registered_files_may_be_none_or_many() -> None:
     assert make({"registered_files": "0"}).registered_files == 0
-    assert make({"registered_files": "1048576"}).registered_files == 1 << 20
-    assert make({}).registered_files == 65536
+    assert make({"registered_files": "4194304"}).registered_files == 1 << 22
+    assert make({"registered_files": "AUTO"}).registered_files == auto_registered_files()
+
+
+def test_registered_files_by_default_take_a_64th_of_the_memory_at_2_kib_each() -> None:
+    assert make({}).registered_files == auto_registered_files()
+    assert auto_registered_files(24 * GiB) == 196_608
+    assert auto_registered_files(128 * GiB) == 1_048_576
+    assert auto_registered_files(2 * GiB) == 65_536, "never fewer than the old fixed bound"
+    assert auto_registered_files(2048 * GiB) == 1 << 22, "never more than the range allows"
+    assert 65_536 <= auto_registered_files() <= 1 << 22
 
 
 # -- config file ---------------------------------------------------------------------------------

@@ -401,25 +401,80 @@ def test_a_remembered_lookup_is_answered_while_fresh_and_in_its_epoch(loop: Loop
     assert not reads.remember_lookup(reads.lookup_epoch("d/"), "d/", 5, b"x", answer, 0.0)
 
 
+def _answered(lp: Loop, parent: int, names: list[bytes], answers: list[bytes]) -> list[bytes]:
+    """The names of ``names`` the loop answers itself, each with its own answer."""
+    python = struct.pack("<I", abi.LOOKUP)
+    answered = []
+    for i, (name, expected) in enumerate(zip(names, answers, strict=True)):
+        _, error, body = _lookup(lp, 100_000 + i, parent, name)
+        if body != python:
+            assert (error, body) == (0, expected), name
+            answered.append(name)
+    return answered
+
+
 def test_remembered_lookups_are_bounded_by_their_slots() -> None:
-    """A table of 4 slots holds at most 4 answers; a newer answer replaces the one in its
-    slot, and whatever a slot holds is the answer of its own name."""
+    """A table of 4 slots holds at most 4 answers; with every answer as fresh, a newer one
+    replaces the one expiring first (the oldest), and whatever a slot holds is the answer
+    of its own name."""
     reads = native.NativeReads(lookup_slots=4)
     lp = Loop(reads)
     try:
         token = reads.lookup_epoch("")
         names = [f"n{i}".encode() for i in range(64)]
-        for i, name in enumerate(names):
-            assert reads.remember_lookup(token, "", 1, name, bytes([i]) * 128, 60.0)
-        answered = 0
-        for i, name in enumerate(names):
-            _, error, body = _lookup(lp, 100 + i, 1, name)
-            if body != struct.pack("<I", abi.LOOKUP):
-                assert (error, body) == (0, bytes([i]) * 128), name
-                answered += 1
-        assert 1 <= answered <= 4
+        answers = [bytes([i]) * 128 for i in range(64)]
+        for name, answer in zip(names, answers, strict=True):
+            assert reads.remember_lookup(token, "", 1, name, answer, 60.0)
+        assert _answered(lp, 1, names, answers) == names[-4:]
         with pytest.raises(ValueError):
             native.NativeReads(lookup_slots=3)
+    finally:
+        lp.close()
+
+
+def test_a_new_lookup_answer_takes_a_useless_slot_before_a_fresh_one() -> None:
+    """In a full set, a new answer replaces its own name's answer if there is one (never a
+    second answer of one name), else an expired one, else the one expiring first."""
+    reads = native.NativeReads(lookup_slots=4)  # (one set of four)
+    lp = Loop(reads)
+    try:
+        token = reads.lookup_epoch("")
+        names = [f"n{i}".encode() for i in range(6)]
+        answers = [bytes([i]) * 128 for i in range(6)]
+
+        def remember(i: int, fresh_for: float = 60.0, answer: bytes | None = None) -> None:
+            assert reads.remember_lookup(token, "", 1, names[i], answer or answers[i],
+                                         fresh_for)
+
+        remember(0, fresh_for=0.05)
+        for i in (1, 2, 3):
+            remember(i)
+        remember(1, answer=b"\x11" * 128)  # its own slot again: n0..n3 all kept
+        answers[1] = b"\x11" * 128
+        time.sleep(0.1)  # n0's answer expires
+        assert _answered(lp, 1, names[:4], answers[:4]) == names[1:4]
+        remember(4)  # takes n0's expired slot
+        assert _answered(lp, 1, names[:5], answers[:5]) == names[1:5]
+        remember(5)  # takes the slot expiring first: n2's (n1's was renewed after it)
+        assert _answered(lp, 1, names, answers) == [names[1], names[3], names[4], names[5]]
+    finally:
+        lp.close()
+
+
+def test_remembered_lookups_keep_most_names_of_a_table_twice_their_number() -> None:
+    """Answers sharing a hash share a set of slots rather than pushing each other out: a
+    table of 1,024 slots keeps at least nine in ten of 512 names (direct-mapped, it kept
+    about eight)."""
+    reads = native.NativeReads(lookup_slots=1024)
+    lp = Loop(reads)
+    try:
+        token = reads.lookup_epoch("d/")
+        names = [f"img_{i:06d}.jpg".encode() for i in range(512)]
+        answers = [i.to_bytes(2, "little") * 64 for i in range(512)]
+        for name, answer in zip(names, answers, strict=True):
+            assert reads.remember_lookup(token, "d/", 7, name, answer, 60.0)
+        kept = len(_answered(lp, 7, names, answers))
+        assert kept >= 0.9 * len(names), f"{kept} of {len(names)} answers kept"
     finally:
         lp.close()
 
@@ -820,3 +875,10 @@ def test_an_open_the_loop_answers_sees_a_listing_change_as_python_would(
         assert got == a_old
         assert time.monotonic() < deadline, "an open template kept answering the old inode"
         time.sleep(0.2)
+
+
+def test_the_lookup_table_has_twice_as_many_slots_as_registered_files() -> None:
+    assert native.lookup_slots_for(0) == native.LOOKUP_SLOTS
+    assert native.lookup_slots_for(native.LOOKUP_SLOTS // 2) == native.LOOKUP_SLOTS
+    assert native.lookup_slots_for(65_536) == 131_072
+    assert native.lookup_slots_for(100_000) == 262_144

@@ -28,8 +28,9 @@ given only while fresh (Python says how long: the rest of the listing's freshnes
 in the epoch of its directory it was read in: :meth:`NativeReads.forget_dir`, called
 whenever a directory's listing is made current or marked stale
 (:meth:`cachefs.cache.metadata.Metadata.add_listener`), ends that directory's epoch.
-Answers are held in a fixed number of slots (``lookup_slots``; a newer answer replaces
-an older one in its slot), about 200 bytes each. Only answers from a complete listing
+Answers are held in a fixed number of slots (``lookup_slots``, in sets of four by a hash
+of the name: a newer answer replaces its own name's, else an empty, expired or stale one of
+its set, else the one expiring first), about 200 bytes each. Only answers from a complete listing
 looked up by a request worker are remembered (a lookup that waited for a listing is not).
 
 And it answers the OPENs of files opened before, and their RELEASEs (both with and
@@ -80,8 +81,18 @@ except ImportError:  # built without the extension (no compiler at install time)
 
 AVAILABLE = _native is not None
 
-#: Remembered lookup answers by default: 65,536 slots, at most about 13 MiB.
+#: Remembered lookup answers at least: 65,536 slots, at most about 13 MiB.
 LOOKUP_SLOTS = 1 << 16
+
+
+def lookup_slots_for(files: int) -> int:
+    """Slots to remember the lookups of ``files`` files in: a power of two at least twice
+    their number (sets of four then keep ~96% of them, see ``_native.c``), and at least
+    :data:`LOOKUP_SLOTS`."""
+    slots = LOOKUP_SLOTS
+    while slots < 2 * files:
+        slots *= 2
+    return slots
 
 #: The loop's events (``take_events``): (kind, pid, handle, inode).
 EVENT = struct.Struct("<IIQQ")
