@@ -19,8 +19,8 @@ Contracts:
   for the files a cold pass fetches just before their open. A registered file stays
   registered while handles use it and, idle, until it is among the least
   recently used beyond ``max_idle`` files (``--registered-files``: by default
-  scaled to the memory, at least :data:`MAX_IDLE_BACKINGS`; fewer when the open-file limit binds, see
-  :mod:`cachefs.descriptors`) or the cache evicts its blocks; reopening it
+  scaled to the memory, at least :data:`MAX_IDLE_BACKINGS`; fewer when the
+  open-file limit binds, see :mod:`cachefs.descriptors`) or the cache evicts its blocks; reopening it
   meanwhile needs no verification. Objects larger than :data:`MAX_OBJECT_BYTES`
   are never passed through.
 * While registered, an object is pinned in the block cache: its bytes are never
@@ -93,8 +93,8 @@ its outcome (one registration per object at a time). The preparing threads
 belong to :meth:`Passthrough.run` (a task of the daemon's nursery), which
 joins them before it returns, so none outlives the cache index; its other task
 looks at ``_evicted_idle`` every :data:`EVICTED_RECHECK_SECONDS` and, when not
-empty, trims in a worker thread (never on the trio thread: it takes ``_lock``). The cache calls
-:meth:`Passthrough.evicted` holding none of its locks; under ``_lock`` this class calls
+empty, trims in a worker thread (never on the trio thread: it takes ``_lock``). The
+cache calls :meth:`Passthrough.evicted` holding none of its locks; under ``_lock`` this class calls
 the cache's pin methods (they take only the cache's innermost lock).
 """
 
@@ -152,12 +152,12 @@ PREPARE_MAX_BYTES = 8 << 20
 #: (reads are answered before their blocks are on disk) is looked at again this many
 #: times, this many seconds apart, before its registration is given up.
 LANDING_TRIES = 40
+LANDING_DELAY = 0.05
 #: The native loop tells Python nothing when its handles close, so an evicted idle
 #: registration it still had a handle of is looked at again this often (and at every
 #: release here): its bytes, above the cache's size, are freed within this after the
 #: handle's close even on a mount where nothing else happens.
 EVICTED_RECHECK_SECONDS = 1.0
-LANDING_DELAY = 0.05
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,
                           errno.ENOSYS, errno.EINVAL})
