@@ -78,8 +78,8 @@
 #define DIR_EPOCHS 4096  /* a power of two */
 /* Remembered lookups are kept in sets of this many slots (fewer in a smaller table): a
  * name's answer may be in any slot of its set, so names whose hashes meet share it
- * instead of pushing each other out. Direct-mapped (one way), a table as large as its
- * names kept only 63% of them; four ways keep ~95%. */
+ * instead of pushing each other out. Direct-mapped (one way), a table of twice as many
+ * slots as names kept 79% of them (403 of 512 in a test); four ways keep ~96%. */
 #define LOOKUP_WAYS 4
 #define OP_OPEN 14
 #define OP_RELEASE 18
