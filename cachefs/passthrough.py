@@ -330,12 +330,16 @@ class Passthrough:
                 await trio.to_thread.run_sync(self.close_evicted)
 
     def close_evicted(self) -> None:
-        """Close the evicted idle registrations no handle uses any more (any thread; the
-        lock is held for the template drops and close ioctls only). One the native loop
-        still has a handle of stays until a later call."""
+        """Close the evicted idle registrations no handle uses any more, and free their
+        bytes (a worker thread: the release takes the objects' locks and punches or
+        removes their files; the lock is held for the template drops and close ioctls
+        only). One the native loop still has a handle of stays until a later call."""
         with self._lock:
-            if self._evicted_idle:
-                self._trim_idle()
+            if not self._evicted_idle:
+                return
+            self._trim_idle()
+        # (now, not at the next put or maintenance pass: nothing else may happen soon)
+        self.cache.release_deferred()
 
     def _stop_preparing(self) -> None:
         with self._queue_cond:

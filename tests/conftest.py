@@ -245,6 +245,11 @@ class Mount:
     def gets(self) -> float:
         return self.metric('cachefs_s3_requests_total{op="get"}')
 
+    def cache_bytes_on_disk(self) -> int:
+        """Bytes the cache's object files take on disk (holes not counted)."""
+        return sum(f.stat().st_blocks * 512 for f in (self.cache_dir / "objects").rglob("*")
+                   if f.is_file())
+
     def log(self) -> str:
         p = self.cache_dir / "cachefs.log"
         return p.read_text() if p.exists() else ""

@@ -661,11 +661,7 @@ def test_readers_racing_the_eviction_of_idle_registrations_read_right_bytes(buck
     # (one the native loop had a handle of when evicted goes within a second of its close)
     _wait(m, lambda s: s["cachefs_passthrough_backing_files"] <= 8, timeout=5)
 
-    def allocated() -> int:
-        return sum(f.stat().st_blocks * 512 for f in (m.cache_dir / "objects").rglob("*")
-                   if f.is_file())
-
     # Deferred releases run at the next put or the next maintenance pass (every 5 s).
-    _wait(m, lambda s: allocated() <= 8 * MNT_BLOCK, timeout=15)
+    _wait(m, lambda s: m.cache_bytes_on_disk() <= 8 * MNT_BLOCK, timeout=15)
     for key in sorted(files):
         assert _read_file(m.path / key) == files[key]

@@ -357,21 +357,15 @@ def test_idle_registrations_take_no_cache_room_and_go_when_evicted(bucket, mount
         assert _read(m.path / key) == later[key]
     _wait_for(m, "cachefs_open_file_handles", 0)
     for _ in range(100):
-        if m.metric("cachefs_passthrough_yielded_total") >= 2 and _allocated(m) <= 8 * BLOCK:
+        if m.metric("cachefs_passthrough_yielded_total") >= 2 and m.cache_bytes_on_disk() <= 8 * BLOCK:
             break
         time.sleep(0.05)
     assert m.metric("cachefs_passthrough_yielded_total") >= 2
     assert m.metric("cachefs_passthrough_backing_files") <= 8
-    assert _allocated(m) <= 8 * BLOCK, "evicted bytes still on disk once their registration went"
+    assert m.cache_bytes_on_disk() <= 8 * BLOCK, "evicted bytes still on disk once their registration went"
     for key, body in sorted({**first, **later}.items()):
         assert _read(m.path / key) == body
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
-
-
-def _allocated(m: Any) -> int:
-    """Bytes the cache's object files take on disk."""
-    return sum(f.stat().st_blocks * 512 for f in (m.cache_dir / "objects").rglob("*")
-               if f.is_file())
 
 
 def _wait_for(m: Any, metric: str, value: float) -> None:
