@@ -565,6 +565,35 @@ def test_an_object_this_cache_wrote_is_verified_without_reading_it_back(make_cac
     assert trusted_count() == trusted + 1 and corrupt_count() == corrupt + 2
 
 
+def test_an_object_read_back_whole_is_not_read_back_again_in_the_same_life(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """A registration dropped for the bounds (more files per node than it keeps) is made
+    again at the next open: the object it read back and found right is marked as if
+    written here, so that open costs no second read of it, until a release of its bytes
+    ends the trust (as for written marks)."""
+    c = make_cache()
+    blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(2)]
+    for i, b in enumerate(blocks):
+        assert c.put(b, data(i))
+    c.reopen()  # (a new daemon: no written marks)
+    trusted, corrupt = trusted_count(), corrupt_count()
+    assert _verify_with_fd(c, blocks) == 2 * BLOCK  # read back whole, found right
+    assert trusted_count() == trusted
+    assert _verify_with_fd(c, blocks) == 2 * BLOCK
+    assert trusted_count() == trusted + 1, "read back a second time"
+    c.cache.drop([blocks[0]])  # a release: the marks go
+    assert c.put(blocks[0], data(0))
+    c.damage(blocks[1], 3)
+    assert _verify_with_fd(c, blocks) is None, "a block released since was trusted"
+    assert corrupt_count() == corrupt + 1
+    # Without a descriptor (no pin: a daemon-side check) nothing is marked.
+    c.reopen()
+    assert c.put(blocks[1], data(1))
+    c.reopen()
+    assert c.cache.verify_object(blocks) == 2 * BLOCK
+    c.damage(blocks[0], 4)
+    assert _verify_with_fd(c, blocks) is None
+
+
 def test_a_release_of_an_objects_bytes_ends_the_trust_in_it(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache()
     blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(2)]

@@ -25,11 +25,14 @@ Contracts:
   when a second read under the object's lock, with the index still naming the
   same block, fails too. :meth:`verify_object` checks a whole object the same
   way before its file is handed to the kernel -- by reading it, unless this
-  cache wrote every block of it itself in this process's life and released
-  none since (*written marks*, below).
+  cache wrote every block of it itself in this process's life, or read it back
+  whole for such a check, and released none since (*written marks*, below).
 * Written marks: when :meth:`put_sync` has written and indexed a block, it
   records (the file's inode, the block's offset, its index entry) under the
-  object's lock, in the same critical section. A release of any of the
+  object's lock, in the same critical section; so does a pinned
+  :meth:`verify_object` that read every block back through its descriptor and
+  found it right (a registration closed for its bounds and made again later in
+  this life is not read back twice). A release of any of the
   object's bytes (punch or file removal) drops the object's marks under that
   same lock. So a mark whose inode is the inode of an open descriptor of the
   file and whose entry is the block's index entry says what reading the block
@@ -38,9 +41,10 @@ Contracts:
   run after the pin) and only while holding the object's lock, and the marks
   live in memory only: a new daemon, or a mark pushed out of the bounded table
   (:data:`WRITTEN_MARKS`), verifies by reading, as before. The difference from
-  a read-back is damage at rest between the write and the open, within one
-  daemon's life; a registered passthrough file is not re-read afterwards
-  either (verification is once per object per daemon life).
+  a read-back is damage at rest between the write (or the last read-back) and
+  the open, within one daemon's life; a registered passthrough file is not
+  re-read afterwards either (verification is once per object per daemon life,
+  while its marks last).
 * An index that cannot be read (any LMDB error, a value of the wrong shape)
   makes a lookup a miss, counted in ``cachefs_cache_index_errors_total`` and
   logged (at most once a minute), never an error.
@@ -128,7 +132,8 @@ from cachefs.errors import CacheError
 log = logging.getLogger(__name__)
 
 #: Objects whose written marks are kept (see the module docstring), least recently
-#: written dropped first; one costs ~200 bytes. A dropped mark only means a read-back.
+#: written or checked dropped first; one costs ~200 bytes. A dropped mark only means a
+#: read-back.
 WRITTEN_MARKS = 65536
 
 __all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "checksum",
@@ -386,11 +391,28 @@ class BlockCache:
                     if self._recheck(bid, entry, fd) is None:
                         return None
                 total += entry[0]
+            if not own:
+                self._mark_checked(bids, entries, fd)
         finally:
             if own:
                 os.close(fd)
         self.touch(bids)
         return total
+
+    def _mark_checked(self, bids: list[bytes], entries: list[Entry], fd: int) -> None:
+        """Mark the blocks just read back through ``fd`` and found right as if written
+        here (the caller holds a pin, so no punch has run since the read: the next one
+        drops these marks first, under the object's lock taken here too). A registration
+        of the object made again in this life -- one closed for the bounds, reopened
+        next epoch -- then trusts them instead of reading the file back."""
+        oid = split_block_id(bids[0])[0]
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            return
+        with self._file_lock(oid):
+            for bid, entry in zip(bids, entries, strict=True):
+                self._mark_written(oid, inode, split_block_id(bid)[1], entry)
 
     def _written_intact(self, bids: list[bytes], entries: list[Entry], fd: int) -> bool:
         """Whether ``fd``'s file holds every block of ``bids`` as this cache wrote it: each
