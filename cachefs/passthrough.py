@@ -153,10 +153,13 @@ PREPARE_MAX_BYTES = 8 << 20
 #: times, this many seconds apart, before its registration is given up.
 LANDING_TRIES = 40
 LANDING_DELAY = 0.05
-#: The native loop tells Python nothing when its handles close, so an evicted idle
-#: registration it still had a handle of is looked at again this often (and at every
-#: release here): its bytes, above the cache's size, are freed within this after the
-#: handle's close even on a mount where nothing else happens.
+#: The native loop's releases reach Python only as batched bookkeeping events, drained
+#: on whichever thread comes first (the trio thread while no request reaches Python),
+#: where a close -- this class's lock, then file I/O to free the bytes -- must not run. So
+#: an evicted idle registration the loop still had a handle of is looked at again this
+#: often, from a worker thread (and at every release here): its bytes, above the cache's
+#: size, are freed within this after the handle's close even on a mount where nothing
+#: else happens.
 EVICTED_RECHECK_SECONDS = 1.0
 #: Refusals of a backing that mean the mount cannot use passthrough at all.
 _UNSUPPORTED = frozenset({errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.ENOTTY,

@@ -826,8 +826,9 @@ def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_close
     finally:
         os.close(fd)
     _wait_metric(m, "cachefs_open_file_handles", 0)
-    # Nothing else happens on the mount: the loop tells Python nothing of the close, so
-    # the registration goes at the daemon's next look (every second), not at a later read.
+    # Nothing else happens on the mount: the loop's release reaches Python only as a
+    # bookkeeping event, so the registration goes at the daemon's next look (every
+    # second), not at a later read.
     _wait_metric(m, "cachefs_passthrough_yielded_total", 1)
     # ... and a's bytes with it, not at the next maintenance pass (every 5 s)
     deadline = time.monotonic() + 2

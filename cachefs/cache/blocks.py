@@ -370,7 +370,8 @@ class BlockCache:
         entries = self.index.entries(bids) if bids else None
         if entries is None:
             return None
-        if fd is not None and self._written_intact(bids, entries, fd):
+        inode = _inode(fd) if fd is not None else None  # (of the file the marks name)
+        if inode is not None and self._written_intact(bids, entries, inode):
             metrics.CACHE_OBJECTS_TRUSTED.inc()
             self.touch(bids)
             return sum(entry[0] for entry in entries)
@@ -391,39 +392,31 @@ class BlockCache:
                     if self._recheck(bid, entry, fd) is None:
                         return None
                 total += entry[0]
-            if not own:
-                self._mark_checked(bids, entries, fd)
+            if inode is not None:
+                self._mark_checked(bids, entries, inode)
         finally:
             if own:
                 os.close(fd)
         self.touch(bids)
         return total
 
-    def _mark_checked(self, bids: list[bytes], entries: list[Entry], fd: int) -> None:
-        """Mark the blocks just read back through ``fd`` and found right as if written
-        here (the caller holds a pin, so no punch has run since the read: the next one
-        drops these marks first, under the object's lock taken here too). A registration
-        of the object made again in this life -- one closed for the bounds, reopened
-        next epoch -- then trusts them instead of reading the file back."""
+    def _mark_checked(self, bids: list[bytes], entries: list[Entry], inode: int) -> None:
+        """Mark the blocks just read back through a descriptor of file ``inode`` and found
+        right as if written here (the caller holds a pin, so no punch has run since the
+        read: the next one drops these marks first, under the object's lock taken here
+        too). A registration of the object made again in this life -- one closed for the
+        bounds, reopened next epoch -- then trusts them instead of reading the file back."""
         oid = split_block_id(bids[0])[0]
-        try:
-            inode = os.fstat(fd).st_ino
-        except OSError:
-            return
         with self._file_lock(oid):
             for bid, entry in zip(bids, entries, strict=True):
                 self._mark_written(oid, inode, split_block_id(bid)[1], entry)
 
-    def _written_intact(self, bids: list[bytes], entries: list[Entry], fd: int) -> bool:
-        """Whether ``fd``'s file holds every block of ``bids`` as this cache wrote it: each
-        block marked written into that file (same inode) with its current index entry,
-        and none released since. Taken under the object's lock, so no release is
-        half-done; the caller's pin keeps any later one from running."""
+    def _written_intact(self, bids: list[bytes], entries: list[Entry], inode: int) -> bool:
+        """Whether file ``inode`` (an open descriptor's) holds every block of ``bids`` as
+        this cache wrote it: each block marked written into that file with its current
+        index entry, and none released since. Taken under the object's lock, so no
+        release is half-done; the caller's pin keeps any later one from running."""
         oid = split_block_id(bids[0])[0]
-        try:
-            inode = os.fstat(fd).st_ino
-        except OSError:
-            return False
         with self._file_lock(oid), self._lock:
             marks = self._written.get(oid)
             if marks is None or marks[0] != inode:
@@ -663,6 +656,14 @@ class BlockCache:
         if removed:
             log.info("removed %d orphan file(s) from the cache", removed)
         return removed
+
+
+def _inode(fd: int) -> int | None:
+    """The inode of ``fd``'s file; None when it cannot be had (nothing is trusted then)."""
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
 
 
 def _uncount(pins: dict[bytes, int], oid: bytes) -> None:
