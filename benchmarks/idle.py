@@ -25,9 +25,9 @@ from benchmarks.util import CLK_TCK, fuse_usable, proc_sample, thread_samples
 BUCKET = "idle"
 
 
-def thread_wakeups(pid: int) -> dict[str, tuple[int, int]]:
-    """(context switches, CPU ticks) so far of each thread, by ``tid:name``."""
-    return {f"{t.tid}:{t.name}": (t.voluntary + t.involuntary, t.user_ticks + t.sys_ticks)
+def thread_wakeups(pid: int) -> dict[str, tuple[int, float]]:
+    """(context switches, CPU seconds) so far of each thread, by ``tid:name``."""
+    return {f"{t.tid}:{t.name}": (t.voluntary + t.involuntary, t.cpu_s)
             for t in thread_samples(pid)}
 
 
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
                 wall = time.monotonic() - t0
     print(f"idle daemon: {100 * (cpu1 - cpu0) / wall:.2f}% of one core over {wall:.0f} s "
           f"(/proc ticks of {1000 / CLK_TCK:.0f} ms)")
-    for key, (switches, ticks) in sorted(threads1.items()):
-        s0, k0 = threads0.get(key, (0, 0))
-        if switches - s0 or ticks - k0:
+    for key, (switches, cpu) in sorted(threads1.items()):
+        s0, c0 = threads0.get(key, (0, 0.0))
+        if switches - s0 or cpu - c0:
             print(f"  {key.split(':', 1)[1]:<32} {(switches - s0) / wall:6.1f} wake-ups/s "
-                  f"{(ticks - k0) * 1000 / CLK_TCK / wall:6.1f} ms CPU/s")
+                  f"{(cpu - c0) * 1000 / wall:6.1f} ms CPU/s")
     return 0
 
 

@@ -85,14 +85,29 @@ def payload(key: str, size: int) -> bytes:
     return random.Random(key).randbytes(size)
 
 
-def prepare(origin: SeaweedOrigin, local: Path, items: list[tuple[str, int]]) -> None:
+def prepare(origin: SeaweedOrigin, local: Path, items: list[tuple[str, int]],
+            checksum: str | None = None) -> None:
+    """Upload the dataset, and delete what an earlier run in the same ``--workdir`` left
+    under the prefix: a mount lists and reads ahead every object there, so files of
+    another shape would be fetched for no reader. With ``checksum`` (``CRC64NVME``) each
+    upload carries that full-object checksum, which the origin then states on GETs asked
+    for it, as S3 does for every object written since December 2024 (SeaweedFS stores one
+    only when the upload sends it); without one, the ETag (an MD5) is all a reader can
+    check the bytes against."""
     origin.ensure_bucket(BUCKET)
     s3 = origin.client(max_pool=16)
+    wanted = {f"{PREFIX}/{key}" for key, _ in items}
+    stale = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket=BUCKET, Prefix=f"{PREFIX}/") for o in page.get("Contents", [])
+        if o["Key"] not in wanted]
+    for i in range(0, len(stale), 1000):
+        s3.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in stale[i:i + 1000]]})
 
     def put(item: tuple[str, int]) -> None:
         key, size = item
         data = payload(key, size)
-        s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=data)
+        extra = {"ChecksumAlgorithm": checksum} if checksum else {}
+        s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}", Body=data, **extra)
         path = local / key
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -116,13 +131,12 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name and kind ("main.user", "python.sys"...) of a process
-    (threads of one name summed; the main thread is "main")."""
+    """CPU seconds per thread name of a process (threads of one name summed; the main
+    thread is "main"), as the scheduler counts them (:class:`ThreadSample` says why not
+    the ticks)."""
     out: dict[str, float] = {}
     for t in thread_samples(pid):
-        for part, ticks in (("user", t.user_ticks), ("sys", t.sys_ticks)):
-            k = f"{t.name}.{part}"
-            out[k] = out.get(k, 0.0) + ticks / CLK_TCK
+        out[t.name] = out.get(t.name, 0.0) + t.cpu_s
     return out
 
 
@@ -311,7 +325,7 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
                                          for k, v in thr1.items() if v - thr0.get(k, 0.0) > 0}
         groups: dict[str, float] = {}
         for k, v in row["thread_cpu_us_per_file"].items():
-            g = thread_group(k.rsplit(".", 1)[0])
+            g = thread_group(k)
             groups[g] = round(groups.get(g, 0.0) + v, 1)
         row["cpu_us_per_file_by_group"] = groups
         row["voluntary_switches_per_file_by_group"] = {
@@ -334,6 +348,10 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
                                for op, c in counts.items() if c}
         gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
         row["s3_gets_per_file"] = round(gets / n, 3)
+        # the check each received byte passed (etag_md5 costs ~50x a CRC: --origin-checksum)
+        checked = per_file(met0, met1, "cachefs_s3_verified_bytes_total", n)
+        if checked:
+            row["s3_checked_bytes_per_file"] = checked
         # One GET's time on the wire (connection, request, answer): with the GETs in flight
         # sampled, Little's law tells what files/s the link could have given.
         key = "cachefs_s3_request_duration_seconds_{}{{op=get}}"
@@ -446,7 +464,7 @@ def summary(rows: list[dict[str, Any]], link_MBps: float) -> str:
         cpu = "-"
         if "cpu_us_per_file" in r:
             th = r.get("thread_cpu_us_per_file", {})
-            main = th.get("main.user", 0.0) + th.get("main.sys", 0.0)
+            main = th.get("main", 0.0)
             cpu = f"{r['cpu_us_per_file']:.0f} ({main:.0f})"
         fuse = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("fuse_per_file", {}).items()))
         lmdb = " ".join(f"{k} {v:g}" for k, v in sorted(r.get("lmdb_txn_per_file", {}).items()))
@@ -473,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
     ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--origin-checksum", choices=("none", "CRC64NVME"), default="none",
+                    help="the full-object checksum uploads carry and the origin states "
+                         "(S3 states CRC64NVME for every new object; the issue's table: none)")
     ap.add_argument("--cachefs-arg", action="append", default=[],
                     help="extra argument for cachefs mount (repeatable)")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
@@ -509,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         with SeaweedOrigin(work / "s3") as origin:
-            prepare(origin, local, items)
+            prepare(origin, local, items,
+                    None if args.origin_checksum == "none" else args.origin_checksum)
             with WanLink(origin.s3_port, args.rtt_ms, args.bandwidth_MBps, args.conn_bandwidth_MBps,
                          log_path=str(work / "wan.log")) as wan:
                 if origin.proc is not None:
