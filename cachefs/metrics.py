@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import errno
 import itertools
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -73,6 +74,116 @@ PlatformCollector(registry=EXPOSED)
 # python_gc_collections_total{generation}: the collector's pauses hold the interpreter lock
 # (see cachefs.gcpolicy); a full collection now and then is expected, a steady rate is not.
 GCCollector(registry=EXPOSED)
+
+#: The thread groups ``cachefs_thread_cpu_seconds_total{threads}`` counts by, from the
+#: Python name of a thread (first matching prefix); the rest is "other" (trio's worker
+#: threads writing the cache and listing, the metrics server, the status publisher).
+THREAD_GROUPS = (("MainThread", "event_loop"), ("cachefs-fuse", "fuse"),
+                 ("cachefs-s3", "s3"), ("cachefs-connect", "s3"),
+                 ("cachefs-verify", "verify"), ("cachefs-readahead", "readahead"))
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_group(name: str) -> str:
+    """The ``threads`` label of a thread named ``name`` (see :data:`THREAD_GROUPS`)."""
+    for prefix, group in THREAD_GROUPS:
+        if name.startswith(prefix):
+            return group
+    return "other"
+
+
+class ThreadCpu:
+    """``cachefs_thread_cpu_seconds_total{threads}``: the daemon's CPU by what its threads
+    do -- the trio thread (``event_loop``: when it nears one core, every cold read waits
+    for it), the FUSE request workers, the S3 threads, passthrough's verifying threads.
+
+    Read at each scrape from ``/proc/self/task/<tid>/schedstat``: the scheduler's count of
+    the time each thread ran, in nanoseconds. Not ``stat``'s ticks (nor ``top -H``, which
+    shows them): a thread that runs in bursts of microseconds between sleeps, as an S3
+    thread does for each answer, is rarely running when a tick samples it; its ticks
+    came to a twentieth of what the scheduler counted (benchmarks/RESULTS.md,
+    nineteenth round). Each scrape adds every thread's growth since the last one to the
+    group of the thread's current name, so a counter never goes back when a thread is
+    renamed or ends. What threads that ended since the last scrape ran after it (trio's
+    idle workers end after 10 s) is the process's total growth (``/proc/self/stat``, which
+    keeps ended threads' time, to its 10 ms ticks) less the live threads': it goes to the
+    group the threads that ended were in (to "other" when they were in several, or when
+    none that ended was seen: a thread born and gone between two scrapes). Registered with
+    :data:`EXPOSED` only: the status snapshot does not pay for reading a file per thread.
+    Thread-safety: collections are serialised by a lock (scrapes may overlap)."""
+
+    def __init__(self, proc: str = "/proc/self") -> None:
+        self._proc = proc
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[int, str]] = {}  # tid -> (ns, group) at the last look
+        self._process_ns: int | None = None
+        self._carry = 0  # ns the live threads ran beyond the process's ticks (<= 0)
+        self._totals: dict[str, int] = {group: 0 for _, group in THREAD_GROUPS}
+        self._totals["other"] = 0
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily("cachefs_thread_cpu_seconds", "", labels=["threads"])]
+
+    def _process_total(self) -> int | None:
+        try:
+            with open(f"{self._proc}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def sample(self) -> dict[str, float]:
+        """Seconds of CPU so far per thread group (what a collection exports)."""
+        names = {str(t.native_id): t.name for t in threading.enumerate()}
+        with self._lock:
+            process = self._process_total()
+            seen: dict[str, tuple[int, str]] = {}
+            grown_live = 0
+            try:
+                tids = os.listdir(f"{self._proc}/task")
+            except OSError:
+                tids = []
+            for tid in tids:
+                try:
+                    with open(f"{self._proc}/task/{tid}/schedstat", "rb") as f:
+                        ran = int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    continue  # (ended while read, or no schedstat in this kernel)
+                group = thread_group(names.get(tid, ""))
+                before = self._seen.get(tid, (0, group))[0]
+                grown = ran - before if ran >= before else ran  # (a reused tid: a new thread)
+                self._totals[group] += grown
+                grown_live += grown
+                seen[tid] = (ran, group)
+            if process is not None and self._process_ns is not None:
+                # Ran by threads gone since the last look; below zero, the ticks' rounding,
+                # carried to the next look so the groups never sum past the process.
+                unseen = process - self._process_ns - grown_live + self._carry
+                ended = {group for tid, (_, group) in self._seen.items() if tid not in seen}
+                if unseen > 0:
+                    self._totals[ended.pop() if len(ended) == 1 else "other"] += unseen
+                self._carry = min(unseen, 0)
+            self._seen = seen
+            if process is not None:
+                self._process_ns = process
+            return {group: ns / 1e9 for group, ns in self._totals.items()}
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "cachefs_thread_cpu_seconds",
+            "CPU time of the daemon's threads by what they do (event_loop: the trio thread; "
+            "fuse: request workers; s3: S3 requests; verify: passthrough's checks), as the "
+            "scheduler counts it", labels=["threads"])
+        for group, seconds in self.sample().items():
+            family.add_metric([group], seconds)
+        yield family
+
+
+THREAD_CPU = ThreadCpu()
+EXPOSED.register(THREAD_CPU)
+
 
 #: Default scrape port: clear of node_exporter (9100), dcgm-exporter (9400),
 #: 9109 and JuiceFS (9567).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -51,3 +52,71 @@ def test_totals_sum_every_cachefs_counter_and_gauge_but_no_histogram() -> None:
     assert set(got) == set(full)
     assert "cachefs_fuse_requests_total" in got and "cachefs_cache_used_bytes" in got
     assert not any(k.startswith("cachefs_s3_request_duration") for k in got), sorted(got)
+
+
+def _burn(seconds: float) -> None:
+    """Run on the CPU for ``seconds`` of this thread's own CPU time."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def test_thread_cpu_counts_what_each_group_of_threads_ran_by_the_scheduler() -> None:
+    cpu = metrics.ThreadCpu()
+    before = cpu.sample()
+    running = threading.Event()
+    stop = threading.Event()
+
+    def s3() -> None:
+        _burn(0.2)
+        running.set()
+        stop.wait(10)
+
+    t = threading.Thread(target=s3, name="cachefs-s3")
+    t.start()
+    running.wait(10)
+    during = cpu.sample()
+    stop.set()
+    t.join()
+    assert during["s3"] - before["s3"] >= 0.18
+    assert during["fuse"] == before["fuse"]
+    _burn(0.1)  # this test's own thread: the main thread, the daemon's trio thread
+    after = cpu.sample()
+    assert after["event_loop"] - during["event_loop"] >= 0.09
+    assert after["s3"] >= during["s3"]  # a thread that ended takes nothing back
+
+
+def test_thread_cpu_counts_threads_that_ended_between_two_looks() -> None:
+    """What a thread ran after the last look and before it ended is only in the process's
+    total: it still counts, under the group the thread was in when last seen."""
+    cpu = metrics.ThreadCpu()
+    go = threading.Event()
+
+    def verify() -> None:
+        go.wait(10)
+        _burn(0.3)
+
+    t = threading.Thread(target=verify, name="cachefs-verify-0")
+    t.start()
+    before = cpu.sample()  # sees the thread, idle
+    go.set()
+    t.join()
+    after = cpu.sample()
+    # (the process's total moves in ticks of 10 ms, hence the margin)
+    assert after["verify"] - before["verify"] >= 0.25
+    assert sum(after.values()) >= sum(before.values())
+
+
+def test_thread_cpu_is_on_the_scraped_page_and_not_in_the_status_snapshot() -> None:
+    text = generate_latest(metrics.EXPOSED).decode()
+    for group in ("event_loop", "fuse", "s3", "verify", "readahead", "other"):
+        assert f'cachefs_thread_cpu_seconds_total{{threads="{group}"}}' in text
+    assert not any(k.startswith("cachefs_thread_cpu") for k in metrics.totals())
+
+
+def test_threads_are_grouped_by_their_names() -> None:
+    assert metrics.thread_group("MainThread") == "event_loop"
+    assert metrics.thread_group("cachefs-fuse-3") == "fuse"
+    assert metrics.thread_group("cachefs-s3") == "s3"
+    assert metrics.thread_group("cachefs-verify-1") == "verify"
+    assert metrics.thread_group("Trio thread 12") == "other"

@@ -140,6 +140,11 @@ def test_every_dashboard_query_returns_data_from_a_live_mount(
             values[expr] = [float(v) for _, v in samples]
         log = (tmp_path / "prometheus.log").read_text()
         assert not empty, "queries without data:\n" + "\n".join(empty) + "\n" + log[-2000:]
+        # The reads above were served by the request workers, fetched by S3 threads and
+        # scheduled by the trio thread: each group's CPU shows.
+        by_group = {r["metric"]["threads"]: float(r["value"][1]) for r in api(
+            base, "/api/v1/query", query="cachefs_thread_cpu_seconds_total", time=at)["result"]}
+        assert all(by_group.get(g, 0) > 0 for g in ("event_loop", "fuse", "s3")), by_group
     finally:
         proc.terminate()
         try:
