@@ -329,7 +329,8 @@ class Daemon:
                                        on_predicted=passthrough.predicted,
                                        settled=passthrough.kernel_reads,
                                        in_flight=lambda: prefetcher.loading(DIRECTORY),
-                                       first_file=metadata.first_file_now)
+                                       first_file=metadata.first_file_now,
+                                       folder_ino=metadata.dir_ino_now)
         prefetcher.on_fetched(DIRECTORY, lookahead.on_load_end)
 
         def free_space() -> int:  # (what is in flight will be written to the cache next)

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -735,14 +736,16 @@ def test_after_a_folder_of_few_files_more_folders_are_listed_ahead(env: LmdbEnv)
     assert dirs_listed_ahead(0) == NEXT_DIRS_LISTED  # (not listed: not known)
     assert dirs_listed_ahead(1300) == NEXT_DIRS_LISTED
     assert dirs_listed_ahead(FILES_LISTED_AHEAD // 32) == 32  # (16 files a folder)
-    assert dirs_listed_ahead(6) == MAX_DIRS_LISTED
-    store = _class_folders(MAX_DIRS_LISTED + 3)
+    assert dirs_listed_ahead(6) == -(-FILES_LISTED_AHEAD // 6)
+    assert dirs_listed_ahead(1) == MAX_DIRS_LISTED
+    ahead = dirs_listed_ahead(6)
+    store = _class_folders(ahead + 3, files=6)
 
     async def body(md: Metadata) -> None:
         await md.ensure("t/")
         await md.ensure("t/c00/")
         assert md.next_dir("t/c00/", "t/") == "t/c01/"
-        await _listed_ahead_of(md, "t/c00/", MAX_DIRS_LISTED)
+        await _listed_ahead_of(md, "t/c00/", ahead)
 
     run_with_metadata(env, store, body, list_ahead=8)
 
@@ -1006,3 +1009,107 @@ def test_next_dir_answers_a_walk_from_folder_to_folder_and_follows_a_new_listing
         assert md.next_dir("t/c05a/", "t/") == "t/c06/"
 
     run_with_metadata(env, store, body, list_ahead=4)
+
+
+def _delimiter_view(store: MemoryStore, prefix: str) -> list[tuple[bytes, bool, int]]:
+    """What a delimiter listing of ``prefix`` makes of it: (name, is_dir, size) in order."""
+    from collections import Counter
+
+    from cachefs.cache.metadata import entries_from_listing
+
+    page = store.list_page(prefix, None)
+    return [(e.name, e.is_dir, e.size)
+            for e in entries_from_listing(prefix, page.objects, page.prefixes, Counter())]
+
+
+async def _entered_first_folder(md: Metadata) -> None:
+    """A reader enters t/c00/ (not listed): it waits for that listing, and the
+    NEXT_DIRS_LISTED folders after it are listed ahead, one LIST each (their size is not
+    known yet); returns once they are."""
+    await md.ensure("t/")
+    await md.ensure("t/c00/")
+    await _listed_ahead_of(md, "t/c00/")
+
+
+def test_folders_of_few_files_ahead_of_a_walk_are_listed_by_one_flat_list(env: LmdbEnv) -> None:
+    """A walk through folders of two files, listed ahead one LIST per folder, went at the
+    listing rate. After such a folder, the folders ahead are listed by one LIST without a
+    delimiter: each folder the page holds whole is stored as what its own listing would
+    have said (its files, its sub-directories, its marker left out)."""
+    store = _class_folders(60, files=2)
+    store.put("t/c20/sub/deep/x", b"y")  # a sub-directory of one of them
+    store.put("t/c22/", b"")  # a folder's marker object
+
+    async def body(md: Metadata) -> None:
+        await _entered_first_folder(md)
+        before = store.calls["list"]
+        assert md.next_dir("t/c16/", "t/") == "t/c17/"
+        await _listed_ahead_of(md, "t/c16/", 43)
+        assert store.calls["list"] - before == 1, store.calls
+        for d in range(17, 60):
+            folder = f"t/c{d:02d}/"
+            got = [(e.name, e.is_dir, e.size) for e in md.iter_entries(folder)]
+            assert got == _delimiter_view(store, folder), folder
+        assert [e.name for e in md.iter_entries("t/c20/")] == [b"f000", b"f001", b"sub"]
+        assert [e.name for e in md.iter_entries("t/c22/")] == [b"f000", b"f001"]
+
+    run_with_metadata(env, store, body, list_ahead=4, root="t/")
+
+
+def test_a_folder_the_flat_page_cuts_is_listed_on_its_own(env: LmdbEnv) -> None:
+    """A flat page ends where it ends: the folder it cuts, and those after it, are listed
+    one LIST each, as before; every folder comes out whole."""
+    store = _class_folders(30, files=2)
+    store.page_size = 5  # a flat page of 5 keys: two folders whole, the third cut
+
+    async def body(md: Metadata) -> None:
+        await _entered_first_folder(md)
+        before = store.calls["list"]
+        md.next_dir("t/c16/", "t/")
+        await _listed_ahead_of(md, "t/c16/", 13)
+        assert store.calls["list"] - before == 1 + 11, store.calls  # (flat, then c19..c29)
+        for d in range(17, 30):
+            folder = f"t/c{d:02d}/"
+            assert [e.name for e in md.iter_entries(folder)] == [b"f000", b"f001"], folder
+
+    run_with_metadata(env, store, body, list_ahead=4, root="t/")
+
+
+def test_a_lookup_in_a_folder_being_listed_flat_waits_for_that_listing(env: LmdbEnv) -> None:
+    """The folders of a flat listing are listings in flight from its start: a reader that
+    needs one waits for it and no LIST of that folder alone is made (single flight)."""
+    store = _class_folders(40, files=2)
+    gate = threading.Event()
+    flat_lists: list[str] = []
+    plain = store.list_page
+
+    def list_page(prefix: str, token: str | None, start_after: str | None = None,
+                  exchange: object = None, *, flat: bool = False) -> Any:
+        if flat:
+            flat_lists.append(prefix)
+            gate.wait(5)
+        else:
+            assert prefix != "t/c20/", "listed on its own while its flat listing ran"
+        return plain(prefix, token, start_after, flat=flat)
+
+    store.list_page = list_page  # type: ignore[method-assign]
+
+    async def body(md: Metadata) -> None:
+        await _entered_first_folder(md)
+        md.next_dir("t/c16/", "t/")
+        with trio.fail_after(5):
+            while not flat_lists:
+                await trio.sleep(0.01)
+
+        async def release() -> None:
+            await trio.sleep(0.2)
+            gate.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(release)
+            with trio.fail_after(5):
+                entry = await md.lookup("t/c20/", b"f001")
+        assert entry is not None and not entry.is_dir
+        assert flat_lists == ["t/"]
+
+    run_with_metadata(env, store, body, list_ahead=4, root="t/")

@@ -104,7 +104,11 @@ NEXT_DIRS_LISTED = 16
 #: top-up, and the walk then waited a LIST (0.2-0.5 s under a cold pass's load) every
 #: 16 folders.
 FILES_LISTED_AHEAD = 512
-MAX_DIRS_LISTED = 64
+MAX_DIRS_LISTED = 256
+#: Flat listings (one ListObjectsV2 without a delimiter over the next folders of a walk
+#: through folders of few files, see Metadata._start_flat) in flight at most; more
+#: folders wait for the list-ahead workers, one LIST each.
+FLAT_LISTINGS = 4
 #: Parents whose last next_dir() scan is kept (walks through several parents at once).
 NEXT_SCANS = 64
 #: Levels below the mount's root that list_at_mount() lists, each its parent's first
@@ -263,6 +267,7 @@ class Metadata:
         # stops at the first one not listed).
         self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
         self._next_ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
+        self._flat_running = 0  # flat listings in flight (trio thread)
         # Directories next_dir() queued to be listed ahead, and when (trio thread; bounded
         # by AHEAD_QUEUE): a walk asks at every top-up, and each ask would otherwise look
         # each following directory up in the index again.
@@ -419,6 +424,17 @@ class Metadata:
             return []
         with snapshot(self._index.iter(View(row[0], None), after)) as entries:
             return list(itertools.islice(entries, n))
+
+    def dir_ino_now(self, prefix: str) -> int | None:
+        """The inode of directory ``prefix`` in its parent's complete listing, or None (the
+        root, no such listing, not a directory there). Any thread, no side effects."""
+        parent = parent_prefix(prefix)
+        if parent == prefix:
+            return None
+        found = self._index.lookup(parent, enc(prefix[len(parent):-1]))
+        if found is None or found[1] is None or not found[1].is_dir:
+            return None
+        return found[1].ino
 
     def first_file_now(self, prefix: str) -> tuple[int, int] | None:
         """(the inode of the first file (not sub-directory) of ``prefix``'s complete
@@ -690,10 +706,94 @@ class Metadata:
                     unlisted.append(d)
             while len(self._asked_ahead) > AHEAD_QUEUE:
                 self._asked_ahead.popitem(last=False)
-            if unlisted:
+            if len(unlisted) >= 2 and wanted > NEXT_DIRS_LISTED \
+                    and self._flat_running < FLAT_LISTINGS:
+                self._start_flat(parent, unlisted)
+            elif unlisted:
                 self._next_ahead.extend(unlisted)
                 self._ahead_lot.unpark(count=len(unlisted))
         return following[0] if following else None
+
+    def _start_flat(self, parent: str, folders: list[str]) -> None:
+        """List ``folders`` (sub-directories of ``parent``, in name order, none listed or
+        being listed) with one flat LIST, for a walk through folders of few files (trio
+        thread). A LIST per folder of a few files bounds such a walk by the listing rate:
+        600 folders of 2 files were read at 0.10 of the link, each folder's first open
+        waiting for its LIST. A flat page of up to 1,000 keys holds the whole of every
+        folder it passes, so one request lists dozens of them.
+
+        Each folder is a listing in flight from now on, like any other (single flight:
+        a reader that needs one waits for it, and no second listing of it starts).
+        :meth:`_run_flat` writes the folders the page holds whole as their listings and
+        lists the others one by one, as before."""
+        assert self._nursery is not None
+        listings = []
+        for folder in folders:
+            if folder in self._inflight or self._index.row(folder) is not None:
+                continue
+            listing = self._inflight[folder] = _Listing(folder)
+            listing.tick = self._tick
+            self._inflight_ids[prefix_id(folder)] = listing
+            listings.append(listing)
+        if listings:
+            self._flat_running += 1
+            self._nursery.start_soon(self._run_flat, parent, listings)
+
+    async def _run_flat(self, parent: str, listings: list[_Listing]) -> None:
+        found: dict[str, tuple[list[ObjectInfo], list[str]]] = {}
+        started = False
+        try:
+            try:
+                found = await trio.to_thread.run_sync(
+                    self._flat_sync, parent, [listing.prefix for listing in listings],
+                    limiter=self._limiter)
+            except Exception as exc:  # (the folders are listed one by one instead)
+                log.info("a flat listing of %r failed (%s); listing its folders one by one",
+                         parent or "/", exc)
+            if self._nursery is not None:  # (None: run() ended meanwhile, an unmount)
+                for listing in listings:
+                    self._nursery.start_soon(self._run_listing, listing,
+                                             found.get(listing.prefix))
+                started = True
+        finally:
+            self._flat_running -= 1
+            if not started:  # cancelled (unmount): nobody will list them
+                for listing in listings:
+                    self._inflight.pop(listing.prefix, None)
+                    self._inflight_ids.pop(prefix_id(listing.prefix), None)
+                    listing.done.set()
+                    listing.progress.set()
+
+    def _flat_sync(self, parent: str, folders: list[str]
+                   ) -> dict[str, tuple[list[ObjectInfo], list[str]]]:
+        """One page of the flat listing of ``parent`` from the first of ``folders`` on:
+        what a delimiter listing of each folder the page holds whole would have said
+        (its objects, and its sub-directories as common prefixes). A folder counts as
+        held whole when the page has keys of it and ends past it (or is the last page):
+        S3 lists keys in order, so a folder's keys come together. Worker thread."""
+        assert self._store is not None
+        wanted = set(folders)
+        page = self._store.list_page(parent, None, min(folders)[:-1], flat=True)
+        objects: dict[str, list[ObjectInfo]] = {}
+        subdirs: dict[str, dict[str, None]] = {}
+        for obj in page.objects:
+            rest = obj.key[len(parent):]
+            slash = rest.find("/")
+            folder = parent + rest[:slash + 1]
+            if slash < 0 or folder not in wanted:
+                continue
+            objects.setdefault(folder, [])
+            subdirs.setdefault(folder, {})
+            below = rest[slash + 1:]
+            deeper = below.find("/")
+            if deeper < 0:
+                objects[folder].append(obj)
+            else:
+                subdirs[folder][folder + below[:deeper + 1]] = None
+        cut = page.objects[-1].key if page.next_token is not None and page.objects else None
+        return {folder: (objects[folder], list(subdirs[folder])) for folder in folders
+                if folder in objects and not (cut is not None and cut.startswith(folder))}
+
 
     def _queue_ahead(self, subdirs: list[str]) -> None:
         self._ahead.extend(reversed(subdirs))  # the first sub-directory is taken first
@@ -735,10 +835,18 @@ class Metadata:
             self.next_dir(prefix, self._root)
         return listing
 
-    async def _run_listing(self, listing: _Listing) -> None:
+    async def _run_listing(self, listing: _Listing,
+                           listed: tuple[list[ObjectInfo], list[str]] | None = None) -> None:
+        """Run ``listing`` to its end: LIST the directory, or, with ``listed`` (what a flat
+        listing found in it: objects and sub-directories), write that."""
         prefix = listing.prefix
         try:
-            await self._list_ranges(listing)
+            if listed is None:
+                await self._list_ranges(listing)
+            else:
+                writer = await trio.to_thread.run_sync(self._write_listed, listing, *listed,
+                                                       limiter=self._limiter)
+                self._listed(listing, writer)
         except Exception as group:
             exc = _leaf(group)
             listing.error = exc
@@ -792,12 +900,29 @@ class Metadata:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(writer.abandon)
             raise
+        self._listed(listing, writer)
+
+    def _listed(self, listing: _Listing, writer: VersionWriter) -> None:
+        """(trio thread) ``listing``'s new version is current: count it, and say where."""
         metrics.METADATA_LISTINGS.inc()
         for reason, n in writer.skipped.items():
             metrics.SKIPPED_KEYS.labels(reason).inc(n)
             log.info("%s: skipped %d key(s) (%s)", listing.prefix or "/", n, reason)
         listing.subdirs = writer.subdirs
         listing.version = writer.version
+
+    def _write_listed(self, listing: _Listing, objects: list[ObjectInfo],
+                      prefixes: list[str]) -> VersionWriter:
+        """Store what a flat listing found in ``listing.prefix`` as its new version, in one
+        transaction (worker thread)."""
+        writer = VersionWriter(self._index, listing.prefix, self._clock)
+        try:
+            writer.write(entries_from_listing(listing.prefix, objects, prefixes,
+                                              writer.skipped), final=True)
+        except BaseException:
+            writer.abandon()
+            raise
+        return writer
 
     def _progress(self, listing: _Listing, state: _Ranges) -> None:
         """(trio thread) Pages of ``listing`` were committed: names below the first

@@ -110,8 +110,10 @@ RETRY_OPENS = 16
 #: Opens under a parent after its readers moved to another folder, before the folder
 #: they left is looked at (whether they left files requested ahead unread in it).
 LEFT_CHECK_OPENS = 32
-#: Folders left and not looked at yet, per parent (the oldest are dropped).
-LEFT_CHECKS = 16
+#: Folders left and not looked at yet, per parent (the oldest are dropped): more than
+#: LEFT_CHECK_OPENS, or readers opening one file per folder push every one out before
+#: it is looked at.
+LEFT_CHECKS = 64
 #: Misses double the opens a directory's walks need, at most this many times.
 MAX_PENALTY = 4
 #: A walk whose readers wait while its GETs land is stretched to at most this many windows
@@ -191,8 +193,18 @@ class DirectoryLookahead:
                  on_predicted: Callable[[ObjectVersion, int], None] | None = None,
                  settled: Callable[[ObjectVersion], bool] | None = None,
                  in_flight: Callable[[], int] | None = None,
-                 first_file: Callable[[str], tuple[int, int] | None] | None = None) -> None:
+                 first_file: Callable[[str], tuple[int, int] | None] | None = None,
+                 folder_ino: Callable[[str], int | None] | None = None) -> None:
         self._prefetcher = prefetcher
+        # folder_ino(prefix): the inode of directory ``prefix`` in its parent's listing, or
+        # None (any thread, no side effects): the position of a folder among its siblings,
+        # for the walks over folders (see _step_folders)
+        self._folder_ino = folder_ino
+        # Parent -> the walk of its readers over its folders, one step per folder they
+        # enter, at the folder's position in the parent's listing (under _lock)
+        self._folder_walks: dict[str, _Walk] = {}
+        # Folder -> its position in its parent's listing (under _lock; bounded)
+        self._folder_inos: dict[str, int] = {}
         # first_file(prefix): (the inode of the directory's first file in name order, its
         # number of files), or None (any thread, no side effects): a pool whose first opens
         # are exactly a large directory's first files is trusted without the disorder
@@ -256,16 +268,21 @@ class DirectoryLookahead:
                 self._where[reader] = prefix
                 if len(self._where) > self.max_walks:
                     self._where.pop(next(iter(self._where)))
-            self._follow_folders(prefix)
+            folders_in_order = self._follow_folders(prefix)
             keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
             for key in keys:
                 walk = self._step(key, name, ino)
+                if key[1] == 0 and folders_in_order and not walk.trusted \
+                        and not self._in_order(prefix, walk) and not self._penalty.get(prefix):
+                    _trust(walk)
                 if self._wanted(key, walk) > 0:
                     due.append(key)
         return due
 
-    def _follow_folders(self, prefix: str) -> None:
-        """Tell readers that read each folder in part (under the lock). When the readers
+    def _follow_folders(self, prefix: str) -> bool:
+        """Tell readers that read each folder in part (under the lock), and follow their walk
+        over the parent's folders (:meth:`_step_folders`: whether it is in order, returned).
+        When the readers
         under a parent show up in another folder, the folder they left is looked at
         :data:`LEFT_CHECK_OPENS` opens under that parent later (a pool's slower readers
         finish it meanwhile). If its walk requested files its readers never reached,
@@ -283,7 +300,10 @@ class DirectoryLookahead:
             walk = self._walks.get((folder, 0))
             if walk is None or not walk.issued_ino:
                 continue  # nothing requested ahead there: nothing to tell
-            if walk.issued_ino - walk.hi > self.adjacency:
+            # (a pool's slower readers are done by now; a walk trusted without opens of
+            # its own, carried into or entered by a walk over the folders, tells even one
+            # file left unread: a small folder's subset leaves fewer than ``adjacency``)
+            if walk.issued_ino - walk.hi > (0 if walk.trusted else self.adjacency):
                 self._skips[parent] = min(MAX_PENALTY, self._skips.get(parent, 0) + 1)
                 for key in [k for k, w in self._walks.items()
                             if k[0] != prefix and w.trusted and parent_prefix(k[0]) == parent]:
@@ -297,9 +317,61 @@ class DirectoryLookahead:
                 if checks is None:
                     checks = self._left[parent] = collections.deque(maxlen=LEFT_CHECKS)
                 checks.append((was, n + LEFT_CHECK_OPENS))
-            for d in (self._folder, self._opens_under, self._skips, self._left):
+            for d in (self._folder, self._opens_under, self._skips, self._left,
+                      self._folder_walks):
                 if len(d) > self.max_walks:
                     d.pop(next(iter(d)))  # type: ignore[attr-defined]
+            return self._step_folders(parent, prefix)
+        walk = self._folder_walks.get(parent)
+        return walk is not None and self._folders_in_order(parent, walk)
+
+    def _step_folders(self, parent: str, prefix: str) -> bool:
+        """Readers under ``parent`` entered folder ``prefix`` (under the lock): step the
+        parent's walk over its folders, as :meth:`_step` steps a directory's over its files,
+        at the folder's position among them; return whether that walk is in order.
+
+        A walk in order inside a folder needs ``min_opens`` opens there: a folder of two
+        or three files never shows one, so readers going through such folders in order
+        fetched every file on demand, one round trip each (600 folders of 2 files were
+        read at 0.10 of the link). Their walk over the folders does show: while it is in
+        order, the shared walk of each folder they enter is trusted at its first open
+        (:meth:`observe`), requests ahead, and goes on into the next folders as any walk
+        does. Shuffled readers jump between folders and never keep this walk in order;
+        readers of a subset of each folder are told by :meth:`_follow_folders` (the
+        parent's skips), which turns this off for the parent."""
+        ino = self._folder_inos.get(prefix)
+        if ino is None:
+            found = self._folder_ino(prefix) if self._folder_ino is not None else None
+            if found is None:
+                return False
+            ino = self._folder_inos[prefix] = found
+            if len(self._folder_inos) > self.max_walks:
+                self._folder_inos.pop(next(iter(self._folder_inos)))
+        near = self.adjacency
+        walk = self._folder_walks.pop(parent, None)
+        if walk is None:
+            walk = _Walk(b"", ino)
+        elif ino > walk.hi and ino - walk.hi <= near:
+            walk.opened = ((walk.opened << (ino - walk.hi)) | 1) & _MASK
+            walk.hi = ino
+        elif ino <= walk.hi and walk.hi - ino <= near:
+            walk.lo = min(walk.lo, ino)
+            walk.opened |= 1 << (walk.hi - ino)
+            walk.spread = max(walk.spread, walk.hi - ino)
+        else:
+            walk = _Walk(b"", ino)
+        self._folder_walks[parent] = walk
+        return self._folders_in_order(parent, walk)
+
+    def _folders_in_order(self, parent: str, walk: _Walk) -> bool:
+        """Whether the readers under ``parent`` walk its folders in order: as
+        :meth:`_in_order` asks of a directory's files, and not while the parent's folders
+        are seen read in part (its skips)."""
+        if self._skips.get(parent, 0):
+            return False
+        n = walk.count()
+        return (n >= self.min_opens + 2 * walk.spread and n >= self.density * walk.span()
+                and walk.hi - walk.lo + 1 >= self.min_opens)
 
     def _step(self, key: WalkKey, name: bytes, ino: int) -> _Walk:
         walk = self._walks.pop(key, None)
@@ -606,6 +678,14 @@ class DirectoryLookahead:
         """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
         due = self.observe(prefix, name, ino, reader)
         return self.issue(due) if due else 0
+
+
+def _trust(walk: _Walk) -> None:
+    """Make ``walk`` in order at once, as if every position below its frontier was opened
+    (its readers walk the parent's folders in order, or a walk went on into its directory)."""
+    walk.opened = _MASK
+    walk.trusted = True
+    walk.lo = walk.hi - SPAN + 1
 
 
 def _advance(walk: _Walk, picked: list[tuple[bytes, int]], end: bool) -> None:

@@ -139,11 +139,12 @@ class S3Store:
             metrics.S3_LATENCY.labels(op).observe(time.monotonic() - t0)
 
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
+                  start_after: str | None = None, exchange: Exchange | None = None, *,
+                  flat: bool = False) -> ListPage:
         # The lean client: signed like the GETs, parsed by ElementTree's C accelerator
         # (cachefs.s3.listxml has the numbers against botocore's parser).
         return self._ranges.list_page(prefix, token, start_after=start_after,
-                                      exchange=exchange)
+                                      exchange=exchange, delimiter="" if flat else "/")
 
     def probe(self, prefix: str) -> None:
         """One cheap request (a one-key listing) proving the bucket exists and the

@@ -63,7 +63,8 @@ class MemoryStore:
         return found
 
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
+                  start_after: str | None = None, exchange: Exchange | None = None, *,
+                  flat: bool = False) -> ListPage:
         self._count("list", prefix)
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix)
@@ -73,7 +74,7 @@ class MemoryStore:
         seen_prefixes: set[str] = set()
         for k in keys:
             rest = k[len(prefix):]
-            slash = rest.find("/")
+            slash = -1 if flat else rest.find("/")
             if slash >= 0:
                 p = prefix + rest[:slash + 1]
                 if p not in seen_prefixes:

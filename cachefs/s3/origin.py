@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -364,11 +365,12 @@ class Origin:
         return opened
 
     async def list_page(self, prefix: str, token: str | None,
-                        start_after: str | None = None) -> ListPage:
-        """One page of the delimiter listing of ``prefix`` (see ObjectStore.list_page)."""
+                        start_after: str | None = None, *, flat: bool = False) -> ListPage:
+        """One page of the listing of ``prefix`` (see ObjectStore.list_page)."""
         async def attempt() -> ListPage:
             return await self._call(
-                lambda ex: self.store.list_page(prefix, token, start_after, exchange=ex),
+                lambda ex: self.store.list_page(prefix, token, start_after, exchange=ex,
+                                                flat=flat),
                 self._exchange(), background=False)
         return await self._retrying("list", f"s3://{self.bucket}/{prefix}", attempt)
 
@@ -693,8 +695,9 @@ class BlockingOrigin:
         self.bucket = origin.bucket
 
     def list_page(self, prefix: str, token: str | None, start_after: str | None = None,
-                  exchange: Exchange | None = None) -> ListPage:
-        return trio.from_thread.run(self.origin.list_page, prefix, token, start_after)
+                  exchange: Exchange | None = None, *, flat: bool = False) -> ListPage:
+        return trio.from_thread.run(
+            functools.partial(self.origin.list_page, prefix, token, start_after, flat=flat))
 
     def head(self, key: str) -> ObjectInfo:
         return self.origin.store.head(key)

@@ -58,9 +58,10 @@ class RetryingStore:
         raise AssertionError("unreachable")
 
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
+                  start_after: str | None = None, exchange: Exchange | None = None, *,
+                  flat: bool = False) -> ListPage:
         return self._retry(  # type: ignore[no-any-return]
-            "list", lambda: self.inner.list_page(prefix, token, start_after))
+            "list", lambda: self.inner.list_page(prefix, token, start_after, flat=flat))
 
     def head(self, key: str) -> ObjectInfo:
         return self._retry("head", lambda: self.inner.head(key))  # type: ignore[no-any-return]

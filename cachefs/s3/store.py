@@ -148,8 +148,10 @@ class ObjectStore(Protocol):
     bucket: str
 
     def list_page(self, prefix: str, token: str | None,
-                  start_after: str | None = None, exchange: Exchange | None = None) -> ListPage:
-        """One page of ListObjectsV2 with Delimiter='/' under ``prefix``.
+                  start_after: str | None = None, exchange: Exchange | None = None, *,
+                  flat: bool = False) -> ListPage:
+        """One page of ListObjectsV2 with Delimiter='/' under ``prefix``; with ``flat``,
+        without a delimiter (every key under ``prefix``, at any depth; no common prefixes).
 
         ``token`` is None for the first page, then the previous page's ``next_token``.
         ``start_after`` (first page only): entries (keys, and common prefixes that
