@@ -200,6 +200,36 @@ def test_outage_longer_than_the_deadline_becomes_eio_and_the_mount_recovers(prox
     assert (m.path / "d/f3.bin").read_bytes() == data["d/f3.bin"]
 
 
+def test_a_read_while_s3_is_silent_fails_near_the_deadline_not_twice_past_it(
+        bucket, s3_endpoint, mount_factory):
+    """S3 accepts the requests and never answers (a hung endpoint). A read failed only
+    after twice the deadline and more (22.5 s under --retry-deadline 6s): the kernel asks
+    again for a read that failed, which got a deadline of its own, and an attempt (a GET
+    and its hedge) ran its own timeouts past the deadline. Now every attempt ends at the
+    deadline and the kernel's second request gets a last try of 2 s (LAST_TRY)."""
+    client, name = bucket
+    data = random.Random(7).randbytes(50_000)
+    client.put_object(Bucket=name, Key="s/f.bin", Body=data)
+    with FaultProxy(s3_endpoint) as proxy:
+        m = proxied_mount(mount_factory, proxy, name, "--retry-deadline", "3s",
+                          "--list-ahead", "0")
+        os.listdir(m.path / "s")
+        proxy.plan = lambda method, path, n: "stall" if method == "GET" else "pass"
+        fd = os.open(m.path / "s/f.bin", os.O_RDONLY)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as info:
+                os.pread(fd, 4096, 0)
+            elapsed = time.monotonic() - t0
+        finally:
+            os.close(fd)
+        assert info.value.errno == errno.EIO
+        # (the deadline, 3 s, then the last try's 2 s)
+        assert elapsed < 7.5, elapsed
+        proxy.plan = lambda method, path, n: "pass"
+        assert (m.path / "s/f.bin").read_bytes() == data
+
+
 def test_cached_data_is_served_while_s3_is_down(proxied):
     proxy, m, data = proxied
     for key, expected in data.items():

@@ -447,3 +447,69 @@ def test_s3_threads_are_named_once_for_operators() -> None:
 
     trio.run(main)
     assert seen == [("cachefs-s3", "cachefs-s3")] * 3
+
+
+def test_a_retry_is_cut_off_at_the_retry_deadline() -> None:
+    """A retry whose answer does not come (an attempt's own timeouts run for seconds) ends
+    at the retry deadline: a read waited the deadline and then that attempt's timeouts
+    (12 s of retries under --retry-deadline 8s)."""
+    store = store_with(k=b"k")
+    calls = {"n": 0}
+
+    def first_fails_then_silent(key: str, exchange: Exchange) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TransientStoreError("reset", reason="connection")
+        while not exchange.aborted:  # no answer until the request is given up
+            time.sleep(0.01)
+        raise TransientStoreError("aborted", reason="timeout")
+
+    store.on_get = first_fails_then_silent
+    origin = Origin(store, max_connections=4, deadline=0.5, backoff=FAST)
+
+    async def main() -> float:
+        t0 = trio.current_time()
+        with trio.fail_after(10), pytest.raises(TransientStoreError, match="retry deadline"):
+            await origin.get("k", etag(store, "k"), 0, 1)
+        return trio.current_time() - t0
+
+    elapsed = trio.run(main)
+    assert 0.5 <= elapsed < 1.5, elapsed
+
+
+def test_what_just_gave_up_gets_a_last_try_not_a_new_deadline() -> None:
+    """The kernel asks again for a read that failed: the same object's request moments
+    after it gave up at the deadline gets a last try of at most LAST_TRY seconds while S3
+    has answered nothing since (it waited the whole deadline again). Other objects get
+    their own deadline, and the object reads again once S3 answers."""
+    store = store_with(k=b"k", other=b"o", ok=b"y")
+    down = {"on": True}
+
+    def fault(op: str, key: str) -> None:
+        if down["on"] and key != "ok":
+            raise TransientStoreError("500", reason="server_error")
+
+    store.fault = fault
+    origin = Origin(store, max_connections=4, deadline=3.0, backoff=FAST)
+    origin_mod_last_try = origin_mod.LAST_TRY
+    origin_mod.LAST_TRY = 0.2
+
+    async def timed(key: str) -> float:
+        t0 = trio.current_time()
+        with pytest.raises(TransientStoreError, match="retry deadline"):
+            await origin.get(key, etag(store, key), 0, 1)
+        return trio.current_time() - t0
+
+    async def main() -> None:
+        assert await timed("k") >= 3.0
+        assert await timed("k") < 1.0  # asked again at once: a last try, no new deadline
+        down["on"] = False
+        # S3 is back: the same object's request moments later (a reader's retry) reads
+        assert (await origin.get("k", etag(store, "k"), 0, 1)).data == b"k"
+        down["on"] = True
+        assert await timed("other") >= 3.0  # another object: its own deadline
+
+    try:
+        trio.run(main)
+    finally:
+        origin_mod.LAST_TRY = origin_mod_last_try

@@ -72,6 +72,7 @@ handed to worker threads, which touch only their arguments, the Exchange and
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
@@ -115,6 +116,13 @@ IDLE_CAP = 30.0
 HEDGE_SHARE = 0.1
 HEDGE_BURST = 10.0
 MD5_DISAGREEMENTS_TO_STOP = 3
+#: Seconds (at most the retry deadline) after a request gave up at the deadline during
+#: which a request for the same thing, S3 silent since, gets a last try (Origin._retrying) ...
+GAVE_UP_MEMORY = 5.0
+#: ... and has this long (seconds), retries included, instead of the deadline.
+LAST_TRY = 2.0
+#: ... remembered for this many places (objects, listings) at most.
+GAVE_UP_KEPT = 4096
 _LOG_EVERY = 10.0  # seconds between "still failing" lines per operation
 #: The name of a worker thread that makes S3 requests (``top -H``, the benchmarks).
 _THREAD_NAME = "cachefs-s3"
@@ -285,6 +293,9 @@ class Origin:
         self._wake = trio.Event()
         self._outage = False
         self._episodes: dict[str, _Episode] = {}
+        # Where a request gave up at the retry deadline -> when (trio thread; cleared when
+        # S3 answers anything): see _retrying
+        self._gave_up: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._last_warning: dict[str, float] = {}
         self._md5_disagreements = 0
         self.check_etags = True
@@ -388,21 +399,39 @@ class Origin:
 
     # -- retries ----------------------------------------------------------------------
     async def _retrying(self, op: str, where: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt`` until it succeeds, retrying transient failures with backoff until
+        the retry deadline. Every attempt is cut off at the deadline (its own timeouts, and
+        its hedge's, could run for seconds past it: a read then waited twice the deadline
+        and more). And a request for
+        what gave up at the deadline moments ago (:data:`GAVE_UP_MEMORY`), S3 silent
+        since, has :data:`LAST_TRY` seconds, not a deadline of its own: a read that failed
+        is asked for again by the kernel (the page-cache read after its readahead), which
+        waited the deadline all over again; a reader's retry once S3 is back still works."""
         first = trio.current_time()
+        gave_up = self._gave_up.get(where)
+        last_try = gave_up is not None and first - gave_up < min(self.deadline, GAVE_UP_MEMORY)
+        deadline_at = first + (min(LAST_TRY, self.deadline) if last_try else self.deadline)
         n = 0
         while True:
             if self._closed:
                 raise self._stopping(where)
             try:
-                result = await attempt()
+                with trio.move_on_at(deadline_at) as late:
+                    result = await attempt()
+                if late.cancelled_caught:
+                    raise TransientStoreError(f"{where}: no answer by the retry deadline",
+                                              reason="timeout")
             except TransientStoreError as exc:
                 if self._closed:
                     raise self._stopping(where) from exc
-                left = first + self.deadline - trio.current_time()
+                left = deadline_at - trio.current_time()
                 if left <= 0:
                     metrics.S3_DEADLINE_EXCEEDED.labels(op).inc()
                     log.error("%s: giving up after %.0f s of retries (--retry-deadline %gs): %s",
                               where, trio.current_time() - first, self.deadline, exc)
+                    self._gave_up[where] = trio.current_time()
+                    if len(self._gave_up) > GAVE_UP_KEPT:
+                        self._gave_up.popitem(last=False)
                     raise TransientStoreError(
                         f"{where}: S3 kept failing for {trio.current_time() - first:.0f} s "
                         f"(retry deadline): {exc}", throttled=exc.throttled,
@@ -418,6 +447,8 @@ class Origin:
                     await self._wake.wait()
                 continue
             self._note_success(op)
+            if self._gave_up:  # S3 answers again: what gave up may be asked for again
+                self._gave_up.clear()
             if self._outage:  # S3 answers again: requests waiting to retry go now
                 self._outage = False
                 self._wake.set()
