@@ -58,6 +58,7 @@ from cachefs.errors import (
     CredentialsError,
     EndpointUnreachable,
     StoreError,
+    TransientStoreError,
 )
 from cachefs.fs import FileSystem
 from cachefs.fuse import abi
@@ -168,20 +169,39 @@ def make_store(cfg: MountConfig) -> S3Store:
     return store if cfg.region is not None else store.in_bucket_region()
 
 
-def probe_store(store: S3Store, cfg: MountConfig) -> None:
+def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> None:
+    """One request proving the source can be read; a clear StoreError when it cannot.
+    With ``cached`` (the cache directory holds listings of this source: a remount, after a
+    crash say), S3 not answering (a timeout, a refused connection, 5xx) does not stop the
+    mount: it serves what is cached, and what is not waits for S3 as any read does (a
+    daemon killed by the OOM killer and restarted during a blip of S3 left the node
+    without its mount). Wrong credentials, a missing bucket or a refusal still stop it."""
     try:
         if cfg.manifest:
             store.probe_bucket()  # no LIST at all with a manifest
         else:
             store.probe(cfg.source.prefix)
-    except EndpointUnreachable:
-        where = cfg.endpoint_url or "the AWS S3 endpoint"
-        raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and the "
-                         "server running?)") from None
+    except TransientStoreError as exc:
+        if cached:
+            log.warning("S3 does not answer (%s); mounting from the cache: what is not cached "
+                        "waits for S3 (retried until --retry-deadline)", exc)
+            return
+        if isinstance(exc, EndpointUnreachable):
+            where = cfg.endpoint_url or "the AWS S3 endpoint"
+            raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and "
+                             "the server running?)") from None
+        raise StoreError(f"cannot read {cfg.source}: {exc}") from None
     except CredentialsError:
         raise
     except StoreError as exc:
         raise StoreError(f"cannot read {cfg.source}: {exc}") from None
+
+
+def _has_listings(env: LmdbEnv) -> bool:
+    """Whether the index holds any directory listing (of this source: foreign ones are
+    dropped first, :func:`_drop_foreign_metadata`)."""
+    with env.read() as txn:
+        return bool(txn.stat(env.db("listings"))["entries"])
 
 
 def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier | None:
@@ -244,7 +264,7 @@ class Daemon:
         manifest_path = manifest.check_path(cfg.manifest) if cfg.manifest else None
         _drop_foreign_metadata(env, cfg)
         s3 = make_store(cfg)
-        probe_store(s3, cfg)
+        probe_store(s3, cfg, cached=_has_listings(env))
         log.info("S3 endpoint %s, region %s", s3.endpoint, s3.region)
         metrics.S3_REGION.labels(s3.region, s3.endpoint).set(1)
         origin = Origin(s3, max_connections=cfg.max_connections, deadline=cfg.retry_deadline)

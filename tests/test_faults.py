@@ -230,6 +230,36 @@ def test_a_read_while_s3_is_silent_fails_near_the_deadline_not_twice_past_it(
         assert (m.path / "s/f.bin").read_bytes() == data
 
 
+def test_a_remount_while_s3_is_down_serves_the_cache(proxied):
+    """A daemon restarted (after a crash, the OOM killer) while S3 does not answer: the
+    mount used to fail at its first request (the node was left without its mount). Over
+    a cache holding this source's listings it comes up, says so, and serves what is
+    cached; once S3 answers, the rest reads too."""
+    proxy, m, data = proxied
+    cached = sorted(data)[:6]
+    for key in cached:
+        assert (m.path / key).read_bytes() == data[key]
+    m.stop()
+    proxy.set_down(True)
+    m.start()
+    assert "mounting from the cache" in m.log()
+    for key in cached:
+        assert (m.path / key).read_bytes() == data[key]
+    proxy.set_down(False)
+    for key, expected in data.items():
+        assert (m.path / key).read_bytes() == expected
+
+
+def test_a_first_mount_while_s3_is_down_fails_with_one_clear_line(bucket, s3_endpoint,
+                                                                  mount_factory):
+    """Without a cache of the source there is nothing to serve: the mount fails, saying why."""
+    _, name = bucket
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.set_down(True)
+        with pytest.raises(AssertionError, match="cannot reach"):
+            proxied_mount(mount_factory, proxy, name, "--region", "us-east-1")
+
+
 def test_cached_data_is_served_while_s3_is_down(proxied):
     proxy, m, data = proxied
     for key, expected in data.items():
