@@ -197,6 +197,13 @@ def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> No
         raise StoreError(f"cannot read {cfg.source}: {exc}") from None
 
 
+def index_reserve(cfg: MountConfig) -> int:
+    """Bytes of disk kept allocated for the index to grow into (LmdbEnv.keep_reserve): a
+    32nd of the cache size, between 8 MiB and 256 MiB (a listing of a million names is
+    ~150 MiB; the reserve is topped up every maintenance pass)."""
+    return max(8 << 20, min(256 << 20, cfg.cache_size // 32))
+
+
 def _has_listings(env: LmdbEnv) -> bool:
     """Whether the index holds any directory listing (of this source: foreign ones are
     dropped first, :func:`_drop_foreign_metadata`)."""
@@ -263,6 +270,7 @@ class Daemon:
         cfg = self.cfg
         manifest_path = manifest.check_path(cfg.manifest) if cfg.manifest else None
         _drop_foreign_metadata(env, cfg)
+        env.keep_reserve(index_reserve(cfg))
         s3 = make_store(cfg)
         probe_store(s3, cfg, cached=_has_listings(env))
         log.info("S3 endpoint %s, region %s", s3.endpoint, s3.region)
@@ -573,6 +581,7 @@ class Daemon:
             if trio.current_time() - last_sync >= MAINTENANCE_INTERVAL:
                 last_sync = trio.current_time()
                 with contained("maintenance", "recording last use and syncing the index"):
+                    await trio.to_thread.run_sync(env.keep_reserve, index_reserve(self.cfg))
                     touched = cache.take_touches()
                     await trio.to_thread.run_sync(cache.flush_touches, touched)
                     writes = _LMDB_WRITES.value

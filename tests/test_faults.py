@@ -735,6 +735,43 @@ def test_full_cache_disk_still_serves_correct_bytes(bucket, mount_factory, tmp_p
         subprocess.run(["umount", "-l", str(small)], check=False)
 
 
+def test_a_cache_disk_filled_by_something_else_still_lists_and_reads(bucket, mount_factory,
+                                                                       tmp_path):
+    """Another program fills the cache's file system: directories not listed yet must
+    still list, and their files read from S3. Every new listing's commit failed with
+    ENOSPC, and every lookup in an unlisted directory with it (EIO): the index now keeps
+    disk allocated ahead to grow into (LmdbEnv.keep_reserve)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    client, name = bucket
+    data = {f"{d}/f{i}.bin": random.Random(i).randbytes(20_000) for d in "abc" for i in range(3)}
+    for key, body in data.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    small = tmp_path / "smallfs"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(small)], check=True)
+    try:
+        m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "16M",
+                          "--list-ahead", "0", cache_dir=small / "cache")
+        assert sorted(os.listdir(m.path / "a")) == ["f0.bin", "f1.bin", "f2.bin"]
+        with open(small / "filler", "wb") as filler:  # until the file system is full
+            try:
+                while True:
+                    filler.write(b"\0" * (1 << 20))
+                    filler.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        for d in "bc":  # listed only now, with no space left but the index's own
+            assert sorted(os.listdir(m.path / d)) == ["f0.bin", "f1.bin", "f2.bin"]
+        for key, body in data.items():
+            assert (m.path / key).read_bytes() == body
+        m.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
 def test_mount_refuses_a_cache_dir_on_a_full_disk(bucket, tmp_path, s3_endpoint):
     import subprocess
 

@@ -45,6 +45,7 @@ take the daemon with it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -67,6 +68,11 @@ _READ_TXNS = metrics.LMDB_TRANSACTIONS.counters["read"]
 _WRITE_TXNS = metrics.LMDB_TRANSACTIONS.counters["write"]
 
 FORMAT_VERSION = b"1"
+_FALLOC_FL_KEEP_SIZE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+_fallocate.restype = ctypes.c_int
 DB_NAMES = (b"blocks", b"lru", b"listings", b"names", b"inodes", b"stage", b"meta")
 # Databases of earlier layouts, dropped at open (listings are only a cache).
 _OLD_DB_NAMES = (b"dirs", b"entries")
@@ -122,6 +128,7 @@ class LmdbEnv:
             self.env.close()
             raise CacheError(f"cache metadata in {path} has format {version!r}; this cachefs "
                              f"uses {FORMAT_VERSION!r}: remove the cache directory to start over")
+        self._reserve_warned = False
         metrics.LMDB_READER_SLOTS.set(max_readers)
         metrics.LMDB_READERS.set_function(self.readers_in_use)
 
@@ -217,6 +224,35 @@ class LmdbEnv:
             raise CacheError("cache metadata is full") from exc
         except lmdb.Error as exc:
             raise CacheError(f"cache metadata write failed: {exc}") from exc
+
+    def keep_reserve(self, nbytes: int) -> bool:
+        """Keep ``nbytes`` of disk allocated past the end of the index's data file (worker
+        threads only), so that commits still find room when the file system is full: the
+        index grows into blocks allocated beforehand (``fallocate`` with KEEP_SIZE), not
+        new ones. Without it, a cache file system filled by anything else failed every
+        new listing's commit, and with it every lookup in an unlisted directory (EIO):
+        the cache must stay best-effort. Tops the reserve up when less than half is
+        left. Returns whether the reserve is there (False: no room for it, or a file
+        system without fallocate; logged once)."""
+        try:
+            fd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if st.st_blocks * 512 - st.st_size >= nbytes // 2:
+                return True
+            if _fallocate(fd, _FALLOC_FL_KEEP_SIZE, st.st_size, nbytes) != 0:
+                err = ctypes.get_errno()
+                if not self._reserve_warned:
+                    self._reserve_warned = True
+                    log.warning("cannot keep %d MiB of disk for the cache index (%s): with the "
+                                "file system full, new listings fail", nbytes >> 20,
+                                os.strerror(err))
+                return False
+            return True
+        finally:
+            os.close(fd)
 
     def sync(self) -> None:
         """Flush commits to disk (blocks: worker threads only)."""
