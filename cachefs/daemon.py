@@ -472,9 +472,12 @@ class Daemon:
                 gcpolicy.settle_after_startup()  # (once the long-lived state exists)
                 on_ready()
                 sd_notify("READY=1")
+                # (registered files are read by the kernel (passthrough) or by the C loop)
+                reads = ("off" if not passthrough.enabled else
+                         "off, reads of cached files in C" if passthrough.native else "on")
                 log.info("mounted %s at %s (cache %s, %s policy, passthrough %s, up to %d "
                          "files registered%s)", cfg.source, cfg.mountpoint, cfg.cache_dir,
-                         cfg.cache_policy, "on" if passthrough.enabled else "off",
+                         cfg.cache_policy, reads,
                          passthrough.max_idle,
                          f", shared tier {shared.label}" if shared is not None else "")
                 nursery.start_soon(self._watch_unmount, origin)
