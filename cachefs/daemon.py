@@ -583,8 +583,9 @@ class Daemon:
                     await trio.to_thread.run_sync(self._publish_status)
             if trio.current_time() - last_sync >= MAINTENANCE_INTERVAL:
                 last_sync = trio.current_time()
-                with contained("maintenance", "recording last use and syncing the index"):
+                with contained("maintenance", "keeping disk for the index to grow into"):
                     await trio.to_thread.run_sync(env.keep_reserve, index_reserve(self.cfg))
+                with contained("maintenance", "recording last use and syncing the index"):
                     touched = cache.take_touches()
                     await trio.to_thread.run_sync(cache.flush_touches, touched)
                     writes = _LMDB_WRITES.value

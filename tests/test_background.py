@@ -82,6 +82,9 @@ class Env:
     def sync(self) -> None:
         pass
 
+    def keep_reserve(self, nbytes: int) -> bool:
+        return True
+
 
 def test_the_maintenance_loop_survives_any_exception(tmp_path: Path, monkeypatch: Any):
     import cachefs.daemon

@@ -411,12 +411,14 @@ class Origin:
         gave_up = self._gave_up.get(where)
         last_try = gave_up is not None and first - gave_up < min(self.deadline, GAVE_UP_MEMORY)
         deadline_at = first + (min(LAST_TRY, self.deadline) if last_try else self.deadline)
+        # (a deadline of 0: one attempt, no retry, bounded by its own timeouts only)
+        cut_at = deadline_at if self.deadline > 0 else math.inf
         n = 0
         while True:
             if self._closed:
                 raise self._stopping(where)
             try:
-                with trio.move_on_at(deadline_at) as late:
+                with trio.move_on_at(cut_at) as late:
                     result = await attempt()
                 if late.cancelled_caught:
                     raise TransientStoreError(f"{where}: no answer by the retry deadline",
