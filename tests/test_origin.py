@@ -513,3 +513,33 @@ def test_what_just_gave_up_gets_a_last_try_not_a_new_deadline() -> None:
         trio.run(main)
     finally:
         origin_mod.LAST_TRY = origin_mod_last_try
+
+
+def test_requests_giving_up_at_the_deadline_log_one_line_per_interval(caplog: Any) -> None:
+    """An outage past the deadline gave up hundreds of prefetches, an ERROR line each: one
+    line per operation and interval now, naming how many more gave up since."""
+    store = store_with(**{f"k{i}": b"k" for i in range(6)})
+    store.fault = lambda op, key: (_ for _ in ()).throw(TransientStoreError("500", reason="server_error"))
+    origin = Origin(store, max_connections=8, deadline=0.2, backoff=FAST)
+    before = sample("cachefs_s3_deadline_exceeded_total", {"op": "get"})
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            with pytest.raises(TransientStoreError, match="retry deadline"):
+                await origin.get(f"k{i}", etag(store, f"k{i}"), 0, 1)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(one, i)
+        origin_mod._LOG_EVERY, every = 0.0, origin_mod._LOG_EVERY
+        try:
+            await one(5)
+        finally:
+            origin_mod._LOG_EVERY = every
+
+    with caplog.at_level("ERROR", logger="cachefs.s3.origin"):
+        trio.run(main)
+    lines = [r.getMessage() for r in caplog.records if "giving up" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "4 more S3 get requests gave up" in lines[1], lines
+    assert sample("cachefs_s3_deadline_exceeded_total", {"op": "get"}) == before + 6

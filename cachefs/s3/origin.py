@@ -297,6 +297,10 @@ class Origin:
         # S3 answers anything): see _retrying
         self._gave_up: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._last_warning: dict[str, float] = {}
+        # op -> (when a give-up was last logged, give-ups not logged since): one line per
+        # _LOG_EVERY seconds and operation (an outage past the deadline gave up hundreds of
+        # prefetches, each an ERROR line)
+        self._gave_up_logged: dict[str, tuple[float, int]] = {}
         self._md5_disagreements = 0
         self.check_etags = True
         self._token: trio.lowlevel.TrioToken | None = None
@@ -429,8 +433,7 @@ class Origin:
                 left = deadline_at - trio.current_time()
                 if left <= 0:
                     metrics.S3_DEADLINE_EXCEEDED.labels(op).inc()
-                    log.error("%s: giving up after %.0f s of retries (--retry-deadline %gs): %s",
-                              where, trio.current_time() - first, self.deadline, exc)
+                    self._log_give_up(op, where, trio.current_time() - first, exc)
                     self._gave_up[where] = trio.current_time()
                     if len(self._gave_up) > GAVE_UP_KEPT:
                         self._gave_up.popitem(last=False)
@@ -685,6 +688,21 @@ class Origin:
         else:
             log.warning("S3 %s still failing: %d failures in %.0f s (last: %s)", op,
                         episode.failures, now - episode.started, exc)
+
+    def _log_give_up(self, op: str, where: str, waited: float, exc: Exception) -> None:
+        """One ERROR line per operation and :data:`_LOG_EVERY` seconds for requests that
+        gave up at the deadline, naming how many more did since the last line (each is
+        counted in ``cachefs_s3_deadline_exceeded_total`` and failed its read, listing or
+        prefetch)."""
+        now = trio.current_time()
+        last, quiet = self._gave_up_logged.get(op, (-math.inf, 0))
+        if now - last < _LOG_EVERY:
+            self._gave_up_logged[op] = (last, quiet + 1)
+            return
+        more = f" ({quiet} more S3 {op} requests gave up since the last such line)" if quiet else ""
+        log.error("%s: giving up after %.0f s of retries (--retry-deadline %gs): %s%s",
+                  where, waited, self.deadline, exc, more)
+        self._gave_up_logged[op] = (now, 0)
 
     def _note_success(self, op: str) -> None:
         episode = self._episodes.get(op)
