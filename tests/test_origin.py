@@ -455,11 +455,13 @@ def test_a_retry_is_cut_off_at_the_retry_deadline() -> None:
     (12 s of retries under --retry-deadline 8s)."""
     store = store_with(k=b"k")
     calls = {"n": 0}
+    silent: list[Exchange] = []
 
     def first_fails_then_silent(key: str, exchange: Exchange) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise TransientStoreError("reset", reason="connection")
+        silent.append(exchange)
         while not exchange.aborted:  # no answer until the request is given up
             time.sleep(0.01)
         raise TransientStoreError("aborted", reason="timeout")
@@ -467,14 +469,15 @@ def test_a_retry_is_cut_off_at_the_retry_deadline() -> None:
     store.on_get = first_fails_then_silent
     origin = Origin(store, max_connections=4, deadline=0.5, backoff=FAST)
 
-    async def main() -> float:
-        t0 = trio.current_time()
-        with trio.fail_after(10), pytest.raises(TransientStoreError, match="retry deadline"):
+    async def main() -> str:
+        # (fail_after: before, the silent attempt never ended)
+        with trio.fail_after(10), pytest.raises(TransientStoreError) as info:
             await origin.get("k", etag(store, "k"), 0, 1)
-        return trio.current_time() - t0
+        return str(info.value)
 
-    elapsed = trio.run(main)
-    assert 0.5 <= elapsed < 1.5, elapsed
+    message = trio.run(main)
+    assert "(retry deadline): " in message and "no answer by the retry deadline" in message
+    assert silent and all(exchange.aborted for exchange in silent)  # cut off, not waited out
 
 
 def test_what_just_gave_up_gets_a_last_try_not_a_new_deadline() -> None:
@@ -490,24 +493,24 @@ def test_what_just_gave_up_gets_a_last_try_not_a_new_deadline() -> None:
             raise TransientStoreError("500", reason="server_error")
 
     store.fault = fault
-    origin = Origin(store, max_connections=4, deadline=3.0, backoff=FAST)
+    origin = Origin(store, max_connections=4, deadline=1.0, backoff=FAST)
     origin_mod_last_try = origin_mod.LAST_TRY
     origin_mod.LAST_TRY = 0.2
 
-    async def timed(key: str) -> float:
-        t0 = trio.current_time()
-        with pytest.raises(TransientStoreError, match="retry deadline"):
+    async def failure(key: str) -> str:
+        with pytest.raises(TransientStoreError) as info:
             await origin.get(key, etag(store, key), 0, 1)
-        return trio.current_time() - t0
+        return str(info.value)
 
     async def main() -> None:
-        assert await timed("k") >= 3.0
-        assert await timed("k") < 1.0  # asked again at once: a last try, no new deadline
+        assert "(retry deadline)" in await failure("k")
+        # asked again at once: a last try, no deadline of its own
+        assert "(a last try after giving up moments ago)" in await failure("k")
         down["on"] = False
         # S3 is back: the same object's request moments later (a reader's retry) reads
         assert (await origin.get("k", etag(store, "k"), 0, 1)).data == b"k"
         down["on"] = True
-        assert await timed("other") >= 3.0  # another object: its own deadline
+        assert "(retry deadline)" in await failure("other")  # another object: its own
 
     try:
         trio.run(main)

@@ -494,3 +494,15 @@ def test_a_close_registers_a_file_only_into_spare_idle_room(bucket, mount_factor
     assert _read(m.path / "a.bin") == a  # its registration is still there: no verification
     assert m.metric("cachefs_passthrough_verified_bytes_total") == before
     assert m.metric("cachefs_passthrough_opens_total") == 1
+
+
+def test_the_mount_line_says_how_cached_files_are_read(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """Without passthrough the C loop reads registered files: the mount's log line said
+    'passthrough on' there. It names each way."""
+    _, name, _ = shard
+    for args, said in ((("--passthrough", "off"), "passthrough off, reads of cached files in C,"),
+                       (("--passthrough", "off", "--native-reads", "off"), "passthrough off, up to")):
+        m = mount_factory(f"s3://{name}", *args)
+        line = next(x for x in m.log().splitlines() if " mounted " in x)
+        assert said in line, line
+        m.stop()

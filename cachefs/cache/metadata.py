@@ -42,7 +42,11 @@ In the daemon ``store`` is the :class:`~cachefs.s3.origin.Origin`'s blocking
 face: each page is a request through the origin (retried until the retry
 deadline, its waits holding no S3 connection) while the range's thread waits.
 One listing per directory at a time (single flight); an invalidate() during a
-listing makes it run once more. Listing ahead:
+listing makes it run once more. A flat listing of the folders ahead of a walk
+(:meth:`Metadata._start_flat`, at most FLAT_LISTINGS at a time, counted on the trio
+thread) registers each folder as a listing in flight before its one LIST starts in a
+worker thread, then writes each folder it found whole in that folder's own listing
+task; the others are listed as usual. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker), a walk through folders in order queues the
 folders after the one it is in (:meth:`Metadata.next_dir`; a bounded queue, taken

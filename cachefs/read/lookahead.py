@@ -84,7 +84,9 @@ requests never overlap; readers moving the walk meanwhile are accounted for when
 the result is recorded (:func:`_advance`). The flags ``asked_next`` and
 ``carried`` are written only by ``issue`` (and :meth:`_forward`, which it
 calls); ``carried_to``, ``retry_at`` and ``ahead`` only under ``_lock``. The
-per-parent state (``_skips``, ``_folder``, ``_left``, ``_opens_under``) is
+per-parent state (``_skips``, ``_folder``, ``_left``, ``_opens_under``, and the walks
+over folders ``_folder_walks`` with the folder positions ``_folder_inos``, whose
+``folder_ino`` lookups run under the lock once per folder) is
 changed only by ``observe`` under ``_lock``; ``issue`` reads ``_skips`` without
 it (one dictionary lookup: a stale answer costs one top-up more or less).
 """

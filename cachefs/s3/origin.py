@@ -437,10 +437,10 @@ class Origin:
                     self._gave_up[where] = trio.current_time()
                     if len(self._gave_up) > GAVE_UP_KEPT:
                         self._gave_up.popitem(last=False)
+                    how = "a last try after giving up moments ago" if last_try else "retry deadline"
                     raise TransientStoreError(
                         f"{where}: S3 kept failing for {trio.current_time() - first:.0f} s "
-                        f"(retry deadline): {exc}", throttled=exc.throttled,
-                        reason=exc.reason) from exc
+                        f"({how}): {exc}", throttled=exc.throttled, reason=exc.reason) from exc
                 metrics.S3_RETRIES.labels(op, exc.reason).inc()
                 self._note_failure(op, exc)
                 if not exc.throttled:
