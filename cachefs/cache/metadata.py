@@ -731,14 +731,8 @@ class Metadata:
         :meth:`_run_flat` writes the folders the page holds whole as their listings and
         lists the others one by one, as before."""
         assert self._nursery is not None
-        listings = []
-        for folder in folders:
-            if folder in self._inflight or self._index.row(folder) is not None:
-                continue
-            listing = self._inflight[folder] = _Listing(folder)
-            listing.tick = self._tick
-            self._inflight_ids[prefix_id(folder)] = listing
-            listings.append(listing)
+        listings = [self._register(folder) for folder in folders
+                    if folder not in self._inflight and self._index.row(folder) is None]
         if listings:
             self._flat_running += 1
             self._nursery.start_soon(self._run_flat, parent, listings)
@@ -763,10 +757,7 @@ class Metadata:
             self._flat_running -= 1
             if not started:  # cancelled (unmount): nobody will list them
                 for listing in listings:
-                    self._inflight.pop(listing.prefix, None)
-                    self._inflight_ids.pop(prefix_id(listing.prefix), None)
-                    listing.done.set()
-                    listing.progress.set()
+                    self._unregister(listing)
 
     def _flat_sync(self, parent: str, folders: list[str]
                    ) -> dict[str, tuple[list[ObjectInfo], list[str]]]:
@@ -831,13 +822,25 @@ class Metadata:
             return listing
         if self._nursery is None:
             raise RuntimeError("Metadata.run() is not running")
-        listing = self._inflight[prefix] = _Listing(prefix)
-        listing.tick = self._tick
-        self._inflight_ids[prefix_id(prefix)] = listing
+        listing = self._register(prefix)
         self._nursery.start_soon(self._run_listing, listing)
         if follow and self._root is not None and self.list_ahead_workers:
             self.next_dir(prefix, self._root)
         return listing
+
+    def _register(self, prefix: str) -> _Listing:
+        """A new listing of ``prefix`` in flight (trio thread): callers join it from now on."""
+        listing = self._inflight[prefix] = _Listing(prefix)
+        listing.tick = self._tick
+        self._inflight_ids[prefix_id(prefix)] = listing
+        return listing
+
+    def _unregister(self, listing: _Listing) -> None:
+        """``listing`` is over, done or not (trio thread): wake whoever waits for it."""
+        del self._inflight[listing.prefix]
+        self._inflight_ids.pop(prefix_id(listing.prefix), None)
+        listing.done.set()
+        listing.progress.set()
 
     async def _run_listing(self, listing: _Listing,
                            listed: tuple[list[ObjectInfo], list[str]] | None = None) -> None:
@@ -867,10 +870,7 @@ class Metadata:
                 self._stale.pop(prefix, None)
             self._retry_after.pop(prefix, None)
         finally:
-            del self._inflight[prefix]
-            self._inflight_ids.pop(prefix_id(prefix), None)
-            listing.done.set()
-            listing.progress.set()
+            self._unregister(listing)
         if listing.ahead and listing.error is None:
             self._queue_ahead(listing.subdirs)
         if listing.again and self._nursery is not None:

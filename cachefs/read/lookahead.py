@@ -660,9 +660,7 @@ class DirectoryLookahead:
         if first is None:
             return 0  # not listed yet, or no files
         walk = _Walk(b"", first.ino - 1)
-        walk.opened = _MASK  # trusted: as if the positions before its first file were read
-        walk.trusted = True
-        walk.lo = walk.hi - SPAN + 1
+        _trust(walk)  # as if the positions before its first file were read
         walk.issued_until, walk.issued_ino = b"", walk.hi
         picked, end = self._request(prefix, b"", want, far=far)
         if picked or far:  # (far: trusted even if its first file is cached: see _request)
