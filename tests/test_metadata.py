@@ -740,6 +740,7 @@ def test_after_a_folder_of_few_files_more_folders_are_listed_ahead(env: LmdbEnv)
     assert dirs_listed_ahead(1) == MAX_DIRS_LISTED
     ahead = dirs_listed_ahead(6)
     store = _class_folders(ahead + 3, files=6)
+    store.page_size = 6 * (ahead + 1)  # (a flat page holds the folders wanted, and c00)
 
     async def body(md: Metadata) -> None:
         await md.ensure("t/")
@@ -1054,6 +1055,46 @@ def test_folders_of_few_files_ahead_of_a_walk_are_listed_by_one_flat_list(env: L
         assert [e.name for e in md.iter_entries("t/c22/")] == [b"f000", b"f001"]
 
     run_with_metadata(env, store, body, list_ahead=4, root="t/")
+
+
+def test_a_flat_page_lists_every_folder_it_holds_whole(env: LmdbEnv) -> None:
+    """A flat page holds more folders than the walk asked for (1,000 keys: 500 folders of
+    two files, where 256 were wanted): those it holds whole are listed by it too, at no
+    request more, so the next flat listing starts that much further ahead of the walk (a
+    walk through folders of two files stalled, no GET in flight, at each page). A folder
+    the page cuts is not written from it; nothing past the page is listed."""
+    from cachefs.cache.metadata import dirs_listed_ahead
+
+    store = MemoryStore()
+    for d in range(600):
+        for f in range(2):
+            store.put(f"t/c{d:03d}/f{f:03d}", b"x")
+    wanted = dirs_listed_ahead(2)
+    assert 16 + wanted < 500  # (the page holds more folders than were asked for)
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        await md.ensure("t/c000/")
+        await _wait_listed(md, [f"t/c{d:03d}/" for d in range(1, 17)])
+        before = store.calls["list"]
+        assert md.next_dir("t/c016/", "t/") == "t/c017/"
+        # One page from c017 on: 1,000 keys, c017..c516, the last one cut.
+        await _wait_listed(md, [f"t/c{d:03d}/" for d in range(17, 516)])
+        assert store.calls["list"] - before == 1, store.calls
+        for d in (17, 17 + wanted, 400, 515):
+            folder = f"t/c{d:03d}/"
+            assert [e.name for e in md.iter_entries(folder)] == [b"f000", b"f001"], folder
+        await trio.sleep(0.05)
+        assert md.listed_at("t/c516/") is None  # (cut by the page: not written from it)
+        assert md.listed_at("t/c517/") is None
+
+    run_with_metadata(env, store, body, list_ahead=4, root="t/")
+
+
+async def _wait_listed(md: Metadata, folders: list[str]) -> None:
+    with trio.fail_after(10):
+        while any(md.listed_at(d) is None for d in folders):
+            await trio.sleep(0.01)
 
 
 def test_a_folder_the_flat_page_cuts_is_listed_on_its_own(env: LmdbEnv) -> None:

@@ -738,57 +738,88 @@ class Metadata:
             self._nursery.start_soon(self._run_flat, parent, listings)
 
     async def _run_flat(self, parent: str, listings: list[_Listing]) -> None:
-        found: dict[str, tuple[list[ObjectInfo], list[str]]] = {}
-        started = False
+        """Run the flat listing :meth:`_start_flat` registered ``listings`` for: one page,
+        then every folder it holds whole written as its listing, in one worker thread
+        (a hand-over per folder kept a walk through hundreds of folders of two files
+        waiting for the next folders' listings: GETs in flight fell to 0 at each page).
+        The page's other whole folders that have no listing and none in flight are
+        registered and written with them: they cost no request, and the next flat
+        listing then starts that much further ahead of the walk. ``listings`` the page
+        does not hold whole are listed one by one, as any listing."""
+        pending = {listing.prefix: listing for listing in listings}
         try:
+            found: dict[str, tuple[list[ObjectInfo], list[str]]] = {}
             try:
                 found = await trio.to_thread.run_sync(
-                    self._flat_sync, parent, [listing.prefix for listing in listings],
-                    limiter=self._limiter)
+                    self._flat_sync, parent, min(pending), limiter=self._limiter)
             except Exception as exc:  # (the folders are listed one by one instead)
                 log.info("a flat listing of %r failed (%s); listing its folders one by one",
                          parent or "/", exc)
+            for folder in found:
+                if folder not in pending and folder not in self._inflight \
+                        and self._index.row(folder) is None:
+                    pending[folder] = self._register(folder)
+            whole = [(pending[folder], *found[folder]) for folder in found if folder in pending]
+            if whole:
+                written = await trio.to_thread.run_sync(self._write_all_listed, whole,
+                                                        limiter=self._limiter)
+                for listing, result in written:
+                    del pending[listing.prefix]
+                    if isinstance(result, Exception):
+                        self._ended(listing, result)
+                    else:
+                        self._listed(listing, result)
+                        self._ended(listing, None)
             if self._nursery is not None:  # (None: run() ended meanwhile, an unmount)
-                for listing in listings:
-                    self._nursery.start_soon(self._run_listing, listing,
-                                             found.get(listing.prefix))
-                started = True
+                for listing in pending.values():
+                    self._nursery.start_soon(self._run_listing, listing)
+                pending.clear()
         finally:
             self._flat_running -= 1
-            if not started:  # cancelled (unmount): nobody will list them
-                for listing in listings:
-                    self._unregister(listing)
+            for listing in pending.values():  # cancelled (unmount): nobody will list them
+                self._unregister(listing)
 
-    def _flat_sync(self, parent: str, folders: list[str]
+    def _flat_sync(self, parent: str, first: str
                    ) -> dict[str, tuple[list[ObjectInfo], list[str]]]:
-        """One page of the flat listing of ``parent`` from the first of ``folders`` on:
-        what a delimiter listing of each folder the page holds whole would have said
-        (its objects, and its sub-directories as common prefixes). A folder counts as
-        held whole when the page has keys of it and ends past it (or is the last page):
-        S3 lists keys in order, so a folder's keys come together. Worker thread."""
+        """One page of the flat listing of ``parent`` from folder ``first`` on: what a
+        delimiter listing of each folder the page holds whole would have said (its
+        objects, and its sub-directories as common prefixes), by folder, in order. A
+        folder counts as held whole when the page has keys of it and ends past it (or is
+        the last page): S3 lists keys in order, so a folder's keys come together. Worker
+        thread."""
         assert self._store is not None
-        wanted = set(folders)
-        page = self._store.list_page(parent, None, min(folders)[:-1], flat=True)
+        page = self._store.list_page(parent, None, first[:-1], flat=True)
         objects: dict[str, list[ObjectInfo]] = {}
         subdirs: dict[str, dict[str, None]] = {}
         for obj in page.objects:
             rest = obj.key[len(parent):]
             slash = rest.find("/")
+            if slash < 0:
+                continue  # (a file of the parent itself: not the folders' business)
             folder = parent + rest[:slash + 1]
-            if slash < 0 or folder not in wanted:
-                continue
-            objects.setdefault(folder, [])
-            subdirs.setdefault(folder, {})
             below = rest[slash + 1:]
             deeper = below.find("/")
             if deeper < 0:
-                objects[folder].append(obj)
+                objects.setdefault(folder, []).append(obj)
             else:
-                subdirs[folder][folder + below[:deeper + 1]] = None
+                objects.setdefault(folder, [])
+                subdirs.setdefault(folder, {})[folder + below[:deeper + 1]] = None
         cut = page.objects[-1].key if page.next_token is not None and page.objects else None
-        return {folder: (objects[folder], list(subdirs[folder])) for folder in folders
-                if folder in objects and not (cut is not None and cut.startswith(folder))}
+        return {folder: (found, list(subdirs.get(folder, ())))
+                for folder, found in objects.items()
+                if folder >= first and not (cut is not None and cut.startswith(folder))}
 
+    def _write_all_listed(self, whole: list[tuple[_Listing, list[ObjectInfo], list[str]]]
+                          ) -> list[tuple[_Listing, VersionWriter | Exception]]:
+        """:meth:`_write_listed` for each of a flat page's folders, in this one worker
+        thread; a folder that cannot be written gets its error (the others go on)."""
+        written: list[tuple[_Listing, VersionWriter | Exception]] = []
+        for listing, objects, prefixes in whole:
+            try:
+                written.append((listing, self._write_listed(listing, objects, prefixes)))
+            except Exception as exc:
+                written.append((listing, exc))
+        return written
 
     def _queue_ahead(self, subdirs: list[str]) -> None:
         self._ahead.extend(reversed(subdirs))  # the first sub-directory is taken first
@@ -842,33 +873,38 @@ class Metadata:
         listing.done.set()
         listing.progress.set()
 
-    async def _run_listing(self, listing: _Listing,
-                           listed: tuple[list[ObjectInfo], list[str]] | None = None) -> None:
-        """Run ``listing`` to its end: LIST the directory, or, with ``listed`` (what a flat
-        listing found in it: objects and sub-directories), write that."""
+    async def _run_listing(self, listing: _Listing) -> None:
+        """Run ``listing`` to its end: LIST the directory into a new version."""
+        try:
+            await self._list_ranges(listing)
+        except Exception as group:
+            self._ended(listing, _leaf(group))
+        except BaseException:
+            self._unregister(listing)  # (cancelled: an unmount)
+            raise
+        else:
+            self._ended(listing, None)
+
+    def _ended(self, listing: _Listing, error: BaseException | None) -> None:
+        """``listing`` is over, with ``error`` or its new version current (trio thread):
+        note the outcome, wake whoever waits for it, then queue its sub-directories to
+        list ahead, or list it once more if it was invalidated meanwhile."""
         prefix = listing.prefix
         try:
-            if listed is None:
-                await self._list_ranges(listing)
+            if error is not None:
+                listing.error = error
+                self._retry_after[prefix] = self._clock() + REFRESH_BACKOFF
+                if self.listed_at(prefix) is not None:
+                    metrics.METADATA_REFRESH_FAILURES.inc()
+                    log.warning("refreshing the listing of %r failed (%s); serving the old one",
+                                prefix, error)
+                else:
+                    log.warning("listing %r failed: %s", prefix or "/", error)
             else:
-                writer = await trio.to_thread.run_sync(self._write_listed, listing, *listed,
-                                                       limiter=self._limiter)
-                self._listed(listing, writer)
-        except Exception as group:
-            exc = _leaf(group)
-            listing.error = exc
-            self._retry_after[prefix] = self._clock() + REFRESH_BACKOFF
-            if self.listed_at(prefix) is not None:
-                metrics.METADATA_REFRESH_FAILURES.inc()
-                log.warning("refreshing the listing of %r failed (%s); serving the old one",
-                            prefix, exc)
-            else:
-                log.warning("listing %r failed: %s", prefix or "/", exc)
-        else:
-            # An invalidate() that arrived while this listing ran must survive it.
-            if self._stale.get(prefix, -1) <= listing.tick:
-                self._stale.pop(prefix, None)
-            self._retry_after.pop(prefix, None)
+                # An invalidate() that arrived while this listing ran must survive it.
+                if self._stale.get(prefix, -1) <= listing.tick:
+                    self._stale.pop(prefix, None)
+                self._retry_after.pop(prefix, None)
         finally:
             self._unregister(listing)
         if listing.ahead and listing.error is None:
