@@ -288,6 +288,151 @@ def test_hedge_delay_follows_observed_latency() -> None:
     assert tracker.idle_timeout == origin_mod.IDLE_FLOOR
 
 
+def answer_after(exchange: Exchange, seconds: float) -> None:
+    """The fake S3's first byte, as if it came ``seconds`` after the request was sent
+    (without waiting them: the latency the origin learns is the exchange's)."""
+    exchange.received()
+    assert exchange.first_byte_at is not None
+    exchange.sent_at = exchange.first_byte_at - seconds
+
+
+def test_answers_that_waited_through_an_outage_do_not_set_the_hedge_delay() -> None:
+    """After an outage the hedge delay and idle timeout are those of S3 as it is now: the
+    answers to requests that waited through it (sent before it began or during it, answered
+    when S3 came back) measure the outage, not S3. (A 25 s outage left the delay at ~17 s on a
+    mount making ~10 GETs/s: a GET going silent then was hedged only after 17 s.)"""
+    usual, outage = 1.0, 20.0  # S3's first-byte latency; how long the silent requests waited
+    store = store_with(**{f"k{i}": b"v%d" % i for i in range(8)}, refused=b"r")
+    down = threading.Event()
+    back = threading.Event()
+    lock = threading.Lock()
+    seen = {"silent": 0, "refused": 0}
+
+    def fault(op: str, key: str) -> None:  # a new connection is refused while S3 is down
+        if key == "refused" and down.is_set():
+            with lock:
+                seen["refused"] += 1
+            raise TransientStoreError("refused", reason="unreachable")
+
+    def on_get(key: str, exchange: Exchange) -> None:  # a connection that was open: silence
+        if key != "refused" and down.is_set():
+            with lock:
+                seen["silent"] += 1
+            back.wait(30)
+            answer_after(exchange, outage)
+        else:
+            answer_after(exchange, usual)
+
+    store.fault = fault
+    store.on_get = on_get
+    origin = Origin(store, max_connections=16, deadline=600, backoff=FAST)
+
+    async def until(what: str, n: int) -> None:
+        while seen[what] < n:
+            await trio.sleep(0.01)
+
+    async def read(key: str) -> None:
+        assert (await origin.get(key, etag(store, key), 0, 2)).data == store._objects[key][0]
+
+    async def main() -> None:
+        for i in range(40):
+            await read(f"k{i % 8}")
+        assert origin.latency.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * usual)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                down.set()
+                for i in range(3):  # sent before the outage is known: answered after it
+                    nursery.start_soon(read, f"k{i}")
+                await until("silent", 3)
+                nursery.start_soon(read, "refused")  # the outage is known: retries wait
+                await until("refused", 2)
+                for i in range(3, 6):  # sent during the outage
+                    nursery.start_soon(read, f"k{i}")
+                await until("silent", 6)
+                down.clear()  # S3 is back: everything waiting is answered
+                back.set()
+        for i in range(20):  # S3 as it is now
+            await read(f"k{i % 8}")
+
+    trio.run(main)
+    assert origin.latency.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * usual)
+    assert origin.latency.idle_timeout == pytest.approx(origin_mod.IDLE_MULTIPLE * usual)
+    assert sample("cachefs_s3_hedge_delay_seconds") == pytest.approx(
+        origin_mod.HEDGE_MULTIPLE * usual)
+
+
+def test_a_slow_but_answering_s3_still_raises_the_hedge_delay() -> None:
+    """S3 slow to answer, and throttling, but answering: no outage, its latencies are what the
+    hedge delay and idle timeout follow (hedging is not made trigger-happy by leaving out the
+    answers that waited through an outage)."""
+    slow = 2.0
+    store = store_with(**{f"k{i}": b"v%d" % i for i in range(8)})
+    throttles = {"left": 3}
+    lock = threading.Lock()
+
+    def fault(op: str, key: str) -> None:
+        with lock:
+            throttled = throttles["left"] > 0
+            throttles["left"] -= 1
+        if throttled:
+            raise TransientStoreError("503 SlowDown", throttled=True)
+
+    store.fault = fault
+    store.on_get = lambda key, exchange: answer_after(exchange, slow)
+    origin = Origin(store, max_connections=16, deadline=600, backoff=FAST)
+
+    async def main() -> None:
+        async def reader(n: int) -> None:
+            for i in range(6):
+                key = f"k{(n + i) % 8}"
+                assert (await origin.get(key, etag(store, key), 0, 2)).data == store._objects[key][0]
+
+        async with trio.open_nursery() as nursery:
+            for n in range(4):
+                nursery.start_soon(reader, n)
+
+    trio.run(main)
+    assert throttles["left"] < 0  # the throttled answers came, and were retried
+    assert origin.latency.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * slow)
+    assert origin.latency.idle_timeout == pytest.approx(origin_mod.IDLE_MULTIPLE * slow)
+    assert sample("cachefs_s3_hedge_delay_seconds") == pytest.approx(
+        origin_mod.HEDGE_MULTIPLE * slow)
+
+
+def test_the_hedge_delay_and_its_metric_follow_every_sample() -> None:
+    """The p99 is that of the window at every sample, not recomputed every 16 of them: one slow
+    answer among 41 is their p99 at once, and so is the metric."""
+    tracker = origin_mod.LatencyTracker()
+    for _ in range(40):
+        tracker.observe(0.1)
+    assert tracker.hedge_delay == origin_mod.HEDGE_FLOOR
+    assert sample("cachefs_s3_hedge_delay_seconds") == origin_mod.HEDGE_FLOOR
+    tracker.observe(0.5)
+    assert tracker.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * 0.5)
+    assert sample("cachefs_s3_hedge_delay_seconds") == pytest.approx(origin_mod.HEDGE_MULTIPLE * 0.5)
+
+
+def test_latencies_older_than_their_max_age_are_forgotten() -> None:
+    """A burst of slow answers on a quiet mount raises the delay for LATENCY_MAX_AGE seconds,
+    not until 256 more GETs; once every sample is that old, the floors (as on a new mount)."""
+    clock = Clock()
+    tracker = origin_mod.LatencyTracker(clock=clock)
+    for _ in range(5):
+        tracker.observe(3.0)  # a burst of slow answers
+    clock.now += 10
+    for _ in range(5):
+        tracker.observe(0.5)
+    assert tracker.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * 3.0)
+    clock.now += origin_mod.LATENCY_MAX_AGE - 9  # the burst is older than that, the rest not
+    assert tracker.hedge_delay == pytest.approx(origin_mod.HEDGE_MULTIPLE * 0.5)
+    assert tracker.idle_timeout == origin_mod.IDLE_FLOOR
+    assert sample("cachefs_s3_hedge_delay_seconds") == pytest.approx(origin_mod.HEDGE_MULTIPLE * 0.5)
+    clock.now += 10
+    assert tracker.p99 is None
+    assert tracker.hedge_delay == origin_mod.HEDGE_FLOOR
+    assert sample("cachefs_s3_hedge_delay_seconds") == origin_mod.HEDGE_FLOOR
+
+
 # -- integrity ---------------------------------------------------------------------------
 def flip_once(times: int = 1) -> Any:
     """Alter the first ``times`` answers, each at another place (as in transit)."""

@@ -38,7 +38,12 @@ use only spare connections, and at most :data:`HEDGE_SHARE` of requests (a
 token bucket with a burst of :data:`HEDGE_BURST`). A slow but progressing
 body is neither hedged nor killed: the socket timeout is an idle timeout
 between bytes, max(:data:`IDLE_FLOOR`, :data:`IDLE_MULTIPLE` x p99), at most
-:data:`IDLE_CAP`, never a bound on a whole answer.
+:data:`IDLE_CAP`, never a bound on a whole answer. Recent latencies: those of
+the last 256 answers, none older than :data:`LATENCY_MAX_AGE`, and none of an
+attempt in flight at any moment of an outage (from a failure that is not
+throttling until S3 answers again): answered when S3 came back, it measures
+the outage, not S3 (:meth:`Origin._landed`). Slow answers while S3 answers,
+throttling included, raise the delay as they should.
 
 **Integrity.** A whole-object GET is checked in its worker thread against
 what S3 stated (:func:`cachefs.s3.integrity.check_whole`); a mismatch is a
@@ -72,6 +77,7 @@ handed to worker threads, which touch only their arguments, the Exchange and
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import dataclasses
@@ -110,6 +116,13 @@ DECREASE = 0.7  # the SDKs' CUBIC beta
 CALM = 5.0  # seconds without throttling before the limit grows fast again
 HEDGE_FLOOR = 1.0
 HEDGE_MULTIPLE = 4.0
+#: Seconds after which a first-byte latency no longer counts (LatencyTracker). A mount
+#: reading from S3 fills the 256-sample window in less (~25 s at the ~10 GETs/s of one
+#: reading large shard blocks, a quiet one), so this changes only quieter mounts: they
+#: forget a burst of slow answers as soon as such a mount does, not after 256 more GETs
+#: (many minutes, or never on a mount gone idle). Not shorter: a mount making a GET every
+#: few seconds still takes its p99 from several answers, not the last one alone.
+LATENCY_MAX_AGE = 30.0
 IDLE_FLOOR = 5.0
 IDLE_MULTIPLE = 10.0
 IDLE_CAP = 30.0
@@ -151,32 +164,80 @@ class Backoff:
 
 
 class LatencyTracker:
-    """Recent first-byte latencies; the hedge delay and idle timeout derive from their p99."""
+    """Recent first-byte latencies; the hedge delay and idle timeout derive from their p99.
 
-    def __init__(self, window: int = 256) -> None:
-        self._samples: deque[float] = deque(maxlen=window)
+    Recent: the last ``window`` samples, none older than :data:`LATENCY_MAX_AGE` seconds (with
+    none, the floors, as on a new mount). What is a sample is the caller's call: the
+    :class:`Origin` leaves out answers that waited through an outage (:meth:`Origin._landed`).
+    The p99 is that of the window at every sample and every read (a sorted copy of the window
+    is kept, each sample inserted and removed by bisection: no sort), and
+    ``cachefs_s3_hedge_delay_seconds`` is set whenever the hedge delay changes: at a sample,
+    or when samples age out (seen at the next read of the delay or timeout, that is the next
+    request; a mount that makes none shows the delay its last request had). Trio thread only.
+    """
+
+    def __init__(self, window: int = 256, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window = window
+        self._clock = clock
+        # (when observed, seconds), oldest first; and the same seconds in order
+        self._samples: deque[tuple[float, float]] = deque()
+        self._ordered: list[float] = []
         self._p99: float | None = None
-        self._new = 0
+        self._delay = self._hedge_delay()
+        metrics.S3_HEDGE_DELAY.set(self._delay)
 
     def observe(self, seconds: float) -> None:
-        self._samples.append(seconds)
-        self._new += 1
-        if self._p99 is None or self._new >= 16:  # a sort of <= 256 floats every 16 answers
-            ordered = sorted(self._samples)
-            self._p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-            self._new = 0
-            metrics.S3_HEDGE_DELAY.set(self.hedge_delay)
+        now = self._clock()
+        self._samples.append((now, seconds))
+        bisect.insort(self._ordered, seconds)
+        if len(self._samples) > self._window:
+            self._drop_oldest()
+        self._forget(now)
+        self._changed()
+
+    def _drop_oldest(self) -> None:
+        _, seconds = self._samples.popleft()
+        del self._ordered[bisect.bisect_left(self._ordered, seconds)]
+
+    def _forget(self, now: float) -> bool:
+        """Drop the samples older than :data:`LATENCY_MAX_AGE`; whether there were any."""
+        samples = self._samples
+        oldest = now - LATENCY_MAX_AGE
+        if not samples or samples[0][0] > oldest:
+            return False
+        while samples and samples[0][0] <= oldest:
+            self._drop_oldest()
+        return True
+
+    def _current(self) -> None:
+        if self._forget(self._clock()):
+            self._changed()
+
+    def _changed(self) -> None:
+        ordered = self._ordered
+        n = len(ordered)
+        self._p99 = ordered[min(n - 1, math.ceil(0.99 * n) - 1)] if n else None
+        delay = self._hedge_delay()
+        if delay != self._delay:
+            self._delay = delay
+            metrics.S3_HEDGE_DELAY.set(delay)
+
+    def _hedge_delay(self) -> float:
+        return max(HEDGE_FLOOR, HEDGE_MULTIPLE * (self._p99 or 0.0))
 
     @property
     def p99(self) -> float | None:
+        self._current()
         return self._p99
 
     @property
     def hedge_delay(self) -> float:
-        return max(HEDGE_FLOOR, HEDGE_MULTIPLE * (self._p99 or 0.0))
+        self._current()
+        return self._hedge_delay()
 
     @property
     def idle_timeout(self) -> float:
+        self._current()
         return min(IDLE_CAP, max(IDLE_FLOOR, IDLE_MULTIPLE * (self._p99 or 0.0)))
 
 
@@ -261,15 +322,17 @@ class _Waiting(Generic[T]):
 
 class _Job(Generic[T]):
     """One blocking call in a worker thread: its exchange, the connection tokens it
-    holds (it is their borrower), and its outcome once landed (trio thread only)."""
+    holds (it is their borrower), its outcome once landed, and the count of outages begun
+    or ended when it started (``Origin._outage_changes``) (trio thread only)."""
 
-    __slots__ = ("background", "exchange", "result", "waiting")
+    __slots__ = ("background", "exchange", "outages", "result", "waiting")
 
     def __init__(self, exchange: Exchange, waiting: _Waiting[T], background: bool) -> None:
         self.exchange = exchange
         self.waiting = waiting
         self.background = background
         self.result: outcome.Outcome[T] | None = None
+        self.outages = 0
 
 
 class Origin:
@@ -291,7 +354,11 @@ class Origin:
         # Set to wake every retry wait: at close, and when S3 answers again after an
         # outage (not after throttling, where a burst is the last thing S3 wants).
         self._wake = trio.Event()
+        # An outage: from a failure that is not throttling until S3 answers again. Outages
+        # begun or ended: a job that saw this count change, or started during one, waited
+        # through an outage (its first byte is no sample of S3's latency: see _landed).
         self._outage = False
+        self._outage_changes = 0
         self._episodes: dict[str, _Episode] = {}
         # Where a request gave up at the retry deadline -> when (trio thread; cleared when
         # S3 answers anything): see _retrying
@@ -304,7 +371,6 @@ class Origin:
         self._md5_disagreements = 0
         self.check_etags = True
         self._token: trio.lowlevel.TrioToken | None = None
-        metrics.S3_HEDGE_DELAY.set(self.latency.hedge_delay)
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
@@ -443,8 +509,9 @@ class Origin:
                         f"({how}): {exc}", throttled=exc.throttled, reason=exc.reason) from exc
                 metrics.S3_RETRIES.labels(op, exc.reason).inc()
                 self._note_failure(op, exc)
-                if not exc.throttled:
+                if not exc.throttled and not self._outage:
                     self._outage = True
+                    self._outage_changes += 1
                 from_s3 = exc.throttled or exc.reason == "server_error"
                 delay = min(self.backoff.delay(n, self._rng, from_s3=from_s3), left)
                 n += 1
@@ -456,6 +523,7 @@ class Origin:
                 self._gave_up.clear()
             if self._outage:  # S3 answers again: requests waiting to retry go now
                 self._outage = False
+                self._outage_changes += 1
                 self._wake.set()
                 self._wake = trio.Event()
             return result
@@ -491,6 +559,7 @@ class Origin:
         """Run ``fn(job.exchange)`` in a worker thread; its outcome lands on the trio thread
         (:meth:`_landed`). The job holds its connection tokens already."""
         self._exchanges.add(job.exchange)
+        job.outages = self._outage_changes
         self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
         token = self._token
         if token is None:
@@ -515,7 +584,17 @@ class Origin:
     def _landed(self, job: _Job[T], result: outcome.Outcome[T]) -> None:
         """A worker thread's outcome, on the trio thread: the connection's tokens go back
         (only now: an abandoned thread keeps its slot until it returns), the limit and
-        latency learn from it, and the waiting task (if any) is woken."""
+        latency learn from it, and the waiting task (if any) is woken.
+
+        The first-byte latency of an answer is a sample of S3's latency only if no outage
+        was in progress at any moment from its start to its answer: not if it was started
+        during one or one began meanwhile (the count of outages begun or ended changed),
+        nor if one is in progress now (the answer that ends it lands before _retrying sees
+        it). Such an answer was sent before S3 came back after an outage and measures the
+        outage: a 25 s outage left a p99 of seconds, the hedge delay at ~17 s and the idle
+        timeout at its cap for the next 256 GETs. (An attempt in flight when a lone
+        failure is taken for an outage, S3 answering again moments later, is left out too.)
+        """
         job.result = result
         self._exchanges.discard(job.exchange)
         self.limit.all.release_on_behalf_of(job)
@@ -523,7 +602,7 @@ class Origin:
             self.limit.background.release_on_behalf_of(job)
         if isinstance(result, outcome.Value):
             latency = job.exchange.first_byte_latency
-            if latency is not None:
+            if latency is not None and job.outages == self._outage_changes and not self._outage:
                 self.latency.observe(latency)
             self.limit.succeeded()
         elif (isinstance(result, outcome.Error) and isinstance(result.error, TransientStoreError)
