@@ -45,8 +45,9 @@ One listing per directory at a time (single flight); an invalidate() during a
 listing makes it run once more. A flat listing of the folders ahead of a walk
 (:meth:`Metadata._start_flat`, at most FLAT_LISTINGS at a time, counted on the trio
 thread) registers each folder as a listing in flight before its one LIST starts in a
-worker thread, then writes each folder it found whole in that folder's own listing
-task; the others are listed as usual. Listing ahead:
+worker thread; the page's other whole folders that have no listing are registered when
+it returns (trio thread), and all the folders it holds whole are written in one worker
+thread, a transaction each; the others are listed as usual. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker), a walk through folders in order queues the
 folders after the one it is in (:meth:`Metadata.next_dir`; a bounded queue, taken
