@@ -14,7 +14,7 @@ import trio
 
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
-from cachefs.errors import AccessDenied, NoSuchBucket, TransientStoreError
+from cachefs.errors import AccessDenied, CacheError, NoSuchBucket, TransientStoreError
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.store import ObjectInfo
 
@@ -1087,6 +1087,40 @@ def test_a_flat_page_lists_every_folder_it_holds_whole(env: LmdbEnv) -> None:
         await trio.sleep(0.05)
         assert md.listed_at("t/c516/") is None  # (cut by the page: not written from it)
         assert md.listed_at("t/c517/") is None
+
+    run_with_metadata(env, store, body, list_ahead=4, root="t/")
+
+
+def test_a_folder_of_a_flat_page_that_cannot_be_written_fails_alone(
+        env: LmdbEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folders of a flat page are written one after another in one worker thread: one
+    that cannot be written (the index refuses it) ends with its error, and the others are
+    listed; nothing is left in flight, so a reader of that folder lists it again rather
+    than waiting for a listing nobody runs."""
+    store = _class_folders(40, files=2)
+    real = Metadata._write_listed
+
+    def refuse_c20(self: Metadata, listing: Any, objects: Any, prefixes: Any) -> Any:
+        if listing.prefix == "t/c20/":
+            raise CacheError("the index refused it (test)")
+        return real(self, listing, objects, prefixes)
+
+    monkeypatch.setattr(Metadata, "_write_listed", refuse_c20)
+
+    async def body(md: Metadata) -> None:
+        await _entered_first_folder(md)
+        before = store.calls["list"]
+        md.next_dir("t/c16/", "t/")
+        others = [f"t/c{d:02d}/" for d in range(17, 40) if d != 20]
+        await _wait_listed(md, others)
+        assert store.calls["list"] - before == 1, store.calls
+        with trio.fail_after(5):
+            while "t/c20/" in md._inflight:
+                await trio.sleep(0.01)
+        assert md.listed_at("t/c20/") is None
+        monkeypatch.setattr(Metadata, "_write_listed", real)
+        await md.ensure("t/c20/")  # (a reader: listed by a LIST of its own)
+        assert [e.name for e in md.iter_entries("t/c20/")] == [b"f000", b"f001"]
 
     run_with_metadata(env, store, body, list_ahead=4, root="t/")
 
