@@ -352,6 +352,28 @@ class Metadata:
                 return  # refreshing, or the last refresh failed moments ago: the old serves
             self._start(prefix)
 
+    def refresh_pending(self, prefix: str) -> bool:
+        """Whether ``prefix`` was invalidated and no listing started since has completed
+        (any thread: one dictionary read). A name's entry may then be outdated."""
+        return self._store is not None and prefix in self._stale
+
+    async def refreshed(self, prefix: str) -> None:
+        """Wait until a listing of ``prefix`` started after its last :meth:`invalidate`
+        has completed, or until the refresh fails (then the old listing goes on being
+        served, as everywhere). Returns at once when no refresh is pending. A lookup of a
+        name whose object a GET saw change waits here (see
+        :meth:`cachefs.fs.FileSystem.lookup`): the kernel asks once more, after an open
+        answered ESTALE, and must find the new version then."""
+        while self.refresh_pending(prefix):
+            listing = self._inflight.get(prefix)
+            if listing is None:
+                if self._nursery is None or self._clock() < self._retry_after.get(prefix, 0.0):
+                    return  # (the last refresh failed moments ago: the old listing serves)
+                listing = self._start(prefix)
+            await listing.done.wait()
+            if listing.error is not None and self._inflight.get(prefix) is None:
+                return  # failed, and not listed once more: the old listing serves
+
     async def settled(self, prefix: str) -> None:
         """Wait until no listing of ``prefix`` is running (tests, tools)."""
         while (listing := self._inflight.get(prefix)) is not None:

@@ -74,7 +74,7 @@ from cachefs import metrics
 from cachefs.background import contained
 from cachefs.cache.blockid import block_id, block_id_at, object_id
 from cachefs.cache.blocks import BlockCache
-from cachefs.errors import TransientStoreError
+from cachefs.errors import ObjectChanged, TransientStoreError
 from cachefs.read.assembled import AssembledChecks
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.tiers import BlockRef, DiskTier, MemoryTier, Tier
@@ -212,6 +212,13 @@ class Fetcher:
         #: on the disk tier now, or will not be (failed, not admitted). Must be cheap and
         #: must not raise (passthrough: registering predicted files once they landed).
         self.on_settled: Callable[[bytes], None] | None = None
+        #: Told (trio thread) the object version a load found no longer in S3 (its GET
+        #: raised ObjectChanged), whoever started the load -- a reader, the sequential
+        #: prefetcher, a directory walk's lookahead, a sweep -- before any reader of the
+        #: load is answered. Must be cheap and must not raise (the file system marks the
+        #: version changed and refreshes its directory's listing: see
+        #: :meth:`cachefs.fs.FileSystem.object_changed`).
+        self.on_changed: Callable[[ObjectVersion], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -529,6 +536,11 @@ class Fetcher:
             except Exception as exc:  # handed to every waiter; logged by the FUSE layer
                 flight.error = exc
                 data = None
+                if isinstance(exc, ObjectChanged) and self.on_changed is not None:
+                    try:
+                        self.on_changed(obj)
+                    except Exception:  # (a listener's bug must not end the load)
+                        log.exception("telling that an object changed failed")
                 if self._notes is not None:
                     self._notes.forget(bid)
             finally:
