@@ -47,7 +47,7 @@ import trio
 
 from cachefs.cache.index import parent_prefix, snapshot
 from cachefs.cache.metadata import Entry, Metadata, View
-from cachefs.errors import NoSuchKey, ObjectChanged
+from cachefs.errors import NoSuchKey
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder
 from cachefs.read.lookahead import DirectoryLookahead
@@ -154,6 +154,10 @@ class DirHandle:
 # Directory inodes whose prefix is remembered (a directory's prefix never changes for
 # its inode number, so this only saves index reads; one entry per directory).
 DIR_CACHE = 65536
+# Object versions a GET saw replaced in S3 (see FileSystem.object_changed), remembered
+# until their directory's listing has caught up (oldest forgotten first: a forgotten one
+# only costs its next reader the ESTALE of a read, as before it was remembered).
+CHANGED = 4096
 # Files whose opens the native loop may answer, remembered for the handles it reports
 # (an inode is one version, so its node never changes; an inode forgotten here is
 # resolved again).
@@ -184,6 +188,13 @@ class FileSystem:
         self._adoptable: collections.OrderedDict[int, tuple[Node, ObjectVersion]] = (
             collections.OrderedDict())
         self._adoptable_lock = threading.Lock()
+        # (key, ETag) of object versions a load found no longer in S3 while their listing
+        # may still name them (see object_changed); bounded by CHANGED; read on any thread
+        # without a lock (one dictionary lookup), changed under _changed_lock
+        self._changed: collections.OrderedDict[tuple[str, str], None] = (
+            collections.OrderedDict())
+        self._changed_lock = threading.Lock()
+        fetcher.on_changed = self.object_changed
         # Files that will be read next: the sampler's order (hints) and directory walks;
         # directories read in no predictable order are swept.
         self.read_order = read_order
@@ -253,6 +264,8 @@ class FileSystem:
             raise NeedsWait
         if entry is None:
             raise FsError(errno.ENOENT)
+        if not entry.is_dir and self._changed and self._outdated(parent.path, entry):
+            raise NeedsWait  # the listing's refresh is due first (see lookup)
         return self._node_for(parent.path, entry), fresh_for, parent.path, token
 
     def siblings_now(self, prefix: str, name: bytes, n: int) -> list[Node]:
@@ -269,6 +282,18 @@ class FileSystem:
         if name == b"..":
             return self._parent_of(parent)
         entry = await self.metadata.lookup(parent.path, name)
+        if entry is not None and not entry.is_dir and self._outdated(parent.path, entry):
+            # A GET saw this version replaced in S3: the kernel asks here again after an
+            # open answered ESTALE (see open_now), once, and must get the new version's
+            # inode, so the answer waits for the listing made since.
+            await self.metadata.refreshed(parent.path)
+            entry = await self.metadata.lookup(parent.path, name)
+            if entry is not None and not entry.is_dir:
+                # Still named (the refresh failed, or a listing this late names it): the
+                # mark is dropped, so the kernel's second open is answered as before it
+                # was made (served from the cache, or ESTALE at the first read of what S3
+                # no longer has), never failed again here.
+                self._forget_change(parent.path, entry)
         if entry is None:
             raise FsError(errno.ENOENT)
         return self._node_for(parent.path, entry)
@@ -301,6 +326,59 @@ class FileSystem:
             if isinstance(handle, FileHandle) and handle.node.ino == ino:
                 return handle.node
             raise
+
+    # -- object versions replaced in S3 -------------------------------------------------
+    def object_changed(self, obj: ObjectVersion) -> None:
+        """A load (a reader's, or one started ahead of any open: prefetch, a walk's
+        lookahead, a sweep) found ``obj`` no longer S3's version of its key (trio thread;
+        :attr:`cachefs.read.fetcher.Fetcher.on_changed`).
+
+        The version is remembered, then its directory's listing is refreshed
+        (:meth:`Metadata.invalidate`, whose listeners end the native loop's epoch of the
+        directory: its remembered lookups and open templates). Until the new listing is
+        there, an open of the version through its inode answers ESTALE
+        (:meth:`open_now`) and a lookup of its name waits for the new listing
+        (:meth:`lookup`). The open of an outdated dentry thus succeeds on the new
+        version: Linux retries an open that failed ESTALE once, with the whole path
+        walked again under LOOKUP_REVAL, and FUSE then sends a LOOKUP even if the
+        entry's timeout has not run out. Before, such an open pinned the old version
+        while the listing was being refreshed and its first read failed ESTALE (the
+        kernel never retries a read). Handles open already keep their version (its
+        cached bytes, or ESTALE for what S3 no longer has): nothing here touches them.
+        The mark comes first, so an open that finds the directory's epoch ended finds
+        the mark too."""
+        prefix = parent_prefix(obj.key)
+        mark = (obj.key, obj.etag)
+        if mark in self._changed and self.metadata.refresh_pending(prefix):
+            return  # (another block's load: the refresh asked for then is still to come)
+        with self._changed_lock:
+            self._changed[mark] = None
+            if len(self._changed) > CHANGED:
+                self._changed.popitem(last=False)
+        self.metadata.invalidate(prefix)
+
+    def _outdated(self, prefix: str, entry: Entry | Node) -> bool:
+        """Whether a file ``entry`` of directory ``prefix`` names a version a GET saw
+        replaced while its listing's refresh is pending (any thread). A mark whose
+        directory was listed since is dropped: a listing made after the change that still
+        names the version is trusted (the object was written back, or S3 says so), and
+        otherwise the version is no longer listed (its inode answers ESTALE anyway)."""
+        if not self._changed:
+            return False
+        name = entry.name.decode("utf-8", "surrogateescape")
+        mark = (prefix + name, entry.etag)
+        if mark not in self._changed:
+            return False
+        if self.metadata.refresh_pending(prefix):
+            return True
+        self._forget_change(prefix, entry)
+        return False
+
+    def _forget_change(self, prefix: str, entry: Entry | Node) -> None:
+        if self._changed:
+            mark = (prefix + entry.name.decode("utf-8", "surrogateescape"), entry.etag)
+            with self._changed_lock:
+                self._changed.pop(mark, None)
 
     # -- directories ----------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
@@ -372,6 +450,11 @@ class FileSystem:
         node = self.node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if self._changed and self._outdated(node.parent_prefix, node):
+            # S3 has another version (a GET saw it): the kernel looks the name up again,
+            # which waits for the new listing (see object_changed).
+            raise FsError(errno.ESTALE, f"{node.path} changed in S3 (its listing is "
+                          "being refreshed)")
         obj = ObjectVersion(node.path, node.etag, node.size)
         # Prefetches start on the trio thread; the open does not wait for them, and only
         # an open that moves a hinted order or a walk in order costs a hand-over.
@@ -424,9 +507,8 @@ class FileSystem:
         key = handle.obj.key
 
         def joined(data: bytes | None, error: BaseException | None) -> None:  # trio thread
-            if isinstance(error, ObjectChanged):
-                self.metadata.invalidate(prefix)
-            elif isinstance(error, NoSuchKey):
+            # (ObjectChanged: the fetcher told object_changed before answering)
+            if isinstance(error, NoSuchKey):
                 log.warning("%s is listed (or in the manifest) but no longer in the bucket: "
                             "ENOENT", key)
                 self.metadata.invalidate(prefix)
@@ -453,10 +535,8 @@ class FileSystem:
                 self.sweeper.on_miss(handle.node.parent_prefix, handle.node.ino, obj)
         self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
+            # (ObjectChanged: the fetcher told object_changed, whoever's load it was)
             return await self.fetcher.read(obj, offset, size)
-        except ObjectChanged:
-            self.metadata.invalidate(handle.node.parent_prefix)
-            raise
         except NoSuchKey:
             log.warning("%s is listed (or in the manifest) but no longer in the bucket: "
                         "ENOENT", obj.key)
@@ -485,6 +565,8 @@ class FileSystem:
             self.node(node.ino)  # still listed (after the epoch read: see the loop's rule)
         except FsError:
             return False
+        if self._outdated(node.parent_prefix, node):
+            return False  # (a GET saw it replaced; marked before the epoch ended)
         self._note_adoptable(node, handle.obj)
         return self.backing.add_template(node.ino, handle.obj, handle.backing_id, token=token,
                                          prefix=node.parent_prefix)
@@ -507,7 +589,7 @@ class FileSystem:
         except FsError:
             return False
         if (node.is_dir or node.path != obj.key or node.etag != obj.etag
-                or node.size != obj.size):
+                or node.size != obj.size or self._outdated(prefix, node)):
             return False
         self._note_adoptable(node, obj)
         return self.backing.add_template_ahead(ino, obj, token=token, prefix=prefix)

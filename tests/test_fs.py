@@ -9,14 +9,15 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
 from cachefs.errors import NoSuchBucket, ObjectChanged
-from cachefs.fs import ROOT_INODE, FileSystem, FsError
+from cachefs.fs import ROOT_INODE, FileSystem, FsError, NeedsWait
 from cachefs.read.budget import MemoryBudget
-from cachefs.read.fetcher import Fetcher
+from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder, metadata_resolver
 from cachefs.read.lookahead import DirectoryLookahead
 from cachefs.read.prefetcher import Prefetcher, PrefetchLedger
@@ -362,6 +363,57 @@ def test_read_of_changed_object_raises_and_invalidates_the_listing(world: World)
         assert x2.size == 6
         fh3, _, _bk = await fs.open(x2.ino)
         assert await fs.read(fh3, 0, 10) == b"new x!"
+
+    world.run(body)
+
+
+def test_an_open_after_a_load_ahead_saw_the_change_finds_the_new_version(world: World) -> None:
+    """A load no reader asked for (a prefetch) finds the listed version replaced in S3
+    while the listing is fresh: until the new listing is there, an open through the old
+    inode answers ESTALE and a lookup of the name waits for that listing, so the kernel's
+    second try (a LOOKUP, then an OPEN) opens the new version; a handle open already keeps
+    its version: its cached bytes, ESTALE for the rest."""
+    async def body(fs: FileSystem) -> None:
+        b = await fs.lookup(ROOT_INODE, b"b.bin")  # 200 bytes: 4 blocks
+        await fs.metadata.settled("ds/")
+        held, _, _bk = await fs.open(b.ino)
+        assert await fs.read(held, 0, BS) == bytes(range(BS))  # block 0 cached
+        world.store.put("ds/b.bin", b"B" * 150)
+        assert fs.metadata.is_fresh("ds/")
+        # The listing's refresh cannot run yet: the lookup below must wait for it.
+        limiter = fs.metadata._limiter
+        holders = [object() for _ in range(int(limiter.total_tokens))]
+        for h in holders:
+            await limiter.acquire_on_behalf_of(h)
+        old = ObjectVersion(b.path, b.etag, b.size)
+        fs.fetcher.load_ahead(old, 2, fs.fetcher.block_id(old, 2), reserved=0)
+        with pytest.raises(ObjectChanged):
+            await fs.fetcher.wait_loaded(fs.fetcher.block_id(old, 2))
+        with pytest.raises(FsError) as ei:
+            fs.open_now(b.ino)
+        assert ei.value.errno == errno.ESTALE  # the kernel looks the name up again...
+        with pytest.raises(NeedsWait):
+            fs.lookup_fresh_now(ROOT_INODE, b"b.bin")  # ...which waits for the listing
+        found: list[Any] = []
+
+        async def lookup() -> None:
+            found.append(await fs.lookup(ROOT_INODE, b"b.bin"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lookup)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not found, "answered before the new listing"
+            for h in holders:
+                limiter.release_on_behalf_of(h)
+        (b2,) = found
+        assert b2.ino != b.ino and b2.size == 150
+        fh, _, _bk = fs.open_now(b2.ino)
+        assert await fs.read(fh, 0, 1000) == b"B" * 150
+        # The held handle still reads its own version: cached bytes, ESTALE for the rest.
+        assert fs.getattr_now(b.ino, held).size == 200
+        assert await fs.read(held, 0, BS) == bytes(range(BS))
+        with pytest.raises(ObjectChanged):
+            await fs.read(held, 2 * BS, BS)
 
     world.run(body)
 
