@@ -158,6 +158,7 @@ DIR_CACHE = 65536
 # until their directory's listing has caught up (oldest forgotten first: a forgotten one
 # only costs its next reader the ESTALE of a read, as before it was remembered).
 CHANGED = 4096
+MARKING = -1  # (the tick of a mark whose invalidation is being asked for on the trio thread)
 # Files whose opens the native loop may answer, remembered for the handles it reports
 # (an inode is one version, so its node never changes; an inode forgotten here is
 # resolved again).
@@ -191,7 +192,8 @@ class FileSystem:
         # (key, ETag) of object versions a load found no longer in S3 while their listing
         # may still name them (see object_changed); bounded by CHANGED; read on any thread
         # without a lock (one dictionary lookup), changed under _changed_lock
-        self._changed: collections.OrderedDict[tuple[str, str], None] = (
+        # (the value: the tick of the invalidation of its directory the mark asked for)
+        self._changed: collections.OrderedDict[tuple[str, str], int] = (
             collections.OrderedDict())
         self._changed_lock = threading.Lock()
         fetcher.on_changed = self.object_changed
@@ -286,7 +288,8 @@ class FileSystem:
             # A GET saw this version replaced in S3: the kernel asks here again after an
             # open answered ESTALE (see open_now), once, and must get the new version's
             # inode, so the answer waits for the listing made since.
-            await self.metadata.refreshed(parent.path)
+            await self.metadata.refreshed(parent.path, self._changed.get(
+                (parent.path + entry.name.decode("utf-8", "surrogateescape"), entry.etag), 0))
             entry = await self.metadata.lookup(parent.path, name)
             if entry is not None and not entry.is_dir:
                 # Still named (the refresh failed, or a listing this late names it): the
@@ -349,13 +352,19 @@ class FileSystem:
         the mark too."""
         prefix = parent_prefix(obj.key)
         mark = (obj.key, obj.etag)
-        if mark in self._changed and self.metadata.refresh_pending(prefix):
+        since = self._changed.get(mark)
+        if since is not None and self.metadata.refresh_pending(prefix, since):
             return  # (another block's load: the refresh asked for then is still to come)
         with self._changed_lock:
-            self._changed[mark] = None
+            self._changed[mark] = MARKING  # (before the epoch ends: see above)
             if len(self._changed) > CHANGED:
                 self._changed.popitem(last=False)
-        self.metadata.invalidate(prefix)
+        since = self.metadata.invalidate(prefix)
+        with self._changed_lock:
+            if since <= 0:  # nothing to refresh (a manifest mount): as before the mark
+                self._changed.pop(mark, None)
+            elif mark in self._changed:
+                self._changed[mark] = since
 
     def _outdated(self, prefix: str, entry: Entry | Node) -> bool:
         """Whether a file ``entry`` of directory ``prefix`` names a version a GET saw
@@ -366,10 +375,10 @@ class FileSystem:
         if not self._changed:
             return False
         name = entry.name.decode("utf-8", "surrogateescape")
-        mark = (prefix + name, entry.etag)
-        if mark not in self._changed:
+        since = self._changed.get((prefix + name, entry.etag))
+        if since is None:
             return False
-        if self.metadata.refresh_pending(prefix):
+        if since == MARKING or self.metadata.refresh_pending(prefix, since):
             return True
         self._forget_change(prefix, entry)
         return False

@@ -251,6 +251,9 @@ class Metadata:
         # Invalidated prefixes -> the tick of their latest invalidate(); a listing clears
         # the mark only if it started after that (it may predate the change otherwise).
         self._stale: dict[str, int] = {}
+        # Stale prefixes -> the tick of the latest invalidate() a completed listing came
+        # after (a later one keeps the prefix stale): entries only while in _stale.
+        self._covered: dict[str, int] = {}
         self._tick = 0
         self._listeners: list[Callable[[str], None]] = []  # (see add_listener)
         self._retry_after: dict[str, float] = {}  # failed refreshes wait before the next
@@ -324,11 +327,12 @@ class Metadata:
         self._index.listeners.append(listener)
         self._listeners.append(listener)
 
-    def invalidate(self, prefix: str) -> None:
+    def invalidate(self, prefix: str) -> int:
         """Refresh ``prefix`` in the background now (e.g. after ESTALE); its listing is
-        served until the new one is complete."""
+        served until the new one is complete. Returns this invalidation's tick (see
+        :meth:`refresh_pending`)."""
         if self._store is None:
-            return
+            return 0
         self._tick += 1
         self._stale[prefix] = self._tick
         for listener in self._listeners:
@@ -339,6 +343,7 @@ class Metadata:
             running.again = True  # it may predate the change: list once more after it
         elif self._nursery is not None:
             self._start(prefix)
+        return self._tick
 
     def _revalidate(self, prefix: str, listed_at: float) -> None:
         """Called for every answer from ``prefix``'s complete listing: counts a stale
@@ -352,19 +357,23 @@ class Metadata:
                 return  # refreshing, or the last refresh failed moments ago: the old serves
             self._start(prefix)
 
-    def refresh_pending(self, prefix: str) -> bool:
-        """Whether ``prefix`` was invalidated and no listing started since has completed
-        (any thread: one dictionary read). A name's entry may then be outdated."""
-        return self._store is not None and prefix in self._stale
+    def refresh_pending(self, prefix: str, since: int = 0) -> bool:
+        """Whether ``prefix`` was invalidated (at tick ``since`` or later: the tick
+        :meth:`invalidate` returned; 0: any) and no listing started after that has
+        completed (any thread: dictionary reads). A name's entry may then be outdated."""
+        if self._store is None or prefix not in self._stale:
+            return False
+        return since <= 0 or self._covered.get(prefix, -1) < since
 
-    async def refreshed(self, prefix: str) -> None:
-        """Wait until a listing of ``prefix`` started after its last :meth:`invalidate`
-        has completed, or until the refresh fails (then the old listing goes on being
-        served, as everywhere). Returns at once when no refresh is pending. A lookup of a
-        name whose object a GET saw change waits here (see
-        :meth:`cachefs.fs.FileSystem.lookup`): the kernel asks once more, after an open
-        answered ESTALE, and must find the new version then."""
-        while self.refresh_pending(prefix):
+    async def refreshed(self, prefix: str, since: int = 0) -> None:
+        """Wait until a listing of ``prefix`` started after its invalidation at tick
+        ``since`` (0: its last one) has completed, or until the refresh fails (then the
+        old listing goes on being served, as everywhere); later invalidations are not
+        waited for. Returns at once when no refresh is pending. A lookup of a name whose
+        object a GET saw change waits here (see :meth:`cachefs.fs.FileSystem.lookup`):
+        the kernel asks once more, after an open answered ESTALE, and must find the new
+        version then."""
+        while self.refresh_pending(prefix, since):
             listing = self._inflight.get(prefix)
             if listing is None:
                 if self._nursery is None or self._clock() < self._retry_after.get(prefix, 0.0):
@@ -927,6 +936,9 @@ class Metadata:
                 # An invalidate() that arrived while this listing ran must survive it.
                 if self._stale.get(prefix, -1) <= listing.tick:
                     self._stale.pop(prefix, None)
+                    self._covered.pop(prefix, None)
+                elif prefix in self._stale:
+                    self._covered[prefix] = max(self._covered.get(prefix, -1), listing.tick)
                 self._retry_after.pop(prefix, None)
         finally:
             self._unregister(listing)
