@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
@@ -517,6 +518,44 @@ def test_stale_listing_is_served_while_the_refresh_waits_on_s3(env: LmdbEnv, sto
         assert md.is_fresh("data/")
 
     run_with_metadata(env, store, body, ttl=300, clock=clock)
+
+
+def test_a_wait_for_a_refresh_ends_with_the_listing_made_after_its_invalidation(
+        env: LmdbEnv, store: MemoryStore) -> None:
+    """refreshed(prefix, tick) waits for a listing started after the invalidation that
+    returned ``tick`` (the listing it started, here held by S3), not for later ones."""
+    gate = Gate()
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        old = md.get("data/", b"f1")
+        assert not md.refresh_pending("data/")
+        store.put("data/f1", b"changed")
+        gate.prefixes.add("data/")
+        store.fault = gate
+        first = md.invalidate("data/")  # its refresh starts, held by the gate
+        assert md.refresh_pending("data/", first)
+        done: list[Entry | None] = []
+
+        async def wait() -> None:
+            await md.refreshed("data/", first)
+            done.append(md.get("data/", b"f1"))
+
+        with trio.fail_after(10):  # (a hang guard)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not done, "returned before the listing"
+                second = md.invalidate("data/")  # while it runs: it is listed once more
+                assert second > first and md.refresh_pending("data/", second)
+                gate.open.set()
+        (new,) = done
+        assert new is not None and old is not None and new.etag != old.etag
+        assert not md.refresh_pending("data/", first)
+        await md.settled("data/")
+        assert not md.refresh_pending("data/")
+
+    run_with_metadata(env, store, body)
 
 
 def test_first_listing_streams_names_before_it_completes(env: LmdbEnv) -> None:
