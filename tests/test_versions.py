@@ -15,6 +15,7 @@ can tell a correct read, a read of another version's length and a mix.
 from __future__ import annotations
 
 import errno
+import os
 import struct
 import threading
 import time
@@ -284,3 +285,119 @@ def _wait_metric(m: Any, metric: str, value: float) -> None:
         if m.metric(metric) == value:
             return
         time.sleep(0.05)
+
+
+# -- an object replaced while its listing is fresh --------------------------------------------
+@pytest.mark.parametrize("passthrough", ["off", "auto"])
+def test_an_open_after_a_get_saw_the_change_reads_the_new_version(bucket, s3_endpoint,  # type: ignore[no-untyped-def]
+                                                                  mount_factory, passthrough):
+    """The object behind a name is replaced in S3 while its directory's listing is fresh
+    and the kernel still holds the name's entry (the old version's inode). Once a GET has
+    seen the change (here the first read of a handle opened before it, which fails ESTALE:
+    nothing of the old version is cached and S3 no longer has it), a new open and read of
+    the name gets the new version's bytes, never ESTALE -- also while the refreshed
+    listing is still on its way (LISTs are held back until the reader waits on the
+    daemon). The handle opened before keeps its version: its length, and ESTALE for
+    bytes S3 no longer has."""
+    from tests.faultproxy import FaultProxy
+
+    client, name = bucket
+    v1, v2 = _payload(1, 3 * BLOCK + 11), _payload(2, 5 * BLOCK + 3)
+    client.put_object(Bucket=name, Key="d/f.bin", Body=v1)
+    client.put_object(Bucket=name, Key="d/g.bin", Body=b"g")
+    lists_held = threading.Event()
+
+    def plan(method: str, path: str, n: int) -> str:
+        if method == "GET" and "list-type=2" in path:
+            lists_held.wait(60)  # (a hang guard: released below)
+        return "pass"
+
+    with FaultProxy(s3_endpoint) as proxy:
+        m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1h",
+                          "--list-ahead", "0", "--passthrough", passthrough, start=False)
+        m.endpoint = proxy.url
+        m.start()
+        path = m.path / "d" / "f.bin"
+        assert path.stat().st_size == len(v1)  # listed, fresh for an hour (the entry too)
+        held = os.open(path, os.O_RDONLY)
+        try:
+            client.put_object(Bucket=name, Key="d/f.bin", Body=v2)
+            proxy.plan = plan
+            lists_held.clear()
+            try:
+                with pytest.raises(OSError) as ei:
+                    os.pread(held, BLOCK, 0)  # the GET that sees the change
+                assert ei.value.errno == errno.ESTALE
+                deferred = m.metric('cachefs_fuse_handed_over_total{how="deferred"}')
+                got: dict[str, Any] = {}
+
+                def reader() -> None:
+                    try:
+                        got["data"] = _read_whole(path)
+                    except OSError as exc:
+                        got["errno"] = errno.errorcode.get(exc.errno or 0, exc.errno)
+
+                t = threading.Thread(target=reader)
+                t.start()
+                # The LISTs stay held until the reader has its answer or waits on the
+                # daemon: its open must not depend on the listing being refreshed first.
+                _until(lambda: not t.is_alive() or m.metric(
+                    'cachefs_fuse_handed_over_total{how="deferred"}') > deferred, timeout=30)
+            finally:
+                lists_held.set()
+            t.join(60)
+            assert not t.is_alive()
+            assert "errno" not in got, f"open+read of the new version failed {got['errno']}"
+            assert got["data"] == v2
+            # (the kernel's entry named the old inode: its open was answered ESTALE, and
+            # the kernel's second try, after a LOOKUP, opened the new version)
+            assert m.metric('cachefs_fuse_errors_total{errno="ESTALE",op="open"}') >= 1
+            assert path.read_bytes() == v2
+            assert os.fstat(held).st_size == len(v1)  # the held handle keeps its version
+            _read_or_estale(held, v1)
+        finally:
+            os.close(held)
+        assert "Traceback" not in m.log()
+
+
+@pytest.mark.parametrize("passthrough", ["off", "auto"])
+def test_a_walk_opens_the_new_version_of_a_file_its_lookahead_saw_replaced(  # type: ignore[no-untyped-def]
+        bucket, mount_factory, passthrough):
+    """A reader walks a directory in name order (a DataLoader over its files) while its
+    listing is fresh and the kernel holds every name's entry; one file ahead of it was
+    replaced in S3 meanwhile. The walk's lookahead GETs that file before the reader opens
+    it and sees the change: the reader's open and read then get the new version (the
+    kernel's entry is outdated: the open answers ESTALE inside the kernel, which looks
+    the name up again), never ESTALE, and every other file its one version."""
+    client, name = bucket
+    files = {f"d/f{i:02d}.bin": _payload(10 + i, 20_000 + i) for i in range(10)}
+    for key, data in files.items():
+        client.put_object(Bucket=name, Key=key, Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--metadata-ttl", "1h",
+                      "--list-ahead", "0", "--passthrough", passthrough)
+    d = m.path / "d"
+    for key in sorted(files):  # the kernel holds every entry (for an hour)
+        assert (m.path / key).stat().st_size == len(files[key])
+    new = _payload(99, 30_003)
+    client.put_object(Bucket=name, Key="d/f06.bin", Body=new)
+    files["d/f06.bin"] = new
+    changed = 'cachefs_s3_errors_total{kind="ObjectChanged",op="get"}'
+    lists = m.metric('cachefs_s3_requests_total{op="list"}')
+    for i in range(4):  # a walk in order: its lookahead requests f04..f07
+        assert _read_whole(d / f"f{i:02d}.bin") == files[f"d/f{i:02d}.bin"]
+    _until(lambda: m.metric(changed) >= 1)  # the lookahead's GET of f06 saw the change
+    # (the refresh of the listing it asks for is under way: a bounded wait, no assertion;
+    # the reads below must not depend on it having ended)
+    for _ in range(50):
+        if m.metric('cachefs_s3_requests_total{op="list"}') > lists:
+            break
+        time.sleep(0.1)
+    for i in range(4, 10):
+        key = f"d/f{i:02d}.bin"
+        try:
+            got = _read_whole(m.path / key)
+        except OSError as exc:
+            raise AssertionError(f"{key}: {errno.errorcode.get(exc.errno or 0)}") from exc
+        assert got == files[key], key
+    assert m.metric('cachefs_fuse_errors_total{errno="ESTALE",op="open"}') >= 1  # (retried)
+    assert "Traceback" not in m.log()
