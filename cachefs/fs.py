@@ -11,7 +11,10 @@ nothing per inode: the kernel may hold millions of them (every
 readdirplus entry is one) at no cost to the daemon, and ``forget`` has
 nothing to free. A :class:`Node` is built per request from the index. An
 inode whose object version is no longer listed answers ESTALE, on which the
-kernel looks the name up again and finds the current version (a new inode).
+kernel looks the name up again and finds the current version (a new inode). So
+does an inode whose version a GET (any load: a reader's, a prefetch, a walk's
+lookahead) found replaced in S3 while its listing is being refreshed; the lookup
+that follows waits for the new listing (see :meth:`FileSystem.object_changed`).
 The root is inode 1. Paths are S3 keys: a directory's ``prefix`` ends with
 ``/`` (the root's is the mount prefix), a file's ``key`` is its object key.
 
@@ -22,7 +25,9 @@ made, fetches, prefetch state): work for it is handed over with :attr:`post`
 (in order, soon), and a request that must wait for it raises :class:`NeedsWait`,
 after which the async method of the same name answers it on the trio thread.
 ``_handles`` is only changed by single dictionary operations (atomic under the
-GIL) and handle numbers come from one counter; ``_dirs`` is guarded by
+GIL) and handle numbers come from one counter; ``_changed`` (versions a GET found
+replaced) is read on any thread with one dictionary lookup and changed under
+``_changed_lock``; ``_dirs`` is guarded by
 ``_dirs_lock``. The handles the native loop opened and released are reported to
 :meth:`adopt_open`/:meth:`adopt_release` on any thread, one batch at a time and in
 the loop's order (see :mod:`cachefs.fuse.native`); ``_adoptable`` (the files given an
