@@ -12,6 +12,7 @@ client's alone). Run::
 
     python -m benchmarks.coldget [--files 1200] [--threads 32] [--rtt-ms 70] [--rounds 3]
     python -m benchmarks.coldget --compare OTHER_CHECKOUT,. ...   # interleaved rounds
+    python -m benchmarks.coldget --engine epoll [--writers N] ...  # one thread, all sockets
 
 It prints, per file: this process's CPU (user + system, from getrusage), files/s,
 recv calls (``--count-recv``), page faults, context switches, and the threads' CPU in each phase (thread CPU
@@ -159,6 +160,136 @@ def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
     return out
 
 
+def run_epoll(endpoint: str, keys: list[tuple[str, str]], in_flight: int, root: Path,
+              writers: int) -> dict[str, float]:
+    """The same work with no thread per GET: one thread drives ``in_flight`` kept-alive
+    connections with epoll (non-blocking sockets; each answer parsed when its last byte
+    is in), and checks and writes each answer itself (``writers`` 0) or hands it to
+    ``writers`` threads. A measurement of the lever, not cachefs's code path: no
+    retries, hedging, idle timeouts or chunked answers."""
+    import selectors
+    import urllib.parse
+
+    import botocore.credentials
+
+    from cachefs.cache.blocks import BlockCache, block_id
+    from cachefs.cache.lmdbenv import LmdbEnv
+    from cachefs.s3 import http1, integrity
+    from cachefs.s3.integrity import etag_is_md5, stated_checksum
+    from cachefs.s3.ranges import RangeClient
+
+    client = RangeClient(BUCKET, endpoint_url=endpoint, region=REGION,
+                         credentials=botocore.credentials.Credentials(ACCESS_KEY, SECRET_KEY),
+                         anonymous=False, max_connections=in_flight, connect_timeout=5,
+                         read_timeout=30)
+    env = LmdbEnv(root / "index")
+    cache = BlockCache(env, root / "cache", capacity=1 << 40, policy="keep")
+    url = urllib.parse.urlsplit(endpoint)
+    done: queue.SimpleQueue[tuple[str, str, bytes, dict[str, str]] | None] = queue.SimpleQueue()
+
+    def finish(key: str, etag: str, data: bytes, headers: dict[str, str]) -> None:
+        integrity.check_whole(data, where=key, stated=stated_checksum(headers), etag=etag,
+                              etag_md5=etag_is_md5(etag, headers))
+        cache.put_now(block_id(BUCKET, key, etag, 1 << 20, 0), data)
+
+    def writer() -> None:
+        while (item := done.get()) is not None:
+            finish(*item)
+
+    def request(key: str, etag: str) -> bytes:
+        path = client._object_path(key)
+        headers = client._signed("GET", path, {"If-Match": f'"{etag}"',
+                                               "x-amz-checksum-mode": "ENABLED"})
+        lines = [f"GET {path} HTTP/1.1\r\n"]
+        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
+        lines.append("Accept-Encoding: identity\r\n\r\n")
+        return "".join(lines).encode("latin-1")
+
+    sel = selectors.DefaultSelector()
+    socks = []
+    for _ in range(in_flight):
+        sock = socket.create_connection((url.hostname, url.port or 80))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        socks.append(sock)
+    todo = list(reversed(keys))
+    pool = [threading.Thread(target=writer) for _ in range(writers)]
+    c0, w0, n0 = _cpu(), time.monotonic(), _counts()
+    for t in pool:
+        t.start()
+    pending = 0
+
+    def start(sock: socket.socket) -> None:
+        nonlocal pending
+        if not todo:
+            return
+        key, etag = todo.pop()
+        sock.sendall(request(key, etag))  # (a few hundred bytes: the send buffer takes them)
+        # (key, etag, bytes so far, header length, total length, headers)
+        sel.register(sock, selectors.EVENT_READ, [key, etag, bytearray(), 0, -1, {}])
+        pending += 1
+
+    for sock in socks:
+        start(sock)
+    while pending:
+        for sk, _ in sel.select():
+            sock: Any = sk.fileobj
+            state = sk.data
+            try:
+                chunk = sock.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise RuntimeError("the server closed a connection")
+            buf = state[2]
+            buf += chunk
+            if state[4] < 0:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                status, headers, _, _ = http1.read_answer(_BytesReader(bytes(buf[:end + 4])),
+                                                          "HEAD")
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}")
+                state[3] = end + 4
+                state[4] = end + 4 + int(headers["content-length"])
+                state[5] = headers
+            if len(buf) >= state[4]:
+                sel.unregister(sock)
+                pending -= 1
+                item = (state[0], state[1], bytes(buf[state[3]:state[4]]), state[5])
+                if writers:
+                    done.put(item)
+                else:
+                    finish(*item)
+                start(sock)
+    for _ in pool:
+        done.put(None)
+    for t in pool:
+        t.join()
+    cpu, wall, n1 = _cpu() - c0, time.monotonic() - w0, _counts()
+    for sock in socks:
+        sock.close()
+    env.close()
+    n = len(keys)
+    return {"cpu_us": cpu / n * 1e6, "files_s": n / wall,
+            "faults": (n1[0] - n0[0]) / n, "switches": (n1[1] - n0[1]) / n}
+
+
+class _BytesReader:
+    """:func:`cachefs.s3.http1.read_answer`'s reads from bytes in memory."""
+
+    def __init__(self, data: bytes) -> None:
+        import io
+        self._io = io.BytesIO(data)
+
+    def readline(self, limit: int = -1, /) -> bytes:
+        return self._io.readline(limit)
+
+    def read(self, n: int = -1, /) -> bytes:
+        return self._io.read(n)
+
+
 sizes: dict[str, int] = {}
 
 
@@ -166,7 +297,10 @@ def _client_rounds(args: argparse.Namespace, endpoint: str, keys: list[tuple[str
                    tmp: str) -> None:
     for r in range(args.rounds):
         root = Path(tempfile.mkdtemp(dir=tmp, prefix=f"round{r}-"))
-        out = run(endpoint, keys, args.threads, root, args.count_recv)
+        if args.engine == "epoll":
+            out = run_epoll(endpoint, keys, args.threads, root, args.writers)
+        else:
+            out = run(endpoint, keys, args.threads, root, args.count_recv)
         print(f"round {r}: " + "  ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
 
 
@@ -178,6 +312,12 @@ def main() -> None:
     parser.add_argument("--bandwidth-MBps", type=float, default=48.0)
     parser.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine", choices=("threads", "epoll"), default="threads",
+                        help="threads: one thread per GET in flight, as cachefs; epoll: "
+                             "one thread drives --threads connections (the lever's size)")
+    parser.add_argument("--writers", type=int, default=0,
+                        help="with --engine epoll: threads that check and write answers "
+                             "(0: the epoll thread itself)")
     parser.add_argument("--count-recv", action="store_true",
                         help="count recv calls (adds a little CPU)")
     parser.add_argument("--compare", metavar="DIR,DIR",
