@@ -76,22 +76,30 @@ class _Counting:
             setattr(socket.socket, name, orig)
 
 
-def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
-        count_recv: bool) -> dict[str, float]:
+def _client_and_cache(endpoint: str, connections: int, root: Path) -> tuple[Any, Any, Any]:
+    """cachefs's S3 client for the bucket, and a cache (index and block files) under
+    ``root``, as the daemon makes them."""
     import botocore.credentials
 
-    from cachefs.cache.blocks import BlockCache, block_id
+    from cachefs.cache.blocks import BlockCache
     from cachefs.cache.lmdbenv import LmdbEnv
-    from cachefs.s3 import integrity
     from cachefs.s3.ranges import RangeClient
-    from cachefs.s3.store import Exchange
 
     client = RangeClient(BUCKET, endpoint_url=endpoint, region=REGION,
                          credentials=botocore.credentials.Credentials(ACCESS_KEY, SECRET_KEY),
-                         anonymous=False, max_connections=threads, connect_timeout=5,
+                         anonymous=False, max_connections=connections, connect_timeout=5,
                          read_timeout=30)
     env = LmdbEnv(root / "index")
-    cache = BlockCache(env, root / "cache", capacity=1 << 40, policy="keep")
+    return client, env, BlockCache(env, root / "cache", capacity=1 << 40, policy="keep")
+
+
+def run(endpoint: str, keys: list[tuple[str, str]], threads: int, root: Path,
+        count_recv: bool) -> dict[str, float]:
+    from cachefs.cache.blocks import block_id
+    from cachefs.s3 import integrity
+    from cachefs.s3.store import Exchange
+
+    client, env, cache = _client_and_cache(endpoint, threads, root)
     work: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
     phases = {"get": 0.0, "check": 0.0, "write": 0.0, "file": 0.0, "index": 0.0}
     lock = threading.Lock()
@@ -170,20 +178,11 @@ def run_epoll(endpoint: str, keys: list[tuple[str, str]], in_flight: int, root: 
     import selectors
     import urllib.parse
 
-    import botocore.credentials
-
-    from cachefs.cache.blocks import BlockCache, block_id
-    from cachefs.cache.lmdbenv import LmdbEnv
+    from cachefs.cache.blocks import block_id
     from cachefs.s3 import http1, integrity
     from cachefs.s3.integrity import etag_is_md5, stated_checksum
-    from cachefs.s3.ranges import RangeClient
 
-    client = RangeClient(BUCKET, endpoint_url=endpoint, region=REGION,
-                         credentials=botocore.credentials.Credentials(ACCESS_KEY, SECRET_KEY),
-                         anonymous=False, max_connections=in_flight, connect_timeout=5,
-                         read_timeout=30)
-    env = LmdbEnv(root / "index")
-    cache = BlockCache(env, root / "cache", capacity=1 << 40, policy="keep")
+    client, env, cache = _client_and_cache(endpoint, in_flight, root)
     url = urllib.parse.urlsplit(endpoint)
     done: queue.SimpleQueue[tuple[str, str, bytes, dict[str, str]] | None] = queue.SimpleQueue()
 
