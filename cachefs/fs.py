@@ -164,6 +164,17 @@ DIR_CACHE = 65536
 # only costs its next reader the ESTALE of a read, as before it was remembered).
 CHANGED = 4096
 MARKING = -1  # (the tick of a mark whose invalidation is being asked for on the trio thread)
+#: Longest wait, in seconds, of a lookup of a version a GET saw replaced for the listing
+#: made since (see FileSystem.lookup). A LIST across regions takes well under a second;
+#: when S3 lists slowly or not at all (throttled or failing LISTs, an outage, a directory
+#: of many pages), the lookup answers after this long with the listing it has, as before
+#: the version was marked, rather than after up to --retry-deadline, during which the
+#: process in the LOOKUP cannot even be killed.
+REFRESH_WAIT = 2.0
+#: Seconds during which a version whose lookup gave up waiting (REFRESH_WAIT) is not
+#: marked again by the next GET that sees it replaced: while S3 does not list, each open
+#: would otherwise wait that long again.
+REMARK_AFTER = 60.0
 # Files whose opens the native loop may answer, remembered for the handles it reports
 # (an inode is one version, so its node never changes; an inode forgotten here is
 # resolved again).
@@ -201,6 +212,10 @@ class FileSystem:
         self._changed: collections.OrderedDict[tuple[str, str], int] = (
             collections.OrderedDict())
         self._changed_lock = threading.Lock()
+        # (key, ETag) -> when a lookup gave up waiting for its listing (trio thread only;
+        # bounded by CHANGED): not marked again for REMARK_AFTER seconds
+        self._waited_in_vain: collections.OrderedDict[tuple[str, str], float] = (
+            collections.OrderedDict())
         fetcher.on_changed = self.object_changed
         # Files that will be read next: the sampler's order (hints) and directory walks;
         # directories read in no predictable order are swept.
@@ -292,9 +307,16 @@ class FileSystem:
         if entry is not None and not entry.is_dir and self._outdated(parent.path, entry):
             # A GET saw this version replaced in S3: the kernel asks here again after an
             # open answered ESTALE (see open_now), once, and must get the new version's
-            # inode, so the answer waits for the listing made since.
-            await self.metadata.refreshed(parent.path, self._changed.get(
-                (parent.path + entry.name.decode("utf-8", "surrogateescape"), entry.etag), 0))
+            # inode, so the answer waits for the listing made since -- for REFRESH_WAIT
+            # at most: a listing S3 does not give would hold it for the retry deadline.
+            mark = (parent.path + entry.name.decode("utf-8", "surrogateescape"), entry.etag)
+            with trio.move_on_after(REFRESH_WAIT) as wait:
+                await self.metadata.refreshed(parent.path, self._changed.get(mark, 0))
+            if wait.cancelled_caught:
+                self._waited_in_vain[mark] = trio.current_time()
+                self._waited_in_vain.move_to_end(mark)
+                if len(self._waited_in_vain) > CHANGED:
+                    self._waited_in_vain.popitem(last=False)
             entry = await self.metadata.lookup(parent.path, name)
             if entry is not None and not entry.is_dir:
                 # Still named (the refresh failed, or a listing this late names it): the
@@ -354,9 +376,17 @@ class FileSystem:
         kernel never retries a read). Handles open already keep their version (its
         cached bytes, or ESTALE for what S3 no longer has): nothing here touches them.
         The mark comes first, so an open that finds the directory's epoch ended finds
-        the mark too."""
+        the mark too. A lookup waits REFRESH_WAIT at most; a version whose lookup waited
+        that long in vain (S3 does not list) is not marked again for REMARK_AFTER seconds:
+        its directory is only refreshed, as before marks existed."""
         prefix = parent_prefix(obj.key)
         mark = (obj.key, obj.etag)
+        waited = self._waited_in_vain.get(mark)
+        if waited is not None:
+            if trio.current_time() - waited < REMARK_AFTER:
+                self.metadata.invalidate(prefix)  # (refreshed, but no lookup waits for it)
+                return
+            del self._waited_in_vain[mark]
         since = self._changed.get(mark)
         if since is not None and self.metadata.refresh_pending(prefix, since):
             return  # (another block's load: the refresh asked for then is still to come)

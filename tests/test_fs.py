@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+import cachefs.fs as fs_mod
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
@@ -414,6 +415,50 @@ def test_an_open_after_a_load_ahead_saw_the_change_finds_the_new_version(world: 
         assert await fs.read(held, 0, BS) == bytes(range(BS))
         with pytest.raises(ObjectChanged):
             await fs.read(held, 2 * BS, BS)
+
+    world.run(body)
+
+
+def test_a_lookup_waits_for_a_changed_versions_listing_only_briefly(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When S3 does not list (LISTs throttled or failing, an outage) the listing a lookup
+    of a changed version waits for may take the whole retry deadline, and a process in a
+    LOOKUP the daemon holds cannot even be killed: the wait is bounded (REFRESH_WAIT).
+    Then the lookup answers with the listing it has, as before the version was marked (the
+    open goes on: cached bytes, ESTALE at the first read of what S3 no longer has), and a
+    GET that sees the same change again soon after does not make the next lookup wait
+    again."""
+    monkeypatch.setattr(fs_mod, "REFRESH_WAIT", 0.2)
+
+    async def body(fs: FileSystem) -> None:
+        b = await fs.lookup(ROOT_INODE, b"b.bin")
+        await fs.metadata.settled("ds/")
+        world.store.put("ds/b.bin", b"B" * 150)
+        limiter = fs.metadata._limiter  # the refresh never runs in this test
+        holders = [object() for _ in range(int(limiter.total_tokens))]
+        for h in holders:
+            await limiter.acquire_on_behalf_of(h)
+        old = ObjectVersion(b.path, b.etag, b.size)
+
+        async def a_get_sees_the_change(index: int) -> None:
+            fs.fetcher.load_ahead(old, index, fs.fetcher.block_id(old, index), reserved=0)
+            with pytest.raises(ObjectChanged):
+                await fs.fetcher.wait_loaded(fs.fetcher.block_id(old, index))
+
+        await a_get_sees_the_change(2)
+        with pytest.raises(FsError) as ei:
+            fs.open_now(b.ino)  # marked: the kernel looks the name up again...
+        assert ei.value.errno == errno.ESTALE
+        with trio.fail_after(10):  # (a hang guard: the wait is 0.2 s)
+            again = await fs.lookup(ROOT_INODE, b"b.bin")  # ...and gets an answer
+        assert again.ino == b.ino  # the listing it has: the old version
+        fs.open_now(b.ino)  # its open goes on, as before the mark
+        # Another GET sees the same change moments later: no mark, no wait again.
+        await a_get_sees_the_change(3)
+        assert not fs._outdated("ds/", b)
+        fs.open_now(b.ino)
+        with trio.fail_after(10):
+            assert (await fs.lookup(ROOT_INODE, b"b.bin")).ino == b.ino
 
     world.run(body)
 
