@@ -27,7 +27,8 @@ after which the async method of the same name answers it on the trio thread.
 ``_handles`` is only changed by single dictionary operations (atomic under the
 GIL) and handle numbers come from one counter; ``_changed`` (versions a GET found
 replaced) is read on any thread with one dictionary lookup and changed under
-``_changed_lock``; ``_dirs`` is guarded by
+``_changed_lock``; ``_waited_in_vain`` (versions whose lookup gave up waiting for
+their listing) is the trio thread's only; ``_dirs`` is guarded by
 ``_dirs_lock``. The handles the native loop opened and released are reported to
 :meth:`adopt_open`/:meth:`adopt_release` on any thread, one batch at a time and in
 the loop's order (see :mod:`cachefs.fuse.native`); ``_adoptable`` (the files given an
@@ -181,6 +182,12 @@ REMARK_AFTER = 60.0
 ADOPTABLE = 65536
 
 
+def _mark(prefix: str, entry: Entry | Node) -> tuple[str, str]:
+    """The (key, ETag) a version a GET saw replaced is remembered by, of file ``entry``
+    of directory ``prefix`` (as :meth:`FileSystem.object_changed` names it)."""
+    return prefix + entry.name.decode("utf-8", "surrogateescape"), entry.etag
+
+
 class FileSystem:
     def __init__(self, metadata: Metadata, fetcher: Fetcher, *, root_prefix: str,
                  max_readahead: int, prefetcher: Prefetcher, read_order: ReadOrder,
@@ -309,7 +316,7 @@ class FileSystem:
             # open answered ESTALE (see open_now), once, and must get the new version's
             # inode, so the answer waits for the listing made since -- for REFRESH_WAIT
             # at most: a listing S3 does not give would hold it for the retry deadline.
-            mark = (parent.path + entry.name.decode("utf-8", "surrogateescape"), entry.etag)
+            mark = _mark(parent.path, entry)
             with trio.move_on_after(REFRESH_WAIT) as wait:
                 await self.metadata.refreshed(parent.path, self._changed.get(mark, 0))
             if wait.cancelled_caught:
@@ -409,8 +416,7 @@ class FileSystem:
         otherwise the version is no longer listed (its inode answers ESTALE anyway)."""
         if not self._changed:
             return False
-        name = entry.name.decode("utf-8", "surrogateescape")
-        since = self._changed.get((prefix + name, entry.etag))
+        since = self._changed.get(_mark(prefix, entry))
         if since is None:
             return False
         if since == MARKING or self.metadata.refresh_pending(prefix, since):
@@ -420,9 +426,8 @@ class FileSystem:
 
     def _forget_change(self, prefix: str, entry: Entry | Node) -> None:
         if self._changed:
-            mark = (prefix + entry.name.decode("utf-8", "surrogateescape"), entry.etag)
             with self._changed_lock:
-                self._changed.pop(mark, None)
+                self._changed.pop(_mark(prefix, entry), None)
 
     # -- directories ----------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:

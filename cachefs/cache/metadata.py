@@ -738,7 +738,7 @@ class Metadata:
                     continue  # queued (or found listed) lately
                 self._asked_ahead[d] = now
                 self._asked_ahead.move_to_end(d)
-                if d not in self._inflight and self._index.row(d) is None:
+                if self._unlisted(d):
                     unlisted.append(d)
             while len(self._asked_ahead) > AHEAD_QUEUE:
                 self._asked_ahead.popitem(last=False)
@@ -764,7 +764,7 @@ class Metadata:
         lists the others one by one, as before."""
         assert self._nursery is not None
         listings = [self._register(folder) for folder in folders
-                    if folder not in self._inflight and self._index.row(folder) is None]
+                    if self._unlisted(folder)]
         if listings:
             self._flat_running += 1
             self._nursery.start_soon(self._run_flat, parent, listings)
@@ -788,8 +788,7 @@ class Metadata:
                 log.info("a flat listing of %r failed (%s); listing its folders one by one",
                          parent or "/", exc)
             for folder in found:
-                if folder not in pending and folder not in self._inflight \
-                        and self._index.row(folder) is None:
+                if folder not in pending and self._unlisted(folder):
                     pending[folder] = self._register(folder)
             whole = [(pending[folder], *found[folder]) for folder in found if folder in pending]
             if whole:
@@ -890,6 +889,10 @@ class Metadata:
         if follow and self._root is not None and self.list_ahead_workers:
             self.next_dir(prefix, self._root)
         return listing
+
+    def _unlisted(self, prefix: str) -> bool:
+        """Whether ``prefix`` has no listing, and none in flight (trio thread)."""
+        return prefix not in self._inflight and self._index.row(prefix) is None
 
     def _register(self, prefix: str) -> _Listing:
         """A new listing of ``prefix`` in flight (trio thread): callers join it from now on."""
