@@ -680,9 +680,11 @@ def test_opendir_lists_subdirectories_ahead(env: LmdbEnv) -> None:
 
 def test_a_new_mount_lists_the_path_a_walk_in_name_order_starts_on(env: LmdbEnv) -> None:
     """At mount: the root, its first sub-directory, that one's first, and so on down,
-    before any reader asks (a reader in name order then waits for no LIST per level);
-    no other directory, and nothing listed again over listings kept from a mount before.
-    With --list-ahead 0 (on demand only) nothing."""
+    before any reader asks (a reader in name order then waits for no LIST per level),
+    in two requests: the root's LIST and one flat page of the root (the mount page),
+    which lists every folder it holds whole at any depth, the other folders too;
+    nothing listed again over listings kept from a mount before. With --list-ahead 0
+    (on demand only) nothing."""
     store = MemoryStore()
     for top in ("ds", "other"):
         for d in range(3):
@@ -697,12 +699,15 @@ def test_a_new_mount_lists_the_path_a_walk_in_name_order_starts_on(env: LmdbEnv)
             while any(md.listed_at(d) is None for d in path):
                 await trio.sleep(0.01)
         await trio.sleep(0.05)
-        assert store.calls["list"] == len(path)
-        assert md.listed_at("ds/c01/") is None and md.listed_at("other/") is None
+        assert store.calls["list"] == 2
+        for folder in ("ds/c02/sub/", "other/", "other/c01/"):  # (whole in the page)
+            assert md.listed_at(folder) is not None, folder
+        assert [e.name for e in md.iter_entries("ds/c01/")] == [b"f", b"sub"]
+        assert [e.name for e in md.iter_entries("ds/")] == [b"c00", b"c01", b"c02"]
         assert await md.lookup("ds/c00/", b"f") is not None
         md.list_at_mount("")
         await trio.sleep(0.05)
-        assert store.calls["list"] == len(path)
+        assert store.calls["list"] == 2
 
     run_with_metadata(env, store, body, list_ahead=2, root="")
 
@@ -715,6 +720,93 @@ def test_a_new_mount_lists_the_path_a_walk_in_name_order_starts_on(env: LmdbEnv)
         assert fresh.calls["list"] == 0 and md.listed_at("fresh/") is None
 
     run_with_metadata(env, fresh, on_demand, list_ahead=0, root="fresh/")
+
+
+def test_a_mount_page_that_holds_no_folder_whole_lists_nothing(env: LmdbEnv) -> None:
+    """A first folder larger than a page: the mount page holds no folder whole and
+    writes nothing (a folder it cuts is never written from it); the path is listed one
+    LIST per level as before, every folder whole."""
+    store = MemoryStore(page_size=4)
+    for f in range(6):
+        store.put(f"t/big/f{f}", b"x")
+    store.put("t/small/f", b"x")
+
+    async def body(md: Metadata) -> None:
+        md.list_at_mount("t/")
+        await _wait_listed(md, ["t/", "t/big/"])
+        await trio.sleep(0.05)
+        assert [e.name for e in md.iter_entries("t/big/")] == [
+            f"f{f}".encode() for f in range(6)]
+        assert md.listed_at("t/small/") is None  # (past the page)
+        # the root's LIST, the mount page, and t/big/'s two pages
+        assert store.calls["list"] == 4, store.calls
+
+    run_with_metadata(env, store, body, list_ahead=2, root="t/")
+
+
+class _HeldFlatPages(MemoryStore):
+    """A MemoryStore whose flat LISTs wait for ``release`` (set from the test); ``calls``
+    counts a flat LIST once it is answered, ``flat`` when it is asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.flat = 0
+
+    def list_page(self, prefix: str, token: str | None, start_after: str | None = None,
+                  exchange: Any = None, *, flat: bool = False) -> Any:
+        if flat:
+            self.flat += 1
+            assert self.release.wait(10)
+        return super().list_page(prefix, token, start_after, exchange, flat=flat)
+
+
+def test_a_readers_first_listing_joins_the_mount_page_in_flight(env: LmdbEnv) -> None:
+    """A reader's lookup in a folder under the root while the mount page is in flight
+    waits for the page, which lists the folder, instead of sending a LIST of its own;
+    one page that never comes holds it at most MOUNT_PAGE_WAIT, then it lists alone."""
+    store = _HeldFlatPages()
+    for d in range(3):
+        store.put(f"t/c{d}/f", b"x")
+
+    async def body(md: Metadata) -> None:
+        md.list_at_mount("t/")
+        with trio.fail_after(5):
+            assert await md.lookup("t/", b"c1") is not None  # (the root's own LIST)
+        found: list[Any] = []
+
+        async def reader() -> None:
+            found.append(await md.lookup("t/c1/", b"f"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(0.2)
+            # the root's LIST answered, the page held: no LIST of t/c1/, the reader waits
+            assert not found and store.calls["list"] == 1 and store.flat == 1
+            store.release.set()
+        assert found[0] is not None
+        await _wait_listed(md, ["t/c0/", "t/c2/"])
+        assert store.calls["list"] == 2
+
+    run_with_metadata(env, store, body, list_ahead=2, root="t/")
+
+
+def test_a_mount_page_that_never_comes_holds_a_reader_only_briefly(
+        env: LmdbEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cachefs.cache.metadata as metadata_module
+
+    monkeypatch.setattr(metadata_module, "MOUNT_PAGE_WAIT", 0.3)
+    store = _HeldFlatPages()
+    store.put("t/c0/f", b"x")
+
+    async def body(md: Metadata) -> None:
+        md.list_at_mount("t/")
+        with trio.fail_after(5):
+            assert await md.lookup("t/c0/", b"f") is not None  # (its own LIST, after 0.3 s)
+        assert store.flat == 1 and store.calls["list"] == 2  # (the page still held)
+        store.release.set()
+
+    run_with_metadata(env, store, body, list_ahead=2, root="t/")
 
 
 def test_next_dir_names_the_following_directory_and_lists_it_ahead(env: LmdbEnv) -> None:

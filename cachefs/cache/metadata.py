@@ -54,7 +54,10 @@ folders after the one it is in (:meth:`Metadata.next_dir`; a bounded queue, take
 first and in the order asked: the walk stops at the first one not listed), and
 ``list_ahead`` workers list them before the walker gets there; a new mount lists the
 path a walk in name order starts on (the root, its first sub-directory, and so on down:
-:meth:`Metadata.list_at_mount`).
+:meth:`Metadata.list_at_mount`), and with the root's LIST, one flat page of the root
+(the mount page) that lists every folder it holds whole, at any depth: while it is in
+flight, a first listing of a folder under the root waits for it (at most
+MOUNT_PAGE_WAIT) instead of sending a LIST of its own.
 Reads of LMDB run on the trio thread and the FUSE request
 workers (lock-free snapshots); writes in the listing threads, a transaction per
 batch of names (LMDB lets one writer in at a time; the others wait in their
@@ -119,6 +122,12 @@ NEXT_SCANS = 64
 #: Levels below the mount's root that list_at_mount() lists, each its parent's first
 #: sub-directory (s3://bucket/ds/train/class000/: three).
 LIST_AT_MOUNT_DEPTH = 4
+#: Folders below a flat page's parent written from it, at most this many levels deep (a
+#: nested dataset's train/class/ folders are two).
+FLAT_DEPTH = 4
+#: A first listing of a folder under the root waits at most this long for the mount page
+#: in flight (a page slowed by retries must not hold a reader past its own LIST's time).
+MOUNT_PAGE_WAIT = 2.0
 #: Names first_file_now() looks at for a directory's first file (sub-directories first).
 FIRST_FILE_SCAN = 64
 #: Entries of recent lookups kept in memory by inode, so the open (or getattr) that
@@ -276,6 +285,10 @@ class Metadata:
         self._ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
         self._next_ahead: collections.deque[str] = collections.deque(maxlen=AHEAD_QUEUE)
         self._flat_running = 0  # flat listings in flight (trio thread)
+        # Set once the mount page's folders are registered as listings in flight (or it
+        # failed); None when no mount page is in flight (trio thread).
+        self._mount_page: trio.Event | None = None
+        self._mount_page_until = 0.0  # (trio clock) waits for it end then at the latest
         # Directories next_dir() queued to be listed ahead, and when (trio thread; bounded
         # by AHEAD_QUEUE): a walk asks at every top-up, and each ask would otherwise look
         # each following directory up in the index again.
@@ -533,6 +546,22 @@ class Metadata:
         await listing.progress.wait()
         return listing
 
+    async def _after_mount_page(self, prefix: str) -> bool:
+        """Before a first listing of ``prefix``, a folder under the root: wait for the
+        mount page in flight, which may list it at no request more (trio thread). The
+        wait ends once the page's folders are listings in flight (callers then join
+        them), or MOUNT_PAGE_WAIT after the page started. True if it waited: the caller
+        looks again."""
+        page = self._mount_page
+        if page is None or page.is_set() or prefix == self._root \
+                or (self._root is not None and not prefix.startswith(self._root)) \
+                or trio.current_time() >= self._mount_page_until \
+                or not self._unlisted(prefix):
+            return False
+        with trio.move_on_at(self._mount_page_until):
+            await page.wait()
+        return True
+
     def _check(self, listing: _Listing, prefix: str) -> None:
         if listing.error is not None and self.view(prefix) is None:
             raise listing.error
@@ -546,6 +575,8 @@ class Metadata:
                 return
             if self._store is None:
                 return  # a manifest mount: a directory it does not have is empty
+            if await self._after_mount_page(prefix):
+                continue
             listing = self._start(prefix, follow=True)
             await listing.done.wait()
             self._check(listing, prefix)
@@ -561,6 +592,8 @@ class Metadata:
                 return self._get(v.version, name)
             if self._store is None:
                 return None
+            if await self._after_mount_page(prefix):
+                continue
             listing = await self._wait(prefix)
             self._check(listing, prefix)
             if listing.error is not None:
@@ -577,6 +610,8 @@ class Metadata:
                 return v
             if self._store is None:
                 return v
+            if await self._after_mount_page(prefix):
+                continue
             listing = await self._wait(prefix)
             self._check(listing, prefix)
             if listing.error is not None:
@@ -664,13 +699,21 @@ class Metadata:
         its first sub-directory, and so on down, at most :data:`LIST_AT_MOUNT_DEPTH`
         levels. Every access needs the root's listing, and a reader in name order each
         first directory next: its first open then waits for no LIST across regions per
-        level. A listing kept from an earlier mount is not listed again (a stale one is
-        refreshed when used). Not with ``--list-ahead 0`` (lists only on demand)."""
+        level. With the root's LIST goes one flat page of the root (the mount page,
+        :meth:`_start_mount_page`): the folders it holds whole are listed by it, so the
+        first levels cost one round trip in all, not one each, and a walk through folders
+        of few files finds the first hundreds listed. A listing kept from an earlier
+        mount is not listed again (a stale one is refreshed when used). Not with
+        ``--list-ahead 0`` (lists only on demand)."""
         if self._store is not None and self.list_ahead_workers and self._nursery is not None:
+            if self._unlisted(root):  # (now: a reader's first lookup may come before the task)
+                self._start_mount_page(root)
             self._nursery.start_soon(self._list_first_path, root)
 
     async def _list_first_path(self, prefix: str) -> None:
         for _ in range(LIST_AT_MOUNT_DEPTH + 1):
+            if self._index.row(prefix) is None:
+                await self._after_mount_page(prefix)
             if self._index.row(prefix) is None:
                 listing = self._start(prefix)
                 await listing.done.wait()
@@ -685,6 +728,19 @@ class Metadata:
             if first is None:
                 return
             prefix += first.name.decode("utf-8", "surrogateescape") + "/"
+
+    def _start_mount_page(self, root: str) -> None:
+        """Start the mount page: one flat LIST of ``root`` from its first key, beside the
+        root's own LIST (trio thread). Across regions each level of a path costs a round
+        trip when listed one LIST at a time (the root, then its first folder, ...); the
+        page lists every folder it holds whole, at any depth up to FLAT_DEPTH, in the one
+        round trip the root's LIST takes anyway. A bucket whose first folder is larger
+        than a page gets nothing from it, at the cost of one request."""
+        assert self._nursery is not None
+        self._mount_page = page = trio.Event()
+        self._mount_page_until = trio.current_time() + MOUNT_PAGE_WAIT
+        self._flat_running += 1
+        self._nursery.start_soon(self._run_flat, root, [], root, page)
 
     def next_dir(self, prefix: str, root: str) -> str | None:
         """The directory after ``prefix`` in its parent's listing, or None (``prefix``
@@ -769,27 +825,33 @@ class Metadata:
             self._flat_running += 1
             self._nursery.start_soon(self._run_flat, parent, listings)
 
-    async def _run_flat(self, parent: str, listings: list[_Listing]) -> None:
-        """Run the flat listing :meth:`_start_flat` registered ``listings`` for: one page,
+    async def _run_flat(self, parent: str, listings: list[_Listing], first: str | None = None,
+                        registered: trio.Event | None = None) -> None:
+        """Run the flat listing :meth:`_start_flat` registered ``listings`` for (or, for
+        the mount page, the one from folder ``first`` on, with none): one page,
         then every folder it holds whole written as its listing, in one worker thread
         (a hand-over per folder kept a walk through hundreds of folders of two files
         waiting for the next folders' listings: GETs in flight fell to 0 at each page).
         The page's other whole folders that have no listing and none in flight are
         registered and written with them: they cost no request, and the next flat
         listing then starts that much further ahead of the walk. ``listings`` the page
-        does not hold whole are listed one by one, as any listing."""
+        does not hold whole are listed one by one, as any listing. ``registered`` is set
+        once the page's folders are listings in flight, or the page failed."""
         pending = {listing.prefix: listing for listing in listings}
         try:
             found: dict[str, tuple[list[ObjectInfo], list[str]]] = {}
             try:
                 found = await trio.to_thread.run_sync(
-                    self._flat_sync, parent, min(pending), limiter=self._limiter)
+                    self._flat_sync, parent, min(pending) if first is None else first,
+                    limiter=self._limiter)
             except Exception as exc:  # (the folders are listed one by one instead)
                 log.info("a flat listing of %r failed (%s); listing its folders one by one",
                          parent or "/", exc)
             for folder in found:
                 if folder not in pending and self._unlisted(folder):
                     pending[folder] = self._register(folder)
+            if registered is not None:
+                registered.set()  # (readers waiting for the page join its folders now)
             whole = [(pending[folder], *found[folder]) for folder in found if folder in pending]
             if whole:
                 written = await trio.to_thread.run_sync(self._write_all_listed, whole,
@@ -807,6 +869,10 @@ class Metadata:
                 pending.clear()
         finally:
             self._flat_running -= 1
+            if registered is not None:
+                registered.set()
+                if self._mount_page is registered:
+                    self._mount_page = None
             for listing in pending.values():  # cancelled (unmount): nobody will list them
                 self._unregister(listing)
 
@@ -814,9 +880,10 @@ class Metadata:
                    ) -> dict[str, tuple[list[ObjectInfo], list[str]]]:
         """One page of the flat listing of ``parent`` from folder ``first`` on: what a
         delimiter listing of each folder the page holds whole would have said (its
-        objects, and its sub-directories as common prefixes), by folder, in order. A
-        folder counts as held whole when the page has keys of it and ends past it (or is
-        the last page): S3 lists keys in order, so a folder's keys come together. Worker
+        objects, and its sub-directories as common prefixes), by folder, parents before
+        their folders; folders at most FLAT_DEPTH levels below ``parent``. A folder
+        counts as held whole when the page has keys of it and ends past it (or is the
+        last page): S3 lists keys in order, so a folder's keys come together. Worker
         thread."""
         assert self._store is not None
         page = self._store.list_page(parent, None, first[:-1], flat=True)
@@ -824,18 +891,22 @@ class Metadata:
         subdirs: dict[str, dict[str, None]] = {}
         for obj in page.objects:
             rest = obj.key[len(parent):]
-            slash = rest.find("/")
-            if slash < 0:
-                continue  # (a file of the parent itself: not the folders' business)
-            folder = parent + rest[:slash + 1]
-            below = rest[slash + 1:]
-            deeper = below.find("/")
-            if deeper < 0:
-                objects.setdefault(folder, []).append(obj)
-            else:
-                objects.setdefault(folder, [])
-                subdirs.setdefault(folder, {})[folder + below[:deeper + 1]] = None
+            folder = parent  # (level 0: the parent itself, whose files are not listed here)
+            for level in range(FLAT_DEPTH + 1):
+                slash = rest.find("/")
+                if slash < 0:
+                    if level:
+                        objects[folder].append(obj)
+                    break
+                below = folder + rest[:slash + 1]
+                if level:
+                    subdirs.setdefault(folder, {})[below] = None
+                if level == FLAT_DEPTH:
+                    break  # (a sub-directory of the deepest folder written: not listed)
+                objects.setdefault(below, [])
+                folder, rest = below, rest[slash + 1:]
         cut = page.objects[-1].key if page.next_token is not None and page.objects else None
+        # (a folder below ``first`` is >= it too: ``first`` is a sub-directory of ``parent``)
         return {folder: (found, list(subdirs.get(folder, ())))
                 for folder, found in objects.items()
                 if folder >= first and not (cut is not None and cut.startswith(folder))}
@@ -865,6 +936,7 @@ class Metadata:
             else:
                 await self._ahead_lot.park()
                 continue
+            await self._after_mount_page(prefix)
             if prefix in self._inflight or self.listed_at(prefix) is not None:
                 continue
             listing = self._start(prefix)
