@@ -289,6 +289,7 @@ class Metadata:
         # failed); None when no mount page is in flight (trio thread).
         self._mount_page: trio.Event | None = None
         self._mount_page_until = 0.0  # (trio clock) waits for it end then at the latest
+        self._mount_page_root = ""  # the prefix it lists
         # Directories next_dir() queued to be listed ahead, and when (trio thread; bounded
         # by AHEAD_QUEUE): a walk asks at every top-up, and each ask would otherwise look
         # each following directory up in the index again.
@@ -552,9 +553,8 @@ class Metadata:
         wait ends once the page's folders are listings in flight (callers then join
         them), or MOUNT_PAGE_WAIT after the page started. True if it waited: the caller
         looks again."""
-        page = self._mount_page
-        if page is None or page.is_set() or prefix == self._root \
-                or (self._root is not None and not prefix.startswith(self._root)) \
+        page, root = self._mount_page, self._mount_page_root
+        if page is None or page.is_set() or prefix == root or not prefix.startswith(root) \
                 or trio.current_time() >= self._mount_page_until \
                 or not self._unlisted(prefix):
             return False
@@ -738,6 +738,7 @@ class Metadata:
         than a page gets nothing from it, at the cost of one request."""
         assert self._nursery is not None
         self._mount_page = page = trio.Event()
+        self._mount_page_root = root
         self._mount_page_until = trio.current_time() + MOUNT_PAGE_WAIT
         self._flat_running += 1
         self._nursery.start_soon(self._run_flat, root, [], root, page)
