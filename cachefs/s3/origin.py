@@ -329,7 +329,11 @@ class _Job(Generic[T]):
 
     def __init__(self, exchange: Exchange, waiting: _Waiting[T], background: bool) -> None:
         self.exchange = exchange
-        self.waiting = waiting
+        # None once landed: the job is then in ``waiting.landed``, and a job that kept
+        # ``waiting`` would make a cycle (job -> waiting -> landed -> job) holding the
+        # answer's bytes until a full collection of the cyclic GC, which the daemon
+        # spaces out (cachefs.gcpolicy): GiBs of blocks read long ago stayed in memory.
+        self.waiting: _Waiting[T] | None = waiting
         self.background = background
         self.result: outcome.Outcome[T] | None = None
         self.outages = 0
@@ -608,7 +612,8 @@ class Origin:
         elif (isinstance(result, outcome.Error) and isinstance(result.error, TransientStoreError)
               and result.error.throttled):
             self.limit.throttled(job.exchange.sent_at)
-        waiting = job.waiting
+        waiting, job.waiting = job.waiting, None  # (no cycle: see _Job)
+        assert waiting is not None  # (a job lands once)
         waiting.landed.append(job)
         task, waiting.task = waiting.task, None
         if task is not None:
