@@ -119,6 +119,28 @@ def test_a_pool_opening_exactly_a_directorys_first_files_is_trusted_at_once() ->
     assert n == 10, f"requests started after open {n}"
 
 
+def test_a_walk_from_its_directorys_first_file_starts_with_a_larger_window() -> None:
+    """A walk whose opens are exactly its directory's first files (odds below
+    FROM_START_ODDS for shuffled readers) requests 2**FROM_START_WINDOW files at its
+    fourth open, not 4 doubling with each later open (each doubling waited a round of
+    GETs across regions); the same walk starting elsewhere in the directory, or in a
+    directory whose walks were penalised, starts at 4 as before."""
+    def first_file(prefix: str) -> tuple[int, int]:
+        return INO[NAMES[0]], len(NAMES)
+
+    for start, penalised, want in ((0, False, 32), (500, False, 4),
+                                   (0, True, 0)):
+        f = FakePrefetcher()
+        la = DirectoryLookahead(f, iter_after, first_file=first_file)  # type: ignore[arg-type]
+        if penalised:
+            la._punish(DIR)
+        for name in NAMES[start:start + 4]:
+            la.on_open(DIR, name, INO[name])
+        assert len(f.prefetched) == want, (start, penalised, len(f.prefetched))
+        if want:
+            assert f.prefetched[0] == DIR + NAMES[start + 4].decode()
+
+
 def test_a_walk_whose_readers_wait_while_its_gets_land_is_stretched() -> None:
     """The readers wait for one slow file while the rest of the window lands: with fewer
     than a quarter of the window still being fetched and a reader waiting lately, the walk

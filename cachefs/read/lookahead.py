@@ -128,6 +128,11 @@ WAITED_LATELY = 0.5
 #: in this many tries (C(files, opens needed): 4 opens of 41 files and more; a directory
 #: of 20 files would be 1 in 4,845, and a run of 20-file folders gives many tries).
 FROM_START_ODDS = 100_000
+#: ... and such a walk (its directory not penalised) starts with a window of at least
+#: 2**FROM_START_WINDOW files, not 4 doubling with each open: its readers' next opens wait
+#: for their files, so each doubling costs a round of GETs across regions (at 200 ms, the
+#: window reached the link's bandwidth-delay product ~0.3 s after the first opens).
+FROM_START_WINDOW = 5
 _MASK = (1 << SPAN) - 1
 
 WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
@@ -416,11 +421,16 @@ class DirectoryLookahead:
             self._punish(key[0])
         return _Walk(name, ino)
 
+    def _base(self, prefix: str) -> int:
+        """The opens a walk of ``prefix`` needs in order: min_opens, doubled for each
+        penalty of the directory and of its parent's folders."""
+        return self.min_opens << (self._penalty.get(prefix, 0)
+                                  + self._skips.get(parent_prefix(prefix), 0))
+
     def _in_order(self, prefix: str, walk: _Walk) -> bool:
         # Opens arriving out of order by k positions need 2k more to tell a pool of readers
         # in order from shuffled readers in a small directory ...
-        base = self.min_opens << (self._penalty.get(prefix, 0)
-                                  + self._skips.get(parent_prefix(prefix), 0))
+        base = self._base(prefix)
         need = base + 2 * walk.spread
         n = walk.count()
         if n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need:
@@ -429,7 +439,14 @@ class DirectoryLookahead:
         # starting a walk (a DataLoader over class folders in name order) does, shuffled
         # readers of a large directory almost never (see FROM_START_ODDS). Trusted a round
         # of GETs earlier, at the pool's first opens (asked once per walk: an index read).
-        if walk.spread == 0 or n < base or n != walk.span() or self._first_file is None:
+        return walk.spread != 0 and self._from_start(prefix, walk, base)
+
+    def _from_start(self, prefix: str, walk: _Walk, base: int) -> bool:
+        """Whether the walk opened exactly its directory's first files, each of them, at
+        least ``base``, where shuffled readers would do so less than once in
+        FROM_START_ODDS tries."""
+        n = walk.count()
+        if n < base or n != walk.span() or self._first_file is None:
             return False
         if walk.first < 0:
             found = self._first_file(prefix)
@@ -444,7 +461,11 @@ class DirectoryLookahead:
         if ((walk.carried and walk.carried_to is None) or walk.hi < walk.retry_at
                 or not self._in_order(key[0], walk)):
             return 0
-        window: int = min(self.max_files, 1 << max(2, walk.count() - self.min_opens + 2))
+        doublings = max(2, walk.count() - self.min_opens + 2)
+        if doublings < FROM_START_WINDOW and self._base(key[0]) == self.min_opens \
+                and self._from_start(key[0], walk, self.min_opens):
+            doublings = FROM_START_WINDOW
+        window: int = min(self.max_files, 1 << doublings)
         if in_flight is not None:
             if walk.issued_ino <= walk.hi and walk.carried_to is None:
                 return 0  # its readers caught up: their opens top the window up
