@@ -270,3 +270,24 @@ def test_file_checksums_stable_across_many_files(bucket, mount_factory):
     m = mount_factory(f"s3://{name}/many", "--block-size", "64K")
     got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in m.path.iterdir()}
     assert got == expected
+
+
+def test_an_unmount_refused_for_open_files_names_who_holds_them(bucket, mount_factory):
+    """`cachefs unmount` of a mount with a file open fails (exit 1) with one line that
+    names the process holding it and the way out (--lazy), not only fusermount3's
+    "Device or resource busy"; once the file is closed it unmounts."""
+    from tests.conftest import run_cachefs
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="held.bin", Body=b"x" * 1000)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K")
+    with open(m.path / "held.bin", "rb") as f:
+        assert f.read() == b"x" * 1000
+        proc = run_cachefs("unmount", str(m.path))
+        assert proc.returncode == 1
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert f"pid {os.getpid()} " in lines[0] and "--lazy" in lines[0], lines[0]
+        assert is_mounted(m.path)
+    assert run_cachefs("unmount", str(m.path)).returncode == 0
+    assert not is_mounted(m.path)

@@ -310,11 +310,43 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
+        if not args.lazy and "busy" in reason.lower():
+            users = _users_of(mp)
+            reason += ("; in use by " + ", ".join(users) if users else "; files are open under it")
+            reason += " (close them, or --lazy: detach now, and their reads then fail)"
         print(f"cachefs: error: cannot unmount {mp}: {reason}", file=sys.stderr)
         return 1
     if info is not None:
         _wait_for_exit(int(info["pid"]), args.timeout)
     return 0
+
+
+def _users_of(mp: Path, most: int = 5) -> list[str]:
+    """'pid (command)' of up to ``most`` processes with a descriptor or working directory
+    under ``mp`` (what makes an unmount busy), as far as /proc lets this user see."""
+    inside = str(mp).rstrip("/") + "/"
+    users: list[str] = []
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+        links = [f"/proc/{pid}/cwd"]
+        try:
+            links += [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            pass  # (gone, or another user's)
+        for link in links:
+            try:
+                target = os.readlink(link)
+            except OSError:
+                continue
+            if target == inside[:-1] or target.startswith(inside):
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        users.append(f"pid {pid} ({f.read().strip()})")
+                except OSError:
+                    users.append(f"pid {pid}")
+                break
+        if len(users) >= most:
+            break
+    return users
 
 
 def _wait_for_exit(pid: int, timeout: float) -> None:
