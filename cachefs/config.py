@@ -248,7 +248,11 @@ def _opt_s3_url(value: Any) -> S3Url | None:
 OPTIONS: tuple[Option, ...] = (
     Option("cache_dir", _path, None, "Directory for the block cache and metadata (required).",
            metavar="DIR"),
-    Option("cache_size", parse_size, "10G", "Disk cache cap (500M, 20G, 1T).", metavar="SIZE"),
+    Option("cache_size", parse_size, "10G",
+           "Disk cache cap (500M, 20G, 1T): the disk space the cache files take, each block "
+           "counted in whole file-system blocks (4 KiB), so tiny files count 4 KiB each. "
+           "The index (meta.lmdb) is beside it: a 32nd of it, 8-256 MiB, kept allocated.",
+           metavar="SIZE"),
     Option("cache_policy", _choice("keep", "lru"), "keep",
            "Eviction policy: 'keep' admits blocks until the cache is full and then keeps them "
            "(optimal for epochs over a dataset larger than the cache); 'lru' evicts the least "

@@ -362,6 +362,8 @@ class Daemon:
         prefetcher.on_fetched(DIRECTORY, lookahead.on_load_end)
 
         def free_space() -> int:  # (what is in flight will be written to the cache next)
+            # cache.used is disk space (blocks rounded up to the allocation unit); the bytes
+            # in flight are not rounded: the sweep adds the rounding of its own loads.
             return cache.capacity - cache.used - budget.used
 
         # Small files read in no predictable order: swept into free cache space, at most

@@ -212,15 +212,19 @@ CACHE_HIT_REQUESTS = Counter(
 CACHE_MISS_REQUESTS = Counter(
     "cachefs_cache_miss_requests", "Block lookups the cache could not answer", registry=REGISTRY)
 CACHE_USED_BYTES = Gauge(
-    "cachefs_cache_used_bytes", "Bytes of block data held in the disk cache", registry=REGISTRY)
+    "cachefs_cache_used_bytes", "Disk space the cached blocks take (each block's length "
+    "rounded up to the file system's allocation unit), counted against the capacity",
+    registry=REGISTRY)
 CACHE_CAPACITY_BYTES = Gauge(
-    "cachefs_cache_capacity_bytes", "Configured disk cache size", registry=REGISTRY)
+    "cachefs_cache_capacity_bytes", "Configured disk cache size (--cache-size; the index is "
+    "beside it)", registry=REGISTRY)
 CACHE_BLOCKS = Gauge(
     "cachefs_cache_blocks", "Blocks held in the disk cache", registry=REGISTRY)
 CACHE_EVICTIONS = Counter(
     "cachefs_cache_evictions", "Blocks evicted from the disk cache", registry=REGISTRY)
 CACHE_EVICTED_BYTES = Counter(
-    "cachefs_cache_evicted_bytes", "Bytes evicted from the disk cache", registry=REGISTRY)
+    "cachefs_cache_evicted_bytes", "Disk space freed by evictions (as cachefs_cache_used_bytes "
+    "counts it)", registry=REGISTRY)
 CACHE_ADMISSION_REJECTS = Counter(
     "cachefs_cache_admission_rejected", "Blocks not admitted because the cache was full "
     "(keep policy) or the disk was out of space", registry=REGISTRY)

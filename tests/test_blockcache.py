@@ -16,6 +16,7 @@ from cachefs.cache.blocks import BlockCache, block_id, object_id, split_block_id
 from cachefs.cache.lmdbenv import LmdbEnv
 
 BLOCK = 4096
+UNIT = 4096  # the allocation unit the caches charge (no more than BLOCK: blocks start on it)
 
 
 def bid(i: int, etag: str = "etag") -> bytes:
@@ -39,7 +40,8 @@ class Cache:
         self.policy = policy
         root.mkdir(parents=True, exist_ok=True)
         self.env = LmdbEnv(root / "meta.lmdb")
-        self.cache = BlockCache(self.env, root, capacity=capacity, policy=policy)
+        self.cache = BlockCache(self.env, root, capacity=capacity, policy=policy,
+                                unit=UNIT)
 
     def put(self, b: bytes, d: bytes) -> bool:
         return trio.run(self.cache.put, b, d)
@@ -53,7 +55,8 @@ class Cache:
     def reopen(self) -> None:
         self.env.close()
         self.env = LmdbEnv(self.root / "meta.lmdb")
-        self.cache = BlockCache(self.env, self.root, capacity=self.capacity, policy=self.policy)
+        self.cache = BlockCache(self.env, self.root, capacity=self.capacity, policy=self.policy,
+                                unit=UNIT)
 
     def files(self) -> list[Path]:
         return sorted(p for p in self.cache.objects_dir.rglob("*") if p.is_file())
@@ -120,12 +123,12 @@ def test_put_get_round_trip(make_cache) -> None:  # type: ignore[no-untyped-def]
     assert c.get(bid(0)) == data(0)
     assert c.get(bid(1)) == data(1, 10)
     assert c.cache.contains(bid(0)) and c.cache.length_of(bid(1)) == 10
-    assert c.cache.used == BLOCK + 10 and c.cache.block_count == 2
+    assert c.cache.used == BLOCK + UNIT and c.cache.block_count == 2, "10 bytes take a unit"
     assert c.stored(bid(0)) == data(0) and c.stored(bid(1), 10) == data(1, 10)
     assert len(c.files()) == 1, "the blocks of one object share one file"
     # Putting the same block again is a no-op that reports success.
     assert c.put(bid(0), data(0))
-    assert c.cache.used == BLOCK + 10 and c.cache.block_count == 2
+    assert c.cache.used == BLOCK + UNIT and c.cache.block_count == 2
 
 
 def test_put_now_of_a_block_stored_meanwhile_keeps_it(make_cache) -> None:  # type: ignore[no-untyped-def]
@@ -248,7 +251,7 @@ def test_lru_never_exceeds_capacity(make_cache) -> None:  # type: ignore[no-unty
         assert c.cache.used <= c.capacity
         # each block takes at most its page: evicted blocks' bytes are freed
         assert c.allocated() <= BLOCK * c.cache.block_count
-        indexed = sum(c.cache.length_of(bid(j)) or 0 for j in range(i + 1))
+        indexed = sum(c.cache.charge(c.cache.length_of(bid(j)) or 0) for j in range(i + 1))
         assert indexed == c.cache.used
         if i % 4 == 0:
             c.get(bid(i // 2))
@@ -261,11 +264,55 @@ def test_used_bytes_and_count_persist_across_reopen(make_cache) -> None:  # type
     for i in range(4):
         assert c.put(bid(i), data(i, 100 * (i + 1)))
     c.reopen()
-    assert c.cache.used == 1000 and c.cache.block_count == 4
-    assert metrics.REGISTRY.get_sample_value("cachefs_cache_used_bytes") == 1000
+    assert c.cache.used == 4 * UNIT and c.cache.block_count == 4
+    assert metrics.REGISTRY.get_sample_value("cachefs_cache_used_bytes") == 4 * UNIT
     assert c.get(bid(3)) == data(3, 400)
     assert c.put(bid(9), data(9, 10))
-    assert c.cache.used == 1010
+    assert c.cache.used == 5 * UNIT
+
+
+def tiny_bid(i: int) -> bytes:
+    """Block 0 of object ``t{i}``: each in a file of its own."""
+    return block_id("bucket", f"t{i}", "etag", BLOCK, 0)
+
+
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_tiny_blocks_are_charged_their_disk_allocation(make_cache, policy: str) -> None:  # type: ignore[no-untyped-def]
+    """The capacity bounds the disk the cache files take: a block of a few bytes takes a
+    whole file-system block, and is charged that, not its length."""
+    c = make_cache(capacity=8 * BLOCK, policy=policy)
+    for i in range(40):
+        n = 10 + 37 * i
+        admitted = c.put(tiny_bid(i), data(i, n))
+        assert admitted or policy == "keep"
+        assert c.allocated() <= c.cache.used <= c.capacity
+    assert c.cache.used > c.capacity // 2
+    assert metrics.REGISTRY.get_sample_value("cachefs_cache_used_bytes") == c.cache.used
+
+
+def test_used_bytes_of_block_lengths_are_recounted_at_start(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """An index whose used bytes summed block lengths (an earlier version's accounting, no
+    ``used_unit`` key) is recounted at start: the total never stays of the old kind."""
+    c = make_cache(capacity=100 * BLOCK)
+    lengths = [10, 4096, 5000, 1]
+    for i, n in enumerate(lengths):
+        assert c.put(tiny_bid(i), data(i, n))
+    charged = c.cache.used
+    assert charged == sum(-(-n // UNIT) * UNIT for n in lengths) == 5 * UNIT
+    with c.env.write() as txn:  # what an earlier version left
+        meta = c.env.db("meta")
+        txn.delete(b"used_unit", db=meta)
+        txn.put(b"used_bytes", str(sum(lengths)).encode(), db=meta)
+    c.reopen()
+    assert c.cache.used == charged and c.cache.block_count == len(lengths)
+    assert c.get(tiny_bid(2)) == data(2, 5000), "the true length is kept for reads"
+    c.cache.drop([tiny_bid(0)])
+    assert c.cache.used == charged - UNIT
+    # A cache directory moved to a file system of another unit is recounted in it.
+    c.env.close()
+    c.env = LmdbEnv(c.root / "meta.lmdb")
+    c.cache = BlockCache(c.env, c.root, capacity=c.capacity, unit=4 * UNIT)
+    assert c.cache.used == 3 * 4 * UNIT and c.cache.block_count == 3
 
 
 def test_remove_orphans(make_cache) -> None:  # type: ignore[no-untyped-def]

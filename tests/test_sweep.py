@@ -275,7 +275,8 @@ def test_a_sweep_fills_free_space_only_and_evicts_nothing(tmp_path: Path) -> Non
         assert not sw.active
         assert stops("no_space") == before + 2
 
-    # Room for 70 files of the 100: 40 cached, the margin of 2, and 28 to sweep or read.
+    # Room for 56 files of the 100 (10,000 bytes take 12 KiB on disk): 40 cached, the
+    # margin of about 2, and 14 to sweep or read.
     run(tmp_path, body, capacity=70 * SIZE, policy="lru")
 
 

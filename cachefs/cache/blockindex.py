@@ -4,7 +4,16 @@ Schema (databases of :class:`~cachefs.cache.lmdbenv.LmdbEnv`):
 
 * ``blocks``  block id -> (length u32, xxh3-64 u64, last use f64)
 * ``lru``     last use (big-endian f64, so byte order is time order) + block id -> ""
-* ``meta``    ``used_bytes`` (decimal text), ``layout`` (the cache layout version)
+* ``meta``    ``used_bytes`` (decimal text), ``used_unit`` (decimal text: the allocation
+  unit ``used_bytes`` counts in), ``layout`` (the cache layout version)
+
+Accounting: a block is charged the disk space it takes, its length rounded up to the
+file system's allocation unit (:func:`~cachefs.cache.objectfiles.allocation`), so the
+capacity bounds what the cache files take on disk; the index keeps the true length
+(reads check it). Summing lengths let a dataset of tiny files take ~1.5x the capacity.
+``used_bytes`` is the sum of the charges of the indexed blocks; an index whose
+``used_unit`` is not this one (written by a version that summed lengths, or on a file
+system of another unit) is recounted at start (:meth:`BlockIndex.adopt_accounting`).
 
 Eviction policy (:meth:`BlockIndex.put`): ``keep`` admits until the capacity is
 reached and then refuses (the optimum for a fresh random permutation every epoch
@@ -35,13 +44,16 @@ from collections.abc import Callable
 from cachefs import failpoints, metrics
 from cachefs.cache.blockid import OID_LEN, block_id_at
 from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.cache.objectfiles import allocation
 from cachefs.errors import CacheError
 
 log = logging.getLogger(__name__)
 
 _BLOCK = struct.Struct("<IQd")  # length, xxh3-64, last use
+_LENGTH = struct.Struct("<I")  # (the start of a _BLOCK)
 _LRU_TIME = struct.Struct(">d")  # big-endian so byte order == time order (times are > 0)
 _USED_KEY = b"used_bytes"
+_UNIT_KEY = b"used_unit"
 _LAYOUT_KEY = b"layout"
 _LAYOUT = b"objects-v2"
 POLICIES = ("keep", "lru")
@@ -53,21 +65,23 @@ Entry = tuple[int, int]
 
 class PutResult:
     """What :meth:`BlockIndex.put` did: whether the block was admitted, the blocks it
-    evicted (id, length), and the used bytes after it."""
+    evicted (id, length), the disk space they were charged, and the used bytes after it."""
 
     __slots__ = ("admitted", "evicted", "evicted_bytes", "used")
 
-    def __init__(self, admitted: bool, evicted: list[tuple[bytes, int]], used: int | None) -> None:
+    def __init__(self, admitted: bool, evicted: list[tuple[bytes, int]], evicted_bytes: int,
+                 used: int | None) -> None:
         self.admitted = admitted
         self.evicted = evicted
-        self.evicted_bytes = sum(n for _, n in evicted)
+        self.evicted_bytes = evicted_bytes
         self.used = used
 
 
 class BlockIndex:
-    """The ``blocks``/``lru`` databases and the used-bytes counter of one cache."""
+    """The ``blocks``/``lru`` databases and the used-bytes counter of one cache. ``unit``:
+    the allocation unit of the cache files' file system (module docstring)."""
 
-    def __init__(self, env: LmdbEnv, *, capacity: int, policy: str) -> None:
+    def __init__(self, env: LmdbEnv, *, capacity: int, policy: str, unit: int = 4096) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}")
         self._env = env
@@ -76,6 +90,7 @@ class BlockIndex:
         self._meta_db = env.db("meta")
         self.capacity = capacity
         self.policy = policy
+        self.unit = unit
         self._error_logged = 0.0
         self._errors_unlogged = 0
 
@@ -90,10 +105,43 @@ class BlockIndex:
             txn.drop(self._blocks_db, delete=False)
             txn.drop(self._lru_db, delete=False)
             txn.put(_USED_KEY, b"0", db=self._meta_db)
+            txn.put(_UNIT_KEY, str(self.unit).encode(), db=self._meta_db)
             txn.put(_LAYOUT_KEY, _LAYOUT, db=self._meta_db)
 
+    def adopt_accounting(self) -> None:
+        """Recount ``used_bytes`` as the sum of the indexed blocks' charges when it was
+        counted otherwise (``used_unit`` missing: an earlier version summed lengths; or
+        another unit: the cache directory moved to another file system). One pass over
+        the ``blocks`` database in one write transaction (start-up, before any put):
+        0.2-0.4 s a million blocks, once (the daemon has just read the whole index, so
+        its pages are in memory); an index already of this kind costs one read."""
+        unit = str(self.unit).encode()
+        with self._env.read() as txn:
+            if txn.get(_UNIT_KEY, db=self._meta_db) == unit:
+                return
+        started = time.monotonic()
+        with self._env.write() as txn:
+            used = count = 0
+            step = self.unit  # (units counted inline: no call per block on a large index)
+            for raw in txn.cursor(db=self._blocks_db).iternext(keys=False, values=True):
+                used += -(-_LENGTH.unpack_from(raw)[0] // step)
+                count += 1
+            used *= step
+            old = _int(txn.get(_USED_KEY, db=self._meta_db))
+            txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
+            txn.put(_UNIT_KEY, unit, db=self._meta_db)
+        if count:
+            log.info("cache accounting recounted in %d-byte units: %d blocks take %d bytes on "
+                     "disk (%d counted before; %.2f s)", self.unit, count, used, old,
+                     time.monotonic() - started)
+
+    def charge(self, length: int) -> int:
+        """The disk space a block of ``length`` bytes is charged (module docstring)."""
+        return allocation(length, self.unit)
+
     def totals(self) -> tuple[int, int]:
-        """(used bytes, block count) as stored."""
+        """(used bytes, block count) as stored: the used bytes are disk space, each block
+        charged its length rounded up to the allocation unit."""
         with self._env.read() as txn:
             return _int(txn.get(_USED_KEY, db=self._meta_db)), txn.stat(self._blocks_db)["entries"]
 
@@ -161,41 +209,44 @@ class BlockIndex:
         read inside the write transaction (``is_pinned(object id)``): no pinned
         object's block is chosen. A block fetched ahead that no reader took yet
         (``is_unread(block id)``) gets a second chance: it is made most recently used
-        instead of evicted, unless nothing else frees enough. ``used`` is None when
+        instead of evicted, unless nothing else frees enough. The block is charged
+        :meth:`charge` of its length, and so is each evicted one. ``used`` is None when
         nothing changed."""
         now = time.time()
+        cost = self.charge(length)
         evicted: list[tuple[bytes, int]] = []
+        freed = 0
         with self._env.write() as txn:
             failpoints.hit("put.index")
             if txn.get(bid, db=self._blocks_db) is not None:
-                return PutResult(True, [], None)
+                return PutResult(True, [], 0, None)
             used = _int(txn.get(_USED_KEY, db=self._meta_db))
-            if used + length > self.capacity:
+            if used + cost > self.capacity:
                 if self.policy == "keep":
                     metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return PutResult(False, [], None)
-                evicted = self._evict_lru(txn, used + length - self.capacity, is_pinned,
+                    return PutResult(False, [], 0, None)
+                evicted = self._evict_lru(txn, used + cost - self.capacity, is_pinned,
                                           is_unread, now)
                 failpoints.hit("evict.chosen")
-                freed = sum(n for _, n in evicted)
-                if used - freed + length > self.capacity:
+                freed = sum(self.charge(n) for _, n in evicted)
+                if used - freed + cost > self.capacity:
                     # Only pinned blocks are left to evict: do not admit (nothing is lost,
                     # the evictions already made stand).
                     txn.put(_USED_KEY, str(used - freed).encode(), db=self._meta_db)
                     metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return PutResult(False, evicted, used - freed)
+                    return PutResult(False, evicted, freed, used - freed)
                 used -= freed
             txn.put(bid, _BLOCK.pack(length, digest, now), db=self._blocks_db)
             txn.put(_LRU_TIME.pack(now) + bid, b"", db=self._lru_db)
-            used += length
+            used += cost
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
-        return PutResult(True, evicted, used)
+        return PutResult(True, evicted, freed, used)
 
     def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool],
                    is_unread: Callable[[bytes], bool] | None, now: float
                    ) -> list[tuple[bytes, int]]:
-        """Remove least recently used blocks of unpinned objects until ``need`` bytes
-        are freed (or none is left); returns them. Blocks fetched ahead and unread are
+        """Remove least recently used blocks of unpinned objects until their charges free
+        ``need`` bytes (or none is left); returns them with their lengths. Blocks fetched ahead and unread are
         passed over and made most recently used (a reader is expected: evicting them
         would fetch them twice), and taken only when nothing else frees enough."""
         evicted: list[tuple[bytes, int]] = []
@@ -217,7 +268,7 @@ class BlockIndex:
             raw = txn.pop(old, db=self._blocks_db)  # type: ignore[attr-defined]
             if raw is not None:
                 n = _BLOCK.unpack(raw)[0]
-                freed += n
+                freed += self.charge(n)
                 evicted.append((old, n))
         for old in spared:
             raw = txn.pop(old, db=self._blocks_db)  # type: ignore[attr-defined]
@@ -225,7 +276,7 @@ class BlockIndex:
                 continue
             length, digest, _ = _BLOCK.unpack(raw)
             if freed < need:  # nothing else was left to take
-                freed += length
+                freed += self.charge(length)
                 evicted.append((old, length))
                 continue
             txn.put(old, _BLOCK.pack(length, digest, now), db=self._blocks_db)  # type: ignore[attr-defined]
@@ -235,7 +286,7 @@ class BlockIndex:
     def remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None
                ) -> tuple[list[tuple[bytes, int]], int]:
         """Drop blocks from the index; returns (the blocks dropped with their lengths,
-        used bytes after). With ``expect``, a block is dropped only while it is still
+        used bytes after: less their charges). With ``expect``, a block is dropped only while it is still
         indexed as that (length, checksum)."""
         removed: list[tuple[bytes, int]] = []
         with self._env.write() as txn:
@@ -250,7 +301,7 @@ class BlockIndex:
                 txn.delete(bid, db=self._blocks_db)
                 txn.delete(_LRU_TIME.pack(last) + bid, db=self._lru_db)
                 removed.append((bid, length))
-            used = max(0, used - sum(n for _, n in removed))
+            used = max(0, used - sum(self.charge(n) for _, n in removed))
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
         return removed, used
 

@@ -11,6 +11,13 @@
 * :mod:`cachefs.cache.blockindex` -- the LMDB index: block id -> (length,
   xxh3-64, last use), the LRU order, used bytes, and the eviction policy.
 
+The capacity bounds the disk space of the object files: each block is charged its length
+rounded up to the file system's allocation unit (:attr:`BlockCache.unit`, taken once at
+start; see :mod:`cachefs.cache.blockindex`), and :attr:`BlockCache.used` counts those
+charges. It does not count the index (``meta.lmdb``), whose size and preallocated
+reserve are bounded on their own (``cachefs.daemon.index_reserve``): the disk a cache
+directory needs is the capacity plus the index.
+
 This module owns the rules that tie them together: the order of file writes,
 index writes and releases (under the locks below), the pins, and verification.
 
@@ -141,12 +148,15 @@ __all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "chec
 
 
 class BlockCache:
-    """Blocks on local disk with an LMDB index and a byte capacity."""
+    """Blocks on local disk with an LMDB index and a capacity of disk space. ``unit``:
+    the allocation unit of the file system holding ``root`` (taken from it when not
+    given: :func:`~cachefs.cache.objectfiles.allocation_unit`)."""
 
     def __init__(self, env: LmdbEnv, root: Path, *, capacity: int, policy: str = "keep",
-                 limiter: trio.CapacityLimiter | None = None) -> None:
-        self.index = BlockIndex(env, capacity=capacity, policy=policy)
-        self.files = ObjectFiles(root)
+                 limiter: trio.CapacityLimiter | None = None, unit: int | None = None) -> None:
+        self.files = ObjectFiles(root, unit)
+        self.unit = self.files.unit
+        self.index = BlockIndex(env, capacity=capacity, policy=policy, unit=self.unit)
         self.root = root
         self.objects_dir = self.files.objects_dir
         self.capacity = capacity
@@ -174,6 +184,7 @@ class BlockCache:
         # An index written by an earlier layout is dropped (the cache is best-effort);
         # its files are removed by remove_orphans().
         self.index.adopt_layout()
+        self.index.adopt_accounting()  # (used bytes of an earlier version summed lengths)
         self._used, self._count = self.index.totals()
         metrics.CACHE_CAPACITY_BYTES.set(capacity)
         self._publish()
@@ -181,7 +192,12 @@ class BlockCache:
     # -- accounting ----------------------------------------------------------------
     @property
     def used(self) -> int:
+        """Disk space charged for the indexed blocks (:meth:`charge` of each)."""
         return self._used
+
+    def charge(self, length: int) -> int:
+        """The disk space a block of ``length`` bytes is charged against the capacity."""
+        return self.index.charge(length)
 
     @property
     def block_count(self) -> int:
@@ -461,7 +477,7 @@ class BlockCache:
         """Store a block; False when it was not admitted. Never raises for disk trouble."""
         if self.contains(bid):
             return True
-        if self.policy == "keep" and self._used + len(data) > self.capacity:
+        if self.policy == "keep" and self._used + self.charge(len(data)) > self.capacity:
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
         metrics.THREAD_HOPS.labels("cache_write").inc()
@@ -477,7 +493,7 @@ class BlockCache:
         hedged GET), the same verified bytes of the same object version are written
         over themselves and the index, which checks again in its write transaction,
         keeps its entry."""
-        if self.policy == "keep" and self._used + len(data) > self.capacity:
+        if self.policy == "keep" and self._used + self.charge(len(data)) > self.capacity:
             if self.contains(bid):  # (only a full cache asks)
                 return True
             metrics.CACHE_ADMISSION_REJECTS.inc()
@@ -485,7 +501,7 @@ class BlockCache:
         return self.put_sync(bid, data)
 
     def put_sync(self, bid: bytes, data: bytes) -> bool:
-        if len(data) > self.capacity:
+        if self.charge(len(data)) > self.capacity:
             metrics.CACHE_ADMISSION_REJECTS.inc()
             return False
         oid, offset = split_block_id(bid)

@@ -38,6 +38,10 @@ NATIVE_WRITES = _cachefile is not None
 log = logging.getLogger(__name__)
 
 _PAGE = 4096
+#: A file system's reported block size above this is not what a small file takes: ZFS
+#: reports its largest record size (128 KiB by default; a small file takes only the
+#: sectors it needs), NFS its transfer size.
+_MAX_UNIT = 64 << 10
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _LEGACY_DIRS = ("blocks", "tmp")  # the one-file-per-block layout of earlier versions
@@ -46,16 +50,38 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-class ObjectFiles:
-    """The object files under ``root/objects``."""
+def allocation_unit(path: Path) -> int:
+    """The disk space a file takes is a whole number of these (bytes): the fundamental
+    block size of the file system holding ``path`` (``statvfs``'s ``f_frsize``: 4 KiB on
+    ext4, XFS, btrfs and tmpfs as usually made, up to 64 KiB on large-page machines),
+    and never less than a page. A reported size above 64 KiB is a record or transfer
+    size, not an allocation unit (:data:`_MAX_UNIT`): a page then. Raises OSError."""
+    unit = os.statvfs(path).f_frsize
+    if unit > _MAX_UNIT or unit & (unit - 1):
+        return _PAGE
+    return max(_PAGE, unit)
 
-    def __init__(self, root: Path) -> None:
+
+def allocation(length: int, unit: int) -> int:
+    """The disk space a block of ``length`` bytes takes in its object's file: blocks start
+    on multiples of the block size (a power of two >= 64 KiB, so of ``unit`` too), and a
+    short one (an object's last) still takes whole units."""
+    return -(-length // unit) * unit
+
+
+class ObjectFiles:
+    """The object files under ``root/objects``. ``unit``: the file system's allocation
+    unit (:func:`allocation_unit` of ``root`` when not given), taken once: the file system
+    under a cache directory does not change while it is open."""
+
+    def __init__(self, root: Path, unit: int | None = None) -> None:
         self.root = root
         self.objects_dir = root / "objects"
         self._prefix = f"{self.objects_dir}{os.sep}"
         self._punch_warned = False
         try:
             self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.unit = allocation_unit(root) if unit is None else unit
         except OSError as exc:
             raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
 
@@ -95,15 +121,16 @@ class ObjectFiles:
     def punch(self, oid: bytes, ranges: list[tuple[int, int]]) -> None:
         """Free the byte ranges (they read back as zeros). Blocks start on multiples of
         the block size (a power of two >= 64 KiB) and only an object's last block is
-        short, so rounding a range's end up to the page frees the tail page without
-        touching another block's bytes."""
+        short, so rounding a range's end up to the allocation unit frees the tail unit
+        (which the index counted as the block's, :func:`allocation`) without touching
+        another block's bytes."""
         try:
             fd = os.open(self.path(oid), os.O_WRONLY)
         except OSError:
             return
         try:
             for offset, length in ranges:
-                length = -(-(offset + length) // _PAGE) * _PAGE - offset
+                length = allocation(offset + length, self.unit) - offset
                 if not _punch_hole(fd, offset, length) and not self._punch_warned:
                     self._punch_warned = True
                     log.warning("the cache file system cannot punch holes: evicted blocks of "

@@ -138,7 +138,7 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         print(f"{r['mountpoint']}  <-  {r['source']}  (pid {r['pid']}, up "
               f"{_duration(r['uptime_seconds'])})")
         print(f"  cache   {format_size(r['cache_used_bytes'])} / {format_size(r['cache_capacity_bytes'])}"
-              f" in {r['cache_dir']} ({r['cache_policy']} policy, {r['cache_blocks']} blocks)")
+              f" on disk in {r['cache_dir']} ({r['cache_policy']} policy, {r['cache_blocks']} blocks)")
         print(f"  reads   {format_size(r['read_bytes'])}, byte hit ratio {ratio}, "
               f"{format_size(r['s3_bytes'])} from S3 in {r['s3_requests']} requests "
               f"({r['s3_errors']} errors)")

@@ -207,6 +207,10 @@ class Prefetcher:
         tells each such load's end (see :meth:`on_fetched`)."""
         return len(self._loading[policy])
 
+    def is_loading(self, policy: str, bid: bytes) -> bool:
+        """Whether block ``bid``, asked for by ``policy``, is among :meth:`loading`'s."""
+        return bid in self._loading[policy]
+
     def on_fetched(self, policy: str, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (trio thread) whenever a load of ``policy`` (hint, sweep, directory)
         has its bytes or its error: a policy keeping a window of GETs in flight tops it

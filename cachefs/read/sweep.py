@@ -33,7 +33,11 @@ Bounds: speculation never displaces anything and never runs far ahead of use.
 
 * Free space only: a file is swept only while the cache's free space, less
   every byte in flight (the memory budget's reservations, which are written
-  to the cache next) and less ``margin``, holds it. A sweep never evicts a
+  to the cache next) and less ``margin``, holds it. All of it as disk space:
+  a file needs its size rounded up to the cache's allocation unit (what the
+  cache will charge it), and the sweep's own GETs in flight count that
+  rounding too (the budget holds their sizes: a tiny file is mostly rounding,
+  and a window of them would overrun the margin). A sweep never evicts a
   block, under either cache policy; when free space is gone the sweep ends
   (reason ``no_space``), and with a full cache none starts.
 * Unread bound: swept bytes no reader has taken yet stay below
@@ -72,6 +76,7 @@ from cachefs import metrics
 from cachefs.background import report
 from cachefs.cache.index import parent_prefix, snapshot
 from cachefs.cache.metadata import Entry
+from cachefs.cache.objectfiles import allocation
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.prefetcher import SWEEP, Prefetcher, PrefetchLedger
@@ -147,6 +152,9 @@ class Sweeper:
         self._current: str | None = None  # the directory being swept
         self._after: bytes | None = None  # the last name of it looked at
         self._read = 0  # bytes readers missed in swept directories (this session)
+        # Sweep GETs in flight -> the disk space they will take beyond their bytes, which
+        # the free space counts (the allocation unit's rounding); pruned as they end.
+        self._rounding: dict[bytes, int] = {}
         self._used_base = 0  # ledger.used(SWEEP) when the session began
         self.paused: str | None = None  # why the session waits (unread_bound), if it does
         metrics.SWEEP_UNREAD_BYTES.set_function(lambda: max(0, ledger.unread(SWEEP)))
@@ -294,6 +302,10 @@ class Sweeper:
         prefix, pf = self._current, self._prefetcher
         limit = self._budget.limit * self.budget_share
         inflight = pf.loading(SWEEP)
+        unit = self._fetcher.cache.unit
+        for bid in [b for b in self._rounding if not pf.is_loading(SWEEP, b)]:
+            del self._rounding[bid]
+        rounding = sum(self._rounding.values())
         entries = self._listings.iter_entries(prefix, self._after)
         looked = 0
         with snapshot(entries):
@@ -308,7 +320,8 @@ class Sweeper:
                     return "window"
                 if self._ledger.unread(SWEEP) + entry.size > self.allowance():
                     return "unread_bound"
-                if self._free_space() - self.margin < entry.size:
+                need = allocation(entry.size, unit)
+                if self._free_space() - self.margin - rounding < need:
                     return "no_space"
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
@@ -322,6 +335,9 @@ class Sweeper:
                 self._after = entry.name
                 if n:  # (0: on disk already)
                     inflight += 1
+                    if pf.is_loading(SWEEP, bid):
+                        self._rounding[bid] = need - entry.size
+                        rounding += need - entry.size
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
                     self.paused = None
