@@ -854,6 +854,9 @@ class Metadata:
             if registered is not None:
                 registered.set()  # (readers waiting for the page join its folders now)
             whole = [(pending[folder], *found[folder]) for folder in found if folder in pending]
+            if registered is not None:
+                log.info("the first page of %r lists %d folder(s) whole", parent or "/",
+                         len(whole))
             if whole:
                 written = await trio.to_thread.run_sync(self._write_all_listed, whole,
                                                         limiter=self._limiter)
@@ -907,7 +910,8 @@ class Metadata:
                 objects.setdefault(below, [])
                 folder, rest = below, rest[slash + 1:]
         cut = page.objects[-1].key if page.next_token is not None and page.objects else None
-        # (a folder below ``first`` is >= it too: ``first`` is a sub-directory of ``parent``)
+        # (a folder below one >= ``first`` is >= it too: ``first`` is ``parent`` or one of its
+        # sub-directories, so no folder of another sub-directory starts with it)
         return {folder: (found, list(subdirs.get(folder, ())))
                 for folder, found in objects.items()
                 if folder >= first and not (cut is not None and cut.startswith(folder))}
