@@ -190,6 +190,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rss(pid: int) -> int:
+    """The resident set size of process ``pid``, in bytes (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
 def run_cachefs(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
                 preexec_fn: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,

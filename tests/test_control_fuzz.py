@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import run_cachefs
+from tests.conftest import rss, run_cachefs
 from tests.readers import Readers
 
 pytestmark = pytest.mark.fuse
@@ -52,14 +52,6 @@ payloads = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode() + b"\n"),  # not an object
     st.lists(requests.map(_line), min_size=2, max_size=4).map(b"".join),  # pipelined
 )
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def converse(sock_path: Path, data: bytes, *, hang_up: bool) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cachefs
+from tests.conftest import rss, run_cachefs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,14 +50,6 @@ def test_a_mount_collects_rarely_while_it_serves(bucket, mount_factory) -> None:
     assert collections < len(files) / 40, collections
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.fuse
 def test_blocks_read_cold_are_freed_without_waiting_for_a_full_collection(  # type: ignore[no-untyped-def]
         bucket, mount_factory) -> None:
@@ -74,11 +66,11 @@ def test_blocks_read_cold_are_freed_without_waiting_for_a_full_collection(  # ty
                       "--passthrough", "off")
     pid = json.loads(run_cachefs("status", "--json", str(m.path)).stdout)["pid"]
     assert (m.path / "big.bin").stat().st_size == size
-    before = _rss(pid)
+    before = rss(pid)
     with open(m.path / "big.bin", "rb", buffering=0) as f:
         for off in range(0, size, 1 << 20):
             assert f.read(1 << 20) == data[off:off + (1 << 20)], off
-    grown = _rss(pid) - before
+    grown = rss(pid) - before
     # the memory budget (16 MiB, a quarter of it the memory tier) and the allocator's
     # slack, far from the 128 MiB read
     assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB reading {size >> 20} MiB"
