@@ -458,6 +458,7 @@ class Daemon:
             if shared is not None:
                 await nursery.start(shared.run)
             nursery.start_soon(self._maintenance, cache, env)
+            nursery.start_soon(self._trim_cache, cache)
             nursery.start_soon(self._remove_orphans, cache)
             nursery.start_soon(self._watch_signals, origin)
             for service in services:  # (each takes task_status: started once serving)
@@ -594,6 +595,18 @@ class Daemon:
                     if writes != synced_writes:
                         await trio.to_thread.run_sync(env.sync)
                         synced_writes = writes
+
+    async def _trim_cache(self, cache: BlockCache) -> None:
+        """A cache holding more than its capacity (filled under a larger --cache-size, or
+        recounted in disk allocation) is trimmed down to it, least recently used first,
+        while the mount serves (a large trim must not hold the mount back)."""
+        if cache.used <= cache.capacity:
+            return
+        log.info("the cache holds %d bytes, over its capacity of %d: evicting the least "
+                 "recently used blocks down to it", cache.used, cache.capacity)
+        with contained("maintenance", "evicting the cache down to its capacity"):
+            freed = await trio.to_thread.run_sync(cache.trim_to_capacity)
+            log.info("evicted %d bytes; the cache holds %d", freed, cache.used)
 
     async def _remove_orphans(self, cache: BlockCache) -> None:
         with contained("orphan_scan", "removing cache files the index does not name"):

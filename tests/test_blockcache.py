@@ -718,3 +718,32 @@ def test_verifying_one_object_never_waits_for_another_objects_write(make_cache) 
     assert verified == [BLOCK]
     assert c.get(b) == data(2)
     assert len(c.cache._file_locks) == 0  # a lock lives only while held or waited for
+
+
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_a_cache_over_its_capacity_is_trimmed_least_recently_used_first(  # type: ignore[no-untyped-def]
+        make_cache, policy: str) -> None:
+    """Reopened with a lower capacity than it was filled under (or recounted in disk
+    allocation), a cache evicts down to the capacity under either policy, least recently
+    used first, sparing objects in use; their bytes leave the disk. (keep stayed over the
+    cap for good: it never evicts to admit.)"""
+    c = make_cache(capacity=12 * UNIT, policy=policy)
+    for i in range(12):
+        assert c.put(tiny_bid(i), data(i, 100 + i))
+    c.cache.touch([tiny_bid(0)])  # used lately: kept
+    c.touch_flush()
+    c.capacity = 5 * UNIT
+    c.reopen()
+    assert c.cache.used == 12 * UNIT  # (over the capacity until trimmed)
+    oid = split_block_id(tiny_bid(1))[0]
+    c.cache.pin(oid)  # an object in use: never evicted under its reader
+    freed = c.cache.trim_to_capacity(batch=2 * UNIT)  # (several transactions)
+    assert freed == 7 * UNIT and c.cache.used == 5 * UNIT
+    assert c.cache.block_count == 5
+    kept = [i for i in range(12) if c.cache.contains(tiny_bid(i))]
+    assert kept == [0, 1, 9, 10, 11], kept
+    for i in kept:
+        assert c.get(tiny_bid(i)) == data(i, 100 + i)
+    c.cache.unpin(oid)
+    assert c.allocated() == 5 * UNIT
+    assert c.cache.trim_to_capacity() == 0

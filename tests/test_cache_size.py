@@ -33,7 +33,7 @@ def test_tiny_files_keep_the_cache_files_within_the_cache_size(
     # Once the reads are done and every write-back has landed (and, under lru, the bytes
     # of evicted blocks that a registration held are released: at the next maintenance
     # pass), the files take no more than the index counts. The deadline is a hang guard.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while True:
         used = m.metric("cachefs_cache_used_bytes")
         disk = m.cache_bytes_on_disk()
@@ -45,3 +45,38 @@ def test_tiny_files_keep_the_cache_files_within_the_cache_size(
     assert used > CAP // 2, "the cache was not filled"
     if policy == "lru":
         assert m.metric("cachefs_cache_evictions_total") > 0
+
+
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_a_lower_cache_size_trims_the_cache_down_to_it(
+        bucket: Any, mount_factory: Any, policy: str) -> None:
+    """A cache filled under one --cache-size and mounted again under a lower one is
+    evicted down to the new cap while the mount serves, under either policy (keep,
+    which never evicts to admit, stayed over the cap for good), least recently used
+    first; every byte read after is still right."""
+    client, name = bucket
+    rng = random.Random(11)
+    files = {f"ds/f{i:03d}.bin": rng.randbytes(20_000) for i in range(100)}  # ~2 MB
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "4M",
+                      "--cache-policy", policy)
+    for key, body in files.items():
+        assert (m.path / key).read_bytes() == body
+    deadline = time.monotonic() + 30
+    while m.metric("cachefs_cache_blocks") < len(files):  # (written behind the reads)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    filled = m.metric("cachefs_cache_used_bytes")
+    m.stop()
+    m.extra[m.extra.index("4M")] = str(CAP)
+    m.start()
+    deadline = time.monotonic() + 30
+    while not (m.metric("cachefs_cache_used_bytes") <= CAP
+               and m.cache_bytes_on_disk() <= CAP):
+        assert time.monotonic() < deadline, (m.metric("cachefs_cache_used_bytes"),
+                                             m.cache_bytes_on_disk())
+        time.sleep(0.1)
+    assert filled > CAP and m.metric("cachefs_cache_evictions_total") > 0
+    for key, body in files.items():
+        assert (m.path / key).read_bytes() == body

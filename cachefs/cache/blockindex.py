@@ -242,6 +242,22 @@ class BlockIndex:
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
         return PutResult(True, evicted, freed, used)
 
+    def trim(self, need: int, is_pinned: Callable[[bytes], bool],
+             is_unread: Callable[[bytes], bool] | None = None) -> PutResult:
+        """Evict least recently used blocks of unpinned objects (as ``lru`` does to admit
+        one) until their charges free ``need`` bytes, under either policy: the capacity
+        bounds the disk even when the index holds more than it (a cache filled under a
+        larger ``--cache-size``, or counted by an earlier version). ``admitted`` is False;
+        ``used`` is None when nothing was evicted."""
+        with self._env.write() as txn:
+            evicted = self._evict_lru(txn, need, is_pinned, is_unread, time.time())
+            if not evicted:
+                return PutResult(False, [], 0, None)
+            freed = sum(self.charge(n) for _, n in evicted)
+            used = max(0, _int(txn.get(_USED_KEY, db=self._meta_db)) - freed)
+            txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
+        return PutResult(False, evicted, freed, used)
+
     def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool],
                    is_unread: Callable[[bytes], bool] | None, now: float
                    ) -> list[tuple[bytes, int]]:

@@ -142,6 +142,8 @@ log = logging.getLogger(__name__)
 #: written or checked dropped first; one costs ~200 bytes. A dropped mark only means a
 #: read-back.
 WRITTEN_MARKS = 65536
+#: trim_to_capacity() evicts at most this many bytes a transaction.
+TRIM_BATCH = 64 << 20
 
 __all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "checksum",
            "object_id", "split_block_id"]
@@ -535,6 +537,28 @@ class BlockCache:
             delta = (1 if result.admitted else 0) - len(result.evicted)
             self._account(result.used, delta, result.evicted_bytes, len(result.evicted))
         return result.admitted, result.evicted
+
+    def trim_to_capacity(self, batch: int = TRIM_BATCH) -> int:
+        """Evict least recently used blocks of unpinned objects until the used bytes are
+        within the capacity, under either policy (worker thread; at most ``batch`` bytes
+        a transaction, so puts are not held up behind one long one). A cache can hold
+        more than its capacity when it was filled under a larger ``--cache-size``, or
+        when its used bytes were recounted in disk allocation (:meth:`~cachefs.cache.
+        blockindex.BlockIndex.adopt_accounting`): ``keep`` would otherwise stay over the
+        cap for good. Returns the bytes freed."""
+        freed = 0
+        while self._used > self.capacity:
+            result = self.index.trim(min(self._used - self.capacity, batch), self._is_pinned,
+                                     self.is_unread)
+            if result.used is None:
+                break  # only pinned blocks are left: their objects are in use
+            self._account(result.used, -len(result.evicted), result.evicted_bytes,
+                          len(result.evicted))
+            self._release_blocks(result.evicted)
+            freed += result.evicted_bytes
+        if self._deferred:
+            self.release_deferred()
+        return freed
 
     def _account(self, used: int, count_delta: int, evicted_bytes: int, evicted: int) -> None:
         with self._lock:
