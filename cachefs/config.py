@@ -251,7 +251,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_size", parse_size, "10G",
            "Disk cache cap (500M, 20G, 1T): the disk space the cache files take, each block "
            "counted in whole file-system blocks (4 KiB), so tiny files count 4 KiB each. "
-           "The index (meta.lmdb) is beside it: a 32nd of it, 8-256 MiB, kept allocated.",
+           "A cache over it (mounted again with a lower value) is evicted down to it, least "
+           "recently used first. The index (meta.lmdb) is beside it: a 32nd of it, 8-256 MiB, kept allocated.",
            metavar="SIZE"),
     Option("cache_policy", _choice("keep", "lru"), "keep",
            "Eviction policy: 'keep' admits blocks until the cache is full and then keeps them "
