@@ -18,8 +18,9 @@ Order of start-up (each step fails with one clear CachefsError line):
 Tasks (all owned by the nursery in :func:`_serve`): the FUSE request server
 (:mod:`cachefs.fuse.server`: worker threads, and its nursery for requests that wait),
 the fetcher's flights, the listings (background refreshes, listing ahead),
-the maintenance loop (last-use batches, LMDB sync), the orphan scan, the
-control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
+the maintenance loop (last-use batches, LMDB sync), the orphan scan, the trim of a
+cache over its capacity (once at start, one worker thread: :meth:`BlockCache.trim_to_capacity`,
+under the cache's own lock order), the control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
 unmount cleanly. No background task ends the daemon on an error: each unit of
 work runs in :func:`cachefs.background.contained` (logged, counted, goes on);
 only cancellation ends them.

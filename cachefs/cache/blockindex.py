@@ -225,10 +225,9 @@ class BlockIndex:
                 if self.policy == "keep":
                     metrics.CACHE_ADMISSION_REJECTS.inc()
                     return PutResult(False, [], 0, None)
-                evicted = self._evict_lru(txn, used + cost - self.capacity, is_pinned,
-                                          is_unread, now)
+                evicted, freed = self._evict_lru(txn, used + cost - self.capacity, is_pinned,
+                                                 is_unread, now)
                 failpoints.hit("evict.chosen")
-                freed = sum(self.charge(n) for _, n in evicted)
                 if used - freed + cost > self.capacity:
                     # Only pinned blocks are left to evict: do not admit (nothing is lost,
                     # the evictions already made stand).
@@ -250,21 +249,21 @@ class BlockIndex:
         larger ``--cache-size``, or counted by an earlier version). ``admitted`` is False;
         ``used`` is None when nothing was evicted."""
         with self._env.write() as txn:
-            evicted = self._evict_lru(txn, need, is_pinned, is_unread, time.time())
+            evicted, freed = self._evict_lru(txn, need, is_pinned, is_unread, time.time())
             if not evicted:
                 return PutResult(False, [], 0, None)
-            freed = sum(self.charge(n) for _, n in evicted)
             used = max(0, _int(txn.get(_USED_KEY, db=self._meta_db)) - freed)
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
         return PutResult(False, evicted, freed, used)
 
     def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool],
                    is_unread: Callable[[bytes], bool] | None, now: float
-                   ) -> list[tuple[bytes, int]]:
+                   ) -> tuple[list[tuple[bytes, int]], int]:
         """Remove least recently used blocks of unpinned objects until their charges free
-        ``need`` bytes (or none is left); returns them with their lengths. Blocks fetched ahead and unread are
-        passed over and made most recently used (a reader is expected: evicting them
-        would fetch them twice), and taken only when nothing else frees enough."""
+        ``need`` bytes (or none is left); returns them with their lengths, and the sum of
+        their charges. Blocks fetched ahead and unread are passed over and made most
+        recently used (a reader is expected: evicting them would fetch them twice), and
+        taken only when nothing else frees enough."""
         evicted: list[tuple[bytes, int]] = []
         spared: list[bytes] = []
         freed = 0
@@ -297,13 +296,13 @@ class BlockIndex:
                 continue
             txn.put(old, _BLOCK.pack(length, digest, now), db=self._blocks_db)  # type: ignore[attr-defined]
             txn.put(_LRU_TIME.pack(now) + old, b"", db=self._lru_db)  # type: ignore[attr-defined]
-        return evicted
+        return evicted, freed
 
     def remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None
                ) -> tuple[list[tuple[bytes, int]], int]:
         """Drop blocks from the index; returns (the blocks dropped with their lengths,
-        used bytes after: less their charges). With ``expect``, a block is dropped only while it is still
-        indexed as that (length, checksum)."""
+        used bytes after: less their charges). With ``expect``, a block is dropped only
+        while it is still indexed as that (length, checksum)."""
         removed: list[tuple[bytes, int]] = []
         with self._env.write() as txn:
             used = _int(txn.get(_USED_KEY, db=self._meta_db))
