@@ -352,16 +352,27 @@ class FileSystem:
         answered with that handle's version, not ESTALE. An open file goes on being the
         version it opened (its reads serve that version's bytes, or ESTALE once S3 no
         longer has them), and the kernel keeps that inode's pages; ESTALE here would fail
-        a read the page cache or the cache could serve. Without ``fh`` (a stat, an open
-        through a name), ESTALE as in :meth:`node`: the kernel looks the name up again."""
+        a read the page cache or the cache could serve. Without ``fh``, an inode some
+        handle still holds open is answered with that handle's version too: the kernel
+        asks so for an ``fstat`` of an open file, which nothing retries (``mmap`` sizes
+        its map with one), and a stat through a name then sees the version the kernel's
+        entry names until that entry expires, as with any change within the metadata
+        TTL. An inode no handle holds answers ESTALE as in :meth:`node`: a stat through a
+        name is retried with a fresh lookup."""
         try:
             return self.node(ino)
         except FsError as exc:
-            if exc.errno != errno.ESTALE or fh is None:
+            if exc.errno != errno.ESTALE:
                 raise
-            handle = self._handles.get(fh)
-            if isinstance(handle, FileHandle) and handle.node.ino == ino:
-                return handle.node
+            held = self._handles.get(fh) if fh is not None else None
+            if isinstance(held, FileHandle) and held.node.ino == ino:
+                return held.node
+            # One pass over the open handles, only for an inode no longer listed (after
+            # an object changed in S3): rare, and never on a read's path. list() copies
+            # the values under the GIL, so handles opened meanwhile do not disturb it.
+            for handle in list(self._handles.values()):
+                if isinstance(handle, FileHandle) and handle.node.ino == ino:
+                    return handle.node
             raise
 
     # -- object versions replaced in S3 -------------------------------------------------
