@@ -24,7 +24,10 @@ def test_plan_parity_and_bounds():
     fits = plan(Inputs(cache_bytes=200 * 10**9, **base))
     assert fits["policies"]["keep"]["parity"] and fits["policies"]["lru"]["parity"]
     assert fits["warmup_lower_bound_seconds"] == pytest.approx(100e9 / 150e6)
-    half = plan(Inputs(cache_bytes=50 * 10**9, **base))
+    # 100 KB files round up to 4 KiB: 2 KiB more each on average, so the cache's half of the
+    # dataset is half of its footprint, 51.0 GB.
+    assert fits["footprint_bytes"] == 10**6 * (100_000 + 2048)
+    half = plan(Inputs(cache_bytes=10**6 * (100_000 + 2048) // 2, **base))
     keep, lru = half["policies"]["keep"], half["policies"]["lru"]
     assert keep["hit_ratio"] == 0.5 and keep["remote_bytes_per_epoch"] == pytest.approx(50e9)
     assert keep["steady_bytes_per_s"] == pytest.approx(300e6)  # 150 MB/s / (1 - 0.5) = R
@@ -92,8 +95,10 @@ def test_cluster_cross_region_bytes_with_and_without_a_shared_tier():
     assert r["cross_region_bytes_with"] == pytest.approx(1e11)
     assert r["warmup_bytes_without"] == 4e11 and r["warmup_bytes_with"] == 1e11
     assert r["epochs"][1]["seconds_with"] == pytest.approx(1e11 / 4e9)  # compute-bound
-    # Node caches of 30% cap what each keeps; a shared tier of half the dataset misses half.
-    capped = cluster(Inputs(cache_bytes=3 * 10**10, shared_bytes=5 * 10**10, **base))
+    # Node caches of 30% (of the footprint: 100 KB files take 2 KiB more each) cap what each
+    # keeps; a shared tier of half the dataset misses half.
+    capped = cluster(Inputs(cache_bytes=3 * 10**5 * (100_000 + 2048), shared_bytes=5 * 10**10,
+                            **base))
     assert capped["epochs"][2]["cross_region_bytes_without"] == pytest.approx(0.7e11)
     assert capped["epochs"][2]["cross_region_bytes_with"] == pytest.approx(0.5e11)
 
@@ -112,3 +117,84 @@ def test_plan_cli_nodes_prints_the_cluster_table():
     proc = run_cachefs("plan", "--dataset-size", "1G", "--cache-size", "1G", "--bandwidth",
                        "1GB/s", "--latency", "1ms", "--demand", "1GB/s", "--nodes", "0")
     assert proc.returncode == 2 and "--nodes" in proc.stderr
+
+
+# -- the cache footprint: what the dataset takes under --cache-size ---------------------------
+TINY = dict(dataset_bytes=2 * 10**9, files=10**6, bandwidth=150e6, latency=0.07, demand=300e6,
+            in_flight=200, workers=8, epochs=3)  # 1 M files of 2 KB
+
+
+def test_tiny_files_whose_bytes_fit_do_not_fit_by_their_footprint():
+    # 2 GB of data in a 3 GB cache, but every file takes a whole 4 KiB unit of the cache's
+    # disk space (the unit --cache-size counts): 4.1 GB, so not all of it stays cached.
+    r = plan(Inputs(cache_bytes=3 * 10**9, **TINY))
+    keep, lru = r["policies"]["keep"], r["policies"]["lru"]
+    assert keep["hit_ratio"] == pytest.approx(3e9 / 4.096e9) and keep["hit_ratio"] < 0.74
+    assert lru["hit_ratio"] == pytest.approx(hit_ratio("lru", 3e9 / 4.096e9))
+    assert r["cache_fraction"] == pytest.approx(0.732, abs=1e-3)
+    assert keep["remote_bytes_per_epoch"] == pytest.approx(2e9 * (1 - 3e9 / 4.096e9))
+    # The misses of 2 KB files are latency bound (200 x 2 KB / 70 ms = 5.7 MB/s): no parity.
+    bound = r["latency_bound_prefetch_bytes_per_s"]
+    assert keep["steady_bytes_per_s"] == pytest.approx(bound / (1 - 3e9 / 4.096e9))
+    assert not keep["parity"]
+    assert r["footprint_bytes"] == 10**6 * 4096
+    # A cache the size of the footprint holds it all again.
+    assert plan(Inputs(cache_bytes=4096 * 10**6, **TINY))["policies"]["lru"]["hit_ratio"] == 1.0
+
+
+def test_large_files_keep_their_plan():
+    # 100 MB files: rounding to 4 KiB adds 2 KiB a file, 0.002 %: c stays cache / S.
+    big = dict(TINY, dataset_bytes=100 * 10**9, files=1000)
+    r = plan(Inputs(cache_bytes=50 * 10**9, **big))
+    assert r["footprint_bytes"] == pytest.approx(100e9, rel=1e-4)
+    assert r["policies"]["keep"]["hit_ratio"] == pytest.approx(0.5, rel=1e-4)
+    assert r["policies"]["keep"]["remote_bytes_per_epoch"] == pytest.approx(50e9, rel=1e-4)
+    assert plan(Inputs(cache_bytes=100 * 10**9, **big))["policies"]["keep"]["hit_ratio"] < 1.0
+    assert plan(Inputs(cache_bytes=101 * 10**9, **big))["policies"]["keep"]["hit_ratio"] == 1.0
+
+
+def test_footprint_estimate_from_the_mean_file_size():
+    from cachefs.cli.plan import footprint
+
+    # Files under half a unit take one unit each; above that, a spread of sizes wastes half a
+    # unit a file on average (its last unit's fill is as likely any value).
+    assert footprint(2 * 10**9, 10**6, 4096) == 4096 * 10**6
+    assert footprint(5000 * 10**6, 10**6, 4096) == (5000 + 2048) * 10**6
+    assert footprint(3000 * 10**6, 10**6, 4096) == (3000 + 2048) * 10**6
+    assert footprint(2 * 10**9, 10**6, 64 << 10) == (64 << 10) * 10**6
+    assert footprint(100 * 10**9, 1000, 4096) == 100 * 10**9 + 2048 * 1000
+
+
+def test_cluster_node_caches_hold_the_footprint_not_the_bytes():
+    from cachefs.cli.plan import cluster
+
+    # Node caches of 3 GB cannot keep 1 M tiny files (4.1 GB on disk): from epoch 2 on, each
+    # node still pulls what its cache could not hold. The shared tier stores blocks as objects
+    # of their exact length: 2 GB of tier holds the 2 GB of data.
+    r = cluster(Inputs(cache_bytes=3 * 10**9, shared_bytes=2 * 10**9, **dict(TINY, nodes=1)))
+    later = r["epochs"][2]["cross_region_bytes_without"]
+    assert later == pytest.approx(2e9 * (1 - 3e9 / 4.096e9))
+    assert r["shared_fraction"] == 1.0 and r["epochs"][2]["cross_region_bytes_with"] == 0
+
+
+def test_plan_cli_prints_the_footprint_of_tiny_files():
+    args = ("plan", "--dataset-size", "2G", "--cache-size", "3G", "--bandwidth", "150MB/s",
+            "--latency", "70ms", "--demand", "300MB/s", "--mean-file-size", "2K")
+    proc = run_cachefs(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "cache footprint F = 4.3 GB for S = 2.1 GB" in proc.stdout, proc.stdout
+    data = json.loads(run_cachefs(*args, "--json").stdout)
+    assert data["footprint_bytes"] == (2 << 30) // 2048 * 4096
+    assert data["inputs"]["allocation_unit"] == 4096
+    assert data["policies"]["keep"]["hit_ratio"] == pytest.approx(3 / 4)
+    # A file system allocating 64 KiB units (--allocation-unit) makes it 32 times the data.
+    data = json.loads(run_cachefs(*args, "--json", "--allocation-unit", "64K").stdout)
+    assert data["footprint_bytes"] == (2 << 30) // 2048 * (64 << 10)
+    # Large files: no footprint line, the plan reads as before.
+    proc = run_cachefs("plan", "--dataset-size", "100G", "--cache-size", "50G", "--bandwidth",
+                       "150MB/s", "--latency", "70ms", "--demand", "300MB/s", "--files", "1000")
+    assert proc.returncode == 0 and "footprint" not in proc.stdout
+    assert "cache = 53.7 GB -> c = 0.500" in proc.stdout
+    proc = run_cachefs(*args, "--allocation-unit", "3K")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--allocation-unit" in proc.stderr and "Traceback" not in proc.stderr

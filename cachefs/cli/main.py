@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "and warm-up with and without a shared cache tier (default 1)")
     plan.add_argument("--shared-cache-size", metavar="SIZE",
                       help="capacity of the shared cache tier (default: the whole dataset)")
+    plan.add_argument("--allocation-unit", default="4K", metavar="SIZE",
+                      help="allocation unit of the cache's file system, which each cached file "
+                      "rounds up to (default 4K: ext4, XFS, btrfs, tmpfs)")
     plan.add_argument("--json", action="store_true")
 
     manifest = sub.add_parser("manifest", help="write a manifest of a bucket prefix "

@@ -2,9 +2,17 @@
 
 Inputs are the dataset, the cache, the link (measured with ``cachefs probe`` or
 given) and the job's demand. Notation (anchors of the design): dataset S bytes
-in D files, cache fraction c = min(1, cache / S), link goodput B, demand R,
-request latency L, requests in flight Q, epochs E.
+in D files, cache fraction c (below), link goodput B, demand R,
+request latency L, requests in flight Q, epochs E, allocation unit u.
 
+* Cache footprint F: ``--cache-size`` caps the disk space the cache files take, and a
+  file takes its size rounded up to the cache file system's allocation unit u (4 KiB
+  on ext4, XFS, btrfs, tmpfs; ``--allocation-unit``). Blocks of the block size (a power
+  of two >= 64 KiB, so whole units) round only a file's last one, so the block size
+  does not matter. The plan knows only the mean size S/D, so F = D x max(u, S/D + u/2)
+  is an estimate for a spread of sizes (:func:`footprint`): 1 M files of 2 KB are 2 GB
+  of data but 4.1 GB of cache; 100 MB files add 0.002 %.
+* Cache fraction c = min(1, cache / F): the share of the files that stay cached.
 * Hit ratio per epoch with a fresh random permutation each epoch:
   ``keep`` (admit until full, then keep) h = c; ``lru`` h = c + (1-c) ln(1-c).
   Both are 1 once the dataset fits (c = 1).
@@ -14,7 +22,7 @@ request latency L, requests in flight Q, epochs E.
   daemon-side prefetch Q is the number of DataLoader workers; with directory
   order or a read-order hint cachefs keeps up to its connection limit in flight.
 * First epoch (cold): min(R, B, latency bound). Warm-up lower bound: S / B when
-  the dataset fits in the cache.
+  the dataset fits in the cache (F <= cache).
 * Co-located parity in steady state needs min(B/(1-h), latency bound) >= R,
   i.e. c >= 1 - B/R for the keep policy.
 
@@ -27,7 +35,8 @@ parts, so a node reads S/N per epoch, a different S/N each time.
   dataset, and the cluster pulls (1 - f_k) S across regions in epoch k (at
   N = 4 over 3 epochs: 1 + 0.75 + 0.5625 = 2.31 S).
 * With a shared tier holding c_s = min(1, shared / S) of the dataset: S in
-  epoch 1, then (1 - c_s) S per epoch.
+  epoch 1, then (1 - c_s) S per epoch. The tier stores each block as an object of its
+  exact length, so c_s compares bytes, not the footprint.
 * Epoch time: max(S / (N R), cross-region bytes of the epoch / B).
 * Pre-warming every node: N S over the link (N S / B); ``cachefs warm --shard``
   on N nodes with a shared tier: S (S / B).
@@ -44,6 +53,15 @@ from typing import Any
 from cachefs.config import parse_duration, parse_size
 from cachefs.errors import ConfigError
 
+#: The allocation unit of the usual cache file systems (ext4, XFS, btrfs, tmpfs): the
+#: cache's own (``cachefs.cache.objectfiles``: never below a page, a power of two up to
+#: 64 KiB) is taken from ``statvfs`` at mount time, which the plan cannot see; repeated
+#: here because the CLI does not import the cache layer.
+ALLOCATION_UNIT = 4096
+_UNIT_RANGE = (4096, 64 << 10)
+#: The footprint is printed when it exceeds the dataset by more than this fraction.
+_FOOTPRINT_NOTE = 0.01
+
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
@@ -58,6 +76,23 @@ class Inputs:
     epochs: int
     nodes: int = 1
     shared_bytes: int | None = None  # shared tier capacity (None: holds the dataset)
+    allocation_unit: int = ALLOCATION_UNIT  # the cache file system's (bytes)
+
+
+def footprint(dataset_bytes: int, files: int, unit: int) -> int:
+    """The disk space ``files`` files of ``dataset_bytes`` take in the cache, counted as
+    ``--cache-size`` counts it: each file rounded up to ``unit`` u (only a file's last
+    block is short of the block size, a multiple of u).
+
+    Only the mean size m is known, so this estimates ``max(u, m + u/2)`` a file. Whatever
+    the spread of sizes, the true value lies in [max(u, m), m + u). A spread of sizes
+    fills a file's last unit to any fraction alike, wasting u/2 on average: m + u/2, the
+    middle of that range, so off by at most u/2 a file. Files of half a unit or less on
+    average are nearly all under a unit and take exactly one: u. ``ceil(m/u) x u`` is
+    exact only when every file has the mean's size, and off by up to a unit a file for a
+    spread (a mean of exactly 4 KiB would count no waste at all)."""
+    n = max(1, files)
+    return max(dataset_bytes, round(n * max(unit, dataset_bytes / n + unit / 2)))
 
 
 def hit_ratio(policy: str, c: float) -> float:
@@ -72,13 +107,15 @@ def hit_ratio(policy: str, c: float) -> float:
 
 def plan(inp: Inputs) -> dict[str, Any]:
     S, B, R, L = inp.dataset_bytes, inp.bandwidth, inp.demand, inp.latency
-    c = min(1.0, inp.cache_bytes / S) if S else 1.0
+    F = footprint(S, inp.files, inp.allocation_unit)
+    c = min(1.0, inp.cache_bytes / F) if S else 1.0
     mean_file = S / max(1, inp.files)
     latency_bound_workers = inp.workers * mean_file / L if L > 0 else math.inf
     latency_bound_prefetch = inp.in_flight * mean_file / L if L > 0 else math.inf
     first_epoch_rate = min(R, B, latency_bound_prefetch)
     result: dict[str, Any] = {
         "cache_fraction": c,
+        "footprint_bytes": F,
         "mean_file_bytes": mean_file,
         "latency_bound_workers_bytes_per_s": latency_bound_workers,
         "latency_bound_prefetch_bytes_per_s": latency_bound_prefetch,
@@ -112,7 +149,8 @@ def cluster(inp: Inputs) -> dict[str, Any]:
     """Cross-region bytes and times of a DistributedSampler job on ``inp.nodes`` nodes,
     without and with a shared tier (formulas in the module docstring)."""
     S, N, B, R = inp.dataset_bytes, max(1, inp.nodes), inp.bandwidth, inp.demand
-    c = min(1.0, inp.cache_bytes / S) if S else 1.0
+    c = min(1.0, inp.cache_bytes / footprint(S, inp.files, inp.allocation_unit)) if S else 1.0
+    # The tier's objects are blocks of their exact length: no rounding to compare.
     cs = min(1.0, (S if inp.shared_bytes is None else inp.shared_bytes) / S) if S else 1.0
     epochs = []
     for k in range(1, inp.epochs + 1):
@@ -192,10 +230,18 @@ def _t(s: float) -> str:
 
 
 def render(inp: Inputs, r: dict[str, Any]) -> str:
-    c = r["cache_fraction"]
+    c, S, F = r["cache_fraction"], inp.dataset_bytes, r["footprint_bytes"]
+    rounded = F > S * (1 + _FOOTPRINT_NOTE)
     lines = [
-        f"dataset S = {_h(inp.dataset_bytes)} in D = {inp.files} files "
-        f"(mean {_h(r['mean_file_bytes'])}); cache = {_h(inp.cache_bytes)} -> c = {c:.3f}",
+        f"dataset S = {_h(S)} in D = {inp.files} files (mean {_h(r['mean_file_bytes'])}); "
+        f"cache = {_h(inp.cache_bytes)} -> c = {'cache / F = ' if rounded else ''}{c:.3f}",
+    ]
+    if rounded:
+        u = inp.allocation_unit
+        lines.append(
+            f"cache footprint F = {_h(F)} for S = {_h(S)} of data (files round up to "
+            f"u = {u >> 10} KiB on disk; F = D x max(u, S/D + u/2) estimates a spread of sizes)")
+    lines += [
         f"link B = {_h(inp.bandwidth)}/s, latency L = {inp.latency * 1000:.0f} ms; demand R = "
         f"{_h(inp.demand)}/s; {inp.epochs} epochs",
         "",
@@ -221,10 +267,12 @@ def render(inp: Inputs, r: dict[str, Any]) -> str:
             f"   ({formula}; rate = min(R, min(B, prefetch bound) / (1-h)))")
     best = max(r["policies"].items(), key=lambda kv: kv[1]["steady_bytes_per_s"])
     lines.append("")
+    needed = r["parity_cache_fraction_needed"]
     lines.append(f"recommended policy: {best[0]}" + (
         "" if best[1]["parity"] else
-        f" (no parity: grow the cache to >= {r['parity_cache_fraction_needed']:.0%} of the "
-        "dataset, or the link)"))
+        f" (no parity: grow the cache to >= {needed:.0%} of the "
+        + (f"cache footprint, {_h(needed * F)}" if rounded else "dataset")
+        + ", or the link)"))
     return "\n".join(lines)
 
 
@@ -265,6 +313,10 @@ def plan_main(args: Any) -> int:
     dataset = parse_size(args.dataset_size)
     if dataset <= 0:
         raise ConfigError("--dataset-size must be positive")
+    unit = parse_size(args.allocation_unit)
+    if not _UNIT_RANGE[0] <= unit <= _UNIT_RANGE[1] or unit & (unit - 1):
+        raise ConfigError(f"--allocation-unit {args.allocation_unit}: must be a power of two "
+                          "from 4K to 64K (the cache's is its file system's, at least a page)")
     inp = Inputs(
         dataset_bytes=dataset, cache_bytes=parse_size(args.cache_size),
         bandwidth=bandwidth, latency=latency, demand=_rate(args.demand),
@@ -272,7 +324,8 @@ def plan_main(args: Any) -> int:
                                                if args.mean_file_size else 110_000)),
         in_flight=args.in_flight, workers=args.workers, epochs=args.epochs,
         nodes=args.nodes,
-        shared_bytes=parse_size(args.shared_cache_size) if args.shared_cache_size else None)
+        shared_bytes=parse_size(args.shared_cache_size) if args.shared_cache_size else None,
+        allocation_unit=unit)
     if inp.demand <= 0 or inp.bandwidth <= 0:
         raise ConfigError("--demand and --bandwidth must be positive")
     if inp.nodes < 1 or inp.epochs < 1:
