@@ -183,3 +183,22 @@ def test_unmount_of_something_else(tmp_path):
     proc = run_cachefs("unmount", str(tmp_path))
     assert_one_line_error(proc, "not a cachefs mount")
     assert run_cachefs("unmount", "--quiet", str(tmp_path)).returncode == 0
+
+
+def test_output_nobody_reads_ends_quietly() -> None:
+    """`cachefs plan ... | head -1`: the reader closing the pipe is no error to report.
+    (The pipe's reading end is closed before cachefs starts, so every write fails.)"""
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cachefs", "plan", "--dataset-size", "2G", "--cache-size",
+             "3G", "--bandwidth", "150MB/s", "--latency", "70ms", "--demand", "300MB/s"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "", proc.stderr
+    assert proc.returncode == 141, proc

@@ -380,6 +380,31 @@ def cmd_status(args: argparse.Namespace) -> int:
 SUBCOMMANDS = ("mount", "unmount", "umount", "status", "warm", "probe", "plan", "manifest")
 
 
+def _run(args: argparse.Namespace) -> int:
+    """Run the subcommand ``args`` names; its exit status."""
+    if args.command == "mount":
+        return cmd_mount(args)
+    if args.command in ("unmount", "umount"):
+        return cmd_unmount(args)
+    if args.command == "status":
+        return cmd_status(args)
+    if args.command == "warm":
+        return cmd_warm(args)
+    if args.command == "probe":
+        from cachefs.cli.probe import probe_main
+
+        return probe_main(args)
+    if args.command == "manifest":
+        from cachefs.cli.manifest import export_main
+
+        return export_main(args)
+    if args.command == "plan":
+        from cachefs.cli.plan import plan_main
+
+        return plan_main(args)
+    raise ConfigError(f"unknown command {args.command}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("s3://") and "-o" in argv:
@@ -392,33 +417,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     try:
-        if args.command == "mount":
-            return cmd_mount(args)
-        if args.command in ("unmount", "umount"):
-            return cmd_unmount(args)
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "warm":
-            return cmd_warm(args)
-        if args.command == "probe":
-            from cachefs.cli.probe import probe_main
-
-            return probe_main(args)
-        if args.command == "manifest":
-            from cachefs.cli.manifest import export_main
-
-            return export_main(args)
-        if args.command == "plan":
-            from cachefs.cli.plan import plan_main
-
-            return plan_main(args)
+        code = _run(args)
+        sys.stdout.flush()  # here, so a reader gone is caught below, not at exit
+        return code
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
-    parser.error(f"unknown command {args.command}")
-    return 2
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (`cachefs plan ... | head`): nothing is
+        # wrong here to report. Quiet, with the exit status of a process SIGPIPE ended,
+        # as other command-line tools; stdout goes to /dev/null so the interpreter's own
+        # flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 __all__ = ["build_parser", "main"]
