@@ -2,7 +2,7 @@
 
     python -m benchmarks.randomreads                          # cachefs at 4M and 256K blocks, rclone
     python -m benchmarks.randomreads --systems cachefs --block-sizes 4M,1M,256K,64K
-    python -m benchmarks.randomreads --quick                  # seconds
+    python -m benchmarks.randomreads --quick                  # seconds (tests/test_bench_quick.py)
 
 One object of ``--size-mb`` on a SeaweedFS origin behind the WAN emulator (70 ms RTT,
 48 MB/s in total, 16 MB/s per connection by default). ``--threads`` threads ``pread``
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import random
 import shutil
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="64 MB, 60 reads, RTT 20 ms")
+    ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args(argv)
     if args.quick:
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             rate = args.reads / r["seconds"]
             print(f"| {r['system']} | {r['seconds']:.2f} | {rate:.1f} | {rate / base:.2f} | "
                   f"{r['link_bytes'] / (args.reads * piece):.2f} | {r.get('daemon_cpu_s', '-')} |")
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "rows": rows}, indent=2))
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -240,6 +240,28 @@ def test_smallfiles_quick_reports_cost_per_file_and_the_rigs_cores(tmp_path: Pat
     assert not mounts and not procs, f"left behind: {mounts} {procs}"
 
 
+@needs_fuse
+def test_randomreads_quick_reads_exact_pieces_and_counts_the_link(tmp_path: Path) -> None:
+    """``python -m benchmarks.randomreads --quick``: every piece read is compared with the
+    object (a wrong one fails the run); the direct baseline moves each piece once, and a
+    larger block moves more bytes per byte read than a smaller one."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.randomreads", "--quick", "--systems", "cachefs",
+           "--block-sizes", "4M,64K", "--json", str(out), "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rows = {row["system"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"direct", "cachefs 4M", "cachefs 64K"}
+    read = 60 * 64 * 1024
+    per_byte = {name: row["link_bytes"] / read for name, row in rows.items()}
+    assert 0.99 <= per_byte["direct"] <= 1.01, per_byte
+    assert per_byte["cachefs 64K"] >= 1.0, per_byte  # (every piece crossed the link once)
+    assert per_byte["cachefs 4M"] > 4 * per_byte["cachefs 64K"], per_byte
+    assert rows["cachefs 4M"]["daemon_cpu_s"] > 0
+    mounts, procs = _leftovers(str(tmp_path))
+    assert not mounts and not procs, f"left behind: {mounts} {procs}"
+
+
 def _processes_naming(text: str) -> list[int]:
     """Pids whose command line contains ``text``."""
     found = []
