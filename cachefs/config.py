@@ -460,14 +460,14 @@ def resolve(
 
 def _check_ranges(cfg: MountConfig) -> None:
     if not 64 * KiB <= cfg.block_size <= 64 * MiB or cfg.block_size & (cfg.block_size - 1):
-        raise ConfigError(f"--block-size {cfg.block_size}: must be a power of two "
-                          "between 64K and 64M")
+        raise ConfigError(f"--block-size {format_size(cfg.block_size)}: must be a power of "
+                          "two between 64K and 64M")
     if cfg.cache_size < cfg.block_size:
-        raise ConfigError(f"--cache-size {cfg.cache_size} bytes is too small: it must hold at "
-                          f"least one block ({cfg.block_size} bytes)")
+        raise ConfigError(f"--cache-size {format_size(cfg.cache_size)} is too small: it must "
+                          f"hold at least one block ({format_size(cfg.block_size)})")
     if cfg.memory_budget < 4 * cfg.block_size:
-        raise ConfigError(f"--memory-budget {cfg.memory_budget} bytes is too small: it must "
-                          f"hold at least 4 blocks ({4 * cfg.block_size} bytes)")
+        raise ConfigError(f"--memory-budget {format_size(cfg.memory_budget)} is too small: it "
+                          f"must hold at least 4 blocks ({format_size(4 * cfg.block_size)})")
     if cfg.list_ahead > 256:
         raise ConfigError("--list-ahead must be between 0 and 256")
     if not 1 <= cfg.max_connections <= 1024:

@@ -211,10 +211,20 @@ def test_typed_values_from_toml() -> None:
 
 
 # -- range checks --------------------------------------------------------------------------------
-@pytest.mark.parametrize("block", ["3M", "100K", "32K", "128M"])
-def test_block_size_must_be_power_of_two_in_range(block: str) -> None:
-    with pytest.raises(ConfigError, match="--block-size"):
+@pytest.mark.parametrize(("block", "said"), [("3M", "3.0 MiB"), ("100K", "100.0 KiB"),
+                                             ("32K", "32.0 KiB"), ("128M", "128.0 MiB")])
+def test_block_size_must_be_power_of_two_in_range(block: str, said: str) -> None:
+    with pytest.raises(ConfigError, match=f"--block-size {said}: must be a power of two"):
         make({"block_size": block})
+
+
+def test_sizes_too_small_are_said_in_units_people_read() -> None:
+    with pytest.raises(ConfigError, match=r"--memory-budget 1\.0 KiB is too small: it must hold "
+                                          r"at least 4 blocks \(16\.0 MiB\)"):
+        make({"memory_budget": "1K"})
+    with pytest.raises(ConfigError, match=r"--cache-size 64\.0 KiB is too small: it must hold "
+                                          r"at least one block \(4\.0 MiB\)"):
+        make({"cache_size": "64K"})
 
 
 @pytest.mark.parametrize("block", ["64K", "1M", "64M"])
