@@ -8,9 +8,8 @@
 # Tags IMAGE:VERSION, VERSION being the wheel's version with '+' (not allowed in
 # image tags) turned into '-'. Stages the build context in build/image/: the
 # wheel, requirements.txt (the wheel's own requirements, so the dependency layer
-# is reused across versions) and the libfuse/pyfuse3 sources of this checkout's
-# .venv when `make deps` downloaded them (no download in the image build then),
-# and this host's CA bundle for the build stage's downloads.
+# is reused across versions) and this host's CA bundle for the build stage's
+# downloads.
 # Runs RUN steps with chroot isolation and the host's network: no daemon, no
 # cgroup setup, no registry.
 set -euo pipefail
@@ -41,21 +40,18 @@ fi
 
 stage=build/image
 rm -rf "$stage"
-mkdir -p "$stage/src"
+mkdir -p "$stage"
 cp "$wheel" "$stage/"
-# Requires-Dist lines without extras markers; pyfuse3 comes from the passthrough build.
+# Requires-Dist lines without extras markers (pyfuse3 included: the build stage compiles it).
 python3 - "$wheel" >"$stage/requirements.txt" <<'EOF'
 import email, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as zf:
     name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
     meta = email.message_from_bytes(zf.read(name))
 for req in meta.get_all("Requires-Dist") or []:
-    if "extra ==" not in req and not req.lower().startswith("pyfuse3"):
+    if "extra ==" not in req:
         print(req)
 EOF
-for src in .venv/opt/src/fuse3_*.orig.tar.gz .venv/opt/src/pyfuse3-*.tar.gz; do
-    if [ -f "$src" ]; then cp "$src" "$stage/src/"; fi
-done
 # The build stage downloads from PyPI with the CAs this host trusts (see Containerfile).
 mkdir -p "$stage/certs"
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
