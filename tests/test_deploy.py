@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.config import load_config_file, resolve
+
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "cachefs@.service"
 INSTALL_SH = REPO / "deploy" / "hyperpod" / "install_cachefs.sh"
@@ -136,9 +138,10 @@ def test_shell_scripts_are_shellcheck_clean(script: Path) -> None:
 # --- install_cachefs.sh end to end in a staging tree, with system commands stubbed ---
 
 STUBS = {
-    # dpkg-query: every package is already installed, so apt-get is never needed.
-    "dpkg-query": 'printf "install ok installed"',
-    "apt-get": 'echo "apt-get $*" >> "$STUB_LOG"; exit 1',
+    # dpkg-query: every package is already installed, so apt-get is never needed; on a
+    # bare node (FAKE_BARE_NODE) none is, and apt-get "installs" them.
+    "dpkg-query": '[ -z "$FAKE_BARE_NODE" ] || exit 1; printf "install ok installed"',
+    "apt-get": 'echo "apt-get $*" >> "$STUB_LOG"; [ -n "$FAKE_BARE_NODE" ]',
     "id": "echo 0",
     "df": """case "$*" in
   *avail*) printf "Avail\\n%s\\n" "$FAKE_AVAIL";;
@@ -187,8 +190,6 @@ def staging(tmp_path: Path) -> dict[str, object]:
         "CACHEFS_PYTHON": str(stubs / "fakepython"), "CACHEFS_PACKAGE": "/wheels/cachefs.whl",
         "STUB_LOG": str(tmp_path / "calls.log"), "STUB_STATE": str(tmp_path / "active"),
         "FAKE_AVAIL": str(100 * GIB), "FAKE_HELD": "0",
-        # The real build would download and compile (test_install_from_an_s3_wheel... stubs it).
-        "CACHEFS_PASSTHROUGH": "off",
     }
     return {"root": root, "env": env, "log": tmp_path / "calls.log"}
 
@@ -301,26 +302,28 @@ def test_install_failures_are_one_line(staging: dict[str, object]) -> None:
                         proc.stderr)
 
 
-def test_install_from_an_s3_wheel_builds_passthrough_on_the_node(
+def test_install_from_an_s3_wheel_needs_only_the_wheel_and_the_unit(
         staging: dict[str, object], tmp_path: Path) -> None:
-    # The lifecycle scripts' S3 prefix as HyperPod copies it to the node: flat.
+    # The lifecycle scripts' S3 prefix as HyperPod copies it to the node: flat, and with
+    # nothing for passthrough (cachefs negotiates it with the kernel itself).
     upload = tmp_path / "upload"
     upload.mkdir()
     for f in (INSTALL_SH, UNIT):
         shutil.copy(f, upload)
-    (upload / "build-passthrough.sh").write_text(
-        'echo "build-passthrough $* patch=$PASSTHROUGH_PATCH" >> "$STUB_LOG"\n')
-    (upload / "pyfuse3-passthrough.patch").write_text("")
     root = staging["root"]
+    assert isinstance(root, Path)
     wheel = "cachefs-0.2.0-py3-none-any.whl"
     _, calls = run_install(staging, "s3://bucket/p", "/mnt/data", script=upload / INSTALL_SH.name,
-                           CACHEFS_PACKAGE=f"s3://releases/cachefs/{wheel}",
-                           CACHEFS_PASSTHROUGH="auto")
-    assert calls[:3] == [
+                           CACHEFS_PACKAGE=f"s3://releases/cachefs/{wheel}")
+    assert calls == [
         f"aws s3 cp --only-show-errors s3://releases/cachefs/{wheel} {root}/opt/cachefs/dist/{wheel}",
         f"pip install --quiet --disable-pip-version-check --upgrade {root}/opt/cachefs/dist/{wheel}",
-        f"build-passthrough {root}/opt/cachefs/venv patch={upload}/pyfuse3-passthrough.patch"]
-    assert calls[-1] == "systemctl start cachefs@data.service"
+        "systemctl daemon-reload", "systemctl enable --quiet cachefs@data.service",
+        "systemctl is-active --quiet cachefs@data.service",
+        "systemctl start cachefs@data.service"]
+    # The daemon reads that config with passthrough on (where the kernel grants it).
+    cfg = resolve({}, environ={}, file_values=load_config_file(root / "etc/cachefs/data.toml"))
+    assert cfg.passthrough == "auto"
 
     proc = subprocess.run(
         ["bash", str(INSTALL_SH), "s3://bucket/p", "/mnt/data"], check=False, capture_output=True,
@@ -328,3 +331,30 @@ def test_install_from_an_s3_wheel_builds_passthrough_on_the_node(
         env={**staging["env"], "CACHEFS_PACKAGE": "s3://releases/cachefs/"})  # type: ignore[dict-item]
     assert (proc.returncode, proc.stderr) == (1, "install_cachefs.sh: CACHEFS_PACKAGE "
                                               "s3://releases/cachefs/: an s3:// package must be a .whl file\n")
+
+
+def test_install_turns_passthrough_off_in_the_config_when_asked(
+        staging: dict[str, object]) -> None:
+    root = staging["root"]
+    assert isinstance(root, Path)
+    run_install(staging, "s3://bucket/p", "/mnt/data", CACHEFS_PASSTHROUGH="off")
+    cfg = resolve({}, environ={}, file_values=load_config_file(root / "etc/cachefs/data.toml"))
+    assert cfg.passthrough == "off"
+    proc = subprocess.run(
+        ["bash", str(INSTALL_SH), "s3://b/p", "/mnt/data"], check=False, capture_output=True,
+        text=True, timeout=30, env={**staging["env"], "CACHEFS_PASSTHROUGH": "on"})  # type: ignore[dict-item]
+    assert (proc.returncode, proc.stderr) == (
+        1, "install_cachefs.sh: CACHEFS_PASSTHROUGH must be auto or off, got 'on'\n")
+
+
+def test_install_on_a_bare_node_installs_what_pip_needs_for_pyfuse3(
+        staging: dict[str, object]) -> None:
+    # The system's libfuse 3 and a compiler for pyfuse3 (and the interpreter's venv
+    # and headers); nothing is downloaded or built for passthrough.
+    _, calls = run_install(staging, "s3://bucket/p", "/mnt/data", FAKE_BARE_NODE="1")
+    assert calls[:5] == [
+        "apt-get update -qq",
+        "apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc libc6-dev",
+        "apt-get update -qq",
+        "apt-get install -y -qq python3.11-venv python3.11-dev",
+        "pip install --quiet --disable-pip-version-check --upgrade /wheels/cachefs.whl"]

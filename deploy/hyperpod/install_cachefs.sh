@@ -11,11 +11,9 @@
 #      (an s3:// URL of a wheel from `make dist`, copied with the AWS CLI to
 #      /opt/cachefs/dist; or anything pip installs: a wheel path, a requirement, a
 #      git URL), else the newest cachefs-*.whl next to this script, else the source
-#      checkout the script sits in; then FUSE passthrough for it (libfuse 3.17.2 and
-#      a patched pyfuse3, built on the node by build-passthrough.sh with
-#      pyfuse3-passthrough.patch, both next to this script or in the checkout;
-#      about 1.5 min the first time; if it cannot be built cachefs serves reads
-#      itself; CACHEFS_PASSTHROUGH=off skips it);
+#      checkout the script sits in (pip compiles pyfuse3 against the system's
+#      libfuse 3, which cachefs uses only to mount; FUSE passthrough needs only
+#      Linux >= 6.9 and root);
 #   3. cache directory: /opt/dlami/nvme/cachefs/NAME when the instance store is
 #      mounted at /opt/dlami/nvme, else /opt/sagemaker/cachefs/NAME; the cache
 #      gets $CACHEFS_CACHE_PERCENT (default 80) % of that file system's free space;
@@ -27,9 +25,10 @@
 # set CACHEFS_NAME to choose another. Other knobs: CACHEFS_METRICS_ADDR
 # (default 127.0.0.1:9477), CACHEFS_MEMORY_BUDGET (default 1G),
 # CACHEFS_CACHE_POLICY (default keep), CACHEFS_PYTHON (interpreter for the venv),
-# CACHEFS_PASSTHROUGH (auto, the default, or off), CACHEFS_SHARED_CACHE
-# (s3://BUCKET/PREFIX of a cache tier all nodes share; see deploy/shared-cache.md)
-# with CACHEFS_SHARED_CACHE_ENDPOINT_URL and CACHEFS_SHARED_CACHE_REGION.
+# CACHEFS_PASSTHROUGH (auto, the default, or off: `passthrough = "off"` in the
+# config), CACHEFS_SHARED_CACHE (s3://BUCKET/PREFIX of a cache tier all nodes
+# share; see deploy/shared-cache.md) with CACHEFS_SHARED_CACHE_ENDPOINT_URL and
+# CACHEFS_SHARED_CACHE_REGION.
 # CACHEFS_ROOT installs into a staging tree instead of / (used by the tests).
 
 set -Eeuo pipefail
@@ -126,8 +125,8 @@ python_ok() {
     "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 }
 
-# gcc, libc6-dev, patch, curl: pyfuse3, and the passthrough build (libfuse 3.17.2)
-apt_install fuse3 libfuse3-dev pkg-config gcc libc6-dev patch curl
+# libfuse3-dev, pkg-config, gcc, libc6-dev: pip compiles pyfuse3 against the system's libfuse 3
+apt_install fuse3 libfuse3-dev pkg-config gcc libc6-dev
 
 PYTHON=${CACHEFS_PYTHON:-}
 if [[ -z $PYTHON ]]; then
@@ -168,23 +167,6 @@ log "installing $PACKAGE into $VENV"
     die "pip could not install $PACKAGE into $VENV"
 [[ -x $VENV/bin/cachefs ]] || die "$PACKAGE did not install a cachefs command into $VENV/bin"
 
-# FUSE passthrough: the kernel reads fully cached files itself. Built on the node
-# (the script never fails: without it, cachefs serves every read itself).
-if [[ $PASSTHROUGH == auto ]]; then
-    pt_script="" pt_patch=""
-    for dir in "$SCRIPT_DIR/../../scripts" "$SCRIPT_DIR"; do
-        if [[ -f $dir/build-passthrough.sh ]]; then pt_script=$dir/build-passthrough.sh; fi
-    done
-    for dir in "$SCRIPT_DIR/../../third_party" "$SCRIPT_DIR"; do
-        if [[ -f $dir/pyfuse3-passthrough.patch ]]; then pt_patch=$dir/pyfuse3-passthrough.patch; fi
-    done
-    if [[ -n $pt_script && -n $pt_patch ]]; then
-        log "FUSE passthrough for $VENV (about 1.5 min the first time)"
-        PASSTHROUGH_PATCH=$pt_patch bash "$pt_script" "$VENV"
-    else
-        log "FUSE passthrough not built: put build-passthrough.sh and pyfuse3-passthrough.patch next to $PROG"
-    fi
-fi
 mkdir -p "$ROOT/usr/local/bin" "$ROOT/sbin"
 ln -sfn "$VENV/bin/cachefs" "$ROOT/usr/local/bin/cachefs"
 if [[ -x $VENV/bin/mount.cachefs ]]; then
@@ -245,6 +227,9 @@ if [[ -n $REGION ]]; then
 fi
 if [[ -n $ENDPOINT_URL ]]; then
     config+=$'\n'"endpoint_url = $(toml_string "$ENDPOINT_URL")"
+fi
+if [[ $PASSTHROUGH == off ]]; then
+    config+=$'\n'"passthrough = \"off\""
 fi
 SHARED_CACHE=${CACHEFS_SHARED_CACHE:-}
 if [[ -n $SHARED_CACHE ]]; then
