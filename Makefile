@@ -5,13 +5,13 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-PT_STAMP := $(VENV)/.passthrough
 DIST_DIR ?= dist
 IMAGE    ?= localhost/cachefs
-# gcc, libc6-dev, patch, curl, python3-dev: building libfuse and the patched pyfuse3;
+# libfuse3-dev, pkg-config, gcc, libc6-dev, python3-dev: pip compiles pyfuse3 (which cachefs
+# uses only to mount) against the system's libfuse 3, and cachefs's own C extensions;
 # prometheus: the real scraper of tests/test_prometheus.py (its service is disabled below);
 # buildah, debootstrap: make image (tests/test_image.py)
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev patch curl python3-dev \
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev python3-dev \
 	prometheus buildah debootstrap
 
 .PHONY: demo test check lint typecheck test-fast bench bench-quick bench-cluster deps dist image clean
@@ -62,7 +62,7 @@ dist: deps
 image: dist
 	BASE="$(BASE)" scripts/build-image.sh $(DIST_DIR) $(IMAGE)
 
-deps: $(STAMP) $(PT_STAMP)
+deps: $(STAMP)
 
 $(STAMP): pyproject.toml cachefs/fuse/_native.c cachefs/cache/_cachefile.c
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -79,13 +79,6 @@ $(STAMP): pyproject.toml cachefs/fuse/_native.c cachefs/cache/_cachefile.c
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	@rm -rf cachefs.egg-info  # the editable install's metadata lives in the venv
-	@touch $@
-
-# FUSE passthrough: libfuse 3.17.2 in $(VENV)/opt/libfuse and a patched pyfuse3
-# (third_party/README.md). Never fails; if unavailable it says so once and cachefs
-# serves reads itself. To retry: rm $(PT_STAMP) and make deps again.
-$(PT_STAMP): $(STAMP) scripts/build-passthrough.sh third_party/pyfuse3-passthrough.patch
-	@scripts/build-passthrough.sh $(VENV)
 	@touch $@
 
 clean:

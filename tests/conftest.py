@@ -35,9 +35,9 @@ def in_ci() -> bool:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """Under CI, turn every skip (a missing /dev/fuse, tool, library or passthrough build)
-    into a failure that says what was missing: a machine without FUSE must not pass the
-    suite with its real-mount layer silently skipped."""
+    """Under CI, turn every skip (a missing /dev/fuse, tool or library, or a kernel without
+    FUSE passthrough) into a failure that says what was missing: a machine without FUSE must
+    not pass the suite with its real-mount layer silently skipped."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if in_ci() and report.skipped and not hasattr(report, "wasxfail"):

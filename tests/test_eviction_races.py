@@ -337,7 +337,7 @@ def _cached(m: Any, path: Path, body: bytes, blocks: int) -> None:
 
 
 needs_passthrough = pytest.mark.skipif(not passthrough_supported(),
-                                       reason="pyfuse3 lacks passthrough (make deps)")
+                                       reason="FUSE passthrough needs Linux >= 6.9")
 
 
 @pytest.mark.fuse

@@ -5,8 +5,9 @@ the daemon, yet return the object's exact bytes; a corrupt cache file is never
 handed to the kernel; concurrent opens share one backing, released with the last
 handle; an inode with a handle served by the daemon is not switched to
 passthrough (the kernel would fail the open); ``--passthrough off`` is honoured.
-These tests need the passthrough build of pyfuse3 (``make deps`` builds it) and
-are skipped, saying why, without it.
+These tests need Linux >= 6.9 and root (cachefs negotiates passthrough with the
+kernel itself, whatever the pyfuse3 and libfuse) and are skipped, saying why, on
+an older kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.conftest import reread_cold
 pytestmark = [
     pytest.mark.fuse,
     pytest.mark.skipif(not passthrough.supported(),
-                       reason="pyfuse3 lacks passthrough (build it with `make deps`)"),
+                       reason="FUSE passthrough needs Linux >= 6.9"),
 ]
 
 BLOCK = 64 * 1024

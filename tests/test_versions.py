@@ -252,7 +252,7 @@ def test_the_page_cache_of_one_version_never_serves_another(bucket, mount_factor
         os.close(fd1)
 
 
-@pytest.mark.skipif(not passthrough_supported(), reason="pyfuse3 lacks passthrough (make deps)")
+@pytest.mark.skipif(not passthrough_supported(), reason="FUSE passthrough needs Linux >= 6.9")
 def test_a_passed_through_file_never_serves_a_newer_open(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     import os
 
