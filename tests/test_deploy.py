@@ -312,7 +312,7 @@ def test_install_from_an_s3_wheel_needs_only_the_wheel_and_the_unit(
         shutil.copy(f, upload)
     root = staging["root"]
     assert isinstance(root, Path)
-    wheel = "cachefs-0.2.0-py3-none-any.whl"
+    wheel = "cachefs-0.2.0-cp311-cp311-linux_x86_64.whl"
     _, calls = run_install(staging, "s3://bucket/p", "/mnt/data", script=upload / INSTALL_SH.name,
                            CACHEFS_PACKAGE=f"s3://releases/cachefs/{wheel}")
     assert calls == [
