@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,12 @@ from benchmarks.util import fuse_usable, proc_sample, stop_cleanly_on_signals
 from benchmarks.wan import WanLink
 
 BUCKET, PREFIX, KEY = "bench", "random", "big.bin"
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def _transferred(wan: WanLink) -> int:
@@ -88,6 +95,8 @@ def measure_mount(m: Mounted, wan: WanLink, offsets: list[int], size: int, data:
                                "link_bytes": _transferred(wan) - before}
         if cpu0 is not None and cpu1 is not None:
             row["daemon_cpu_s"] = round(cpu1.cpu_s - cpu0.cpu_s, 2)
+        if m.metrics_url:
+            row["piece_reads"] = int(_metric(m.metrics_url, "cachefs_piece_reads_total"))
         return row
     finally:
         os.close(fd)
@@ -108,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
     ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="64 MB, 60 reads, RTT 20 ms")
+    ap.add_argument("--quick", action="store_true", help="256 MB, 60 reads, RTT 20 ms")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args(argv)
     if args.quick:
-        args.size_mb, args.reads, args.rtt_ms = 64, 60, 20.0
+        args.size_mb, args.reads, args.rtt_ms = 256, 60, 20.0
     ok, why = fuse_usable()
     if not ok:
         print(f"FUSE is not usable here: {why}", file=sys.stderr)
@@ -156,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.reads} reads of {args.read_kb} KB at random offsets of a {args.size_mb} MB "
               f"object, {args.threads} threads, {args.rtt_ms:.0f} ms / {args.bandwidth_MBps:.0f} "
               f"MB/s link, cold")
-        print("| system | seconds | reads/s | vs direct | link bytes per byte read | daemon CPU s |")
-        print("|---|---|---|---|---|---|")
+        print("| system | seconds | reads/s | vs direct | link bytes per byte read | daemon CPU s "
+              "| reads as pieces |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
             rate = args.reads / r["seconds"]
             print(f"| {r['system']} | {r['seconds']:.2f} | {rate:.1f} | {rate / base:.2f} | "
-                  f"{r['link_bytes'] / (args.reads * piece):.2f} | {r.get('daemon_cpu_s', '-')} |")
+                  f"{r['link_bytes'] / (args.reads * piece):.2f} | {r.get('daemon_cpu_s', '-')} | "
+                  f"{r.get('piece_reads', '-')} |")
         if args.json:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                              "rows": rows}, indent=2))

@@ -596,7 +596,7 @@ class FileSystem:
         self.prefetcher.on_read(handle.stream, obj, offset, size)
         try:
             # (ObjectChanged: the fetcher told object_changed, whoever's load it was)
-            return await self.fetcher.read(obj, offset, size)
+            return await self.fetcher.read(obj, offset, size, random=handle.stream.random)
         except NoSuchKey:
             log.warning("%s is listed (or in the manifest) but no longer in the bucket: "
                         "ENOENT", obj.key)

@@ -471,6 +471,11 @@ DISK_READAHEAD = Counter(
 TIER_HITS = Counter(
     "cachefs_tier_loads", "Block loads answered, by the tier that had the block "
     "(disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)
+PIECE_READS = Counter(
+    "cachefs_piece_reads", "Random reads of large objects answered with a GET of exactly "
+    "their bytes instead of whole blocks (see cachefs.read.fetcher)", registry=REGISTRY)
+PIECE_BYTES = Counter(
+    "cachefs_piece_bytes", "Bytes of those reads", registry=REGISTRY)
 TIER_READ_BYTES = Counter(
     "cachefs_tier_read_bytes", "Bytes of file reads through the daemon, by where they came "
     "from (memory, disk, shared; s3 = the origin)", ["tier"], registry=REGISTRY)

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,34 @@ def test_a_file_of_default_sized_blocks_reads_exactly_cold_and_warm(
         assert (m.path / "big.bin").read_bytes() == data, round_
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
     assert m.gets() == 3  # one GET per block, then everything from the cache
+
+
+@pytest.mark.fuse
+def test_random_reads_of_a_large_file_fetch_their_pieces_not_whole_blocks(
+        bucket: Any, mount_factory: Any) -> None:
+    """Small reads at random offsets of a 12-block file fetch about what they read, not a
+    block each; the file read whole afterwards is exact and cached (read again: no GET)."""
+    client, name = bucket
+    mib = 1 << 20
+    data = random.Random(5).randbytes(12 * mib + 999)
+    client.put_object(Bucket=name, Key="big.bin", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "1M", "--passthrough", "off")
+    fd = os.open(m.path / "big.bin", os.O_RDONLY)
+    try:
+        # one read in each of blocks 11..1, each 1 MiB + 64 KiB before the last: random
+        # (more than the sequential tolerance back), so none is read ahead either
+        for i in range(11, 0, -1):
+            offset = i * mib + 300_000
+            assert os.pread(fd, 4096, offset) == data[offset:offset + 4096], i
+    finally:
+        os.close(fd)
+    pieces = m.metric("cachefs_piece_reads_total")
+    assert pieces >= 10, pieces
+    fetched = m.metric("cachefs_s3_bytes_total")
+    assert fetched < 2 * mib, fetched  # ~11 pieces of a few KiB (the kernel's reads), not 11 MiB
+    assert (m.path / "big.bin").read_bytes() == data
+    deadline = time.monotonic() + 30  # (written back to the disk cache after the reads)
+    while m.metric("cachefs_cache_blocks") < 13 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.metric("cachefs_cache_blocks") == 13  # every block cached whole: no piece kept
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0

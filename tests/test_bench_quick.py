@@ -243,8 +243,9 @@ def test_smallfiles_quick_reports_cost_per_file_and_the_rigs_cores(tmp_path: Pat
 @needs_fuse
 def test_randomreads_quick_reads_exact_pieces_and_counts_the_link(tmp_path: Path) -> None:
     """``python -m benchmarks.randomreads --quick``: every piece read is compared with the
-    object (a wrong one fails the run); the direct baseline moves each piece once, and a
-    larger block moves more bytes per byte read than a smaller one."""
+    object (a wrong one fails the run); the direct baseline moves each piece once; with
+    4 MiB blocks most random reads are answered as pieces, not whole blocks (60 reads of
+    64 KB in 64 blocks of 4 MiB would move ~60 blocks: ~60 bytes per byte read)."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "benchmarks.randomreads", "--quick", "--systems", "cachefs",
            "--block-sizes", "4M,64K", "--json", str(out), "--workdir", str(tmp_path / "work")]
@@ -256,7 +257,9 @@ def test_randomreads_quick_reads_exact_pieces_and_counts_the_link(tmp_path: Path
     per_byte = {name: row["link_bytes"] / read for name, row in rows.items()}
     assert 0.99 <= per_byte["direct"] <= 1.01, per_byte
     assert per_byte["cachefs 64K"] >= 1.0, per_byte  # (every piece crossed the link once)
-    assert per_byte["cachefs 4M"] > 4 * per_byte["cachefs 64K"], per_byte
+    assert per_byte["cachefs 4M"] < 30, per_byte
+    assert rows["cachefs 4M"]["piece_reads"] >= 30, rows["cachefs 4M"]
+    assert rows["cachefs 64K"]["piece_reads"] == 0  # (a 64 KB read is a 64K block's share)
     assert rows["cachefs 4M"]["daemon_cpu_s"] > 0
     mounts, procs = _leftovers(str(tmp_path))
     assert not mounts and not procs, f"left behind: {mounts} {procs}"

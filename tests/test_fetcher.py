@@ -890,3 +890,104 @@ def test_a_join_never_starts_a_load_nor_joins_a_multi_block_object(
         assert mem.calls["get"] == 1
 
     rig.run(body)
+
+
+# -- pieces: random reads of large objects ----------------------------------------------------
+@pytest.fixture
+def pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces with this module's tiny blocks (a block of 64 bytes: share 8 bytes)."""
+    import cachefs.read.fetcher as fetcher_module
+
+    monkeypatch.setattr(fetcher_module, "PIECE_MIN_BLOCK_SIZE", BS)
+
+
+def test_a_random_read_of_a_large_object_gets_exactly_its_bytes(
+        rig: Rig, mem: MemoryStore, pieces: None) -> None:
+    data = payload(16 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+
+    async def body(f: Fetcher) -> None:
+        assert await f.read(obj, 5 * BS + 10, 3, random=True) == data[5 * BS + 10:5 * BS + 13]
+        assert await f.read(obj, 9 * BS + 60, 7, random=True) == data[9 * BS + 60:9 * BS + 67]
+        assert mem.calls["get"] == 2  # one GET each, of the read's bytes only
+        await f.drain()
+        assert not f.is_cached(obj, 5) and not f.is_cached(obj, 9)  # pieces are not kept
+        # a read that is not random, or a small object, reads by blocks as before
+        assert await f.read(obj, 2 * BS + 1, 3) == data[2 * BS + 1:2 * BS + 4]
+        await f.drain()
+        assert f.is_cached(obj, 2) and mem.calls["get"] == 3
+        mem.put("small", payload(7 * BS, seed=3))
+        small = version(mem, "small")
+        await f.read(small, 3 * BS, 2, random=True)
+        await f.drain()
+        assert f.is_cached(small, 3)
+
+    rig.run(body)
+
+
+def test_pieces_of_a_block_that_add_up_to_its_share_load_it_whole(
+        rig: Rig, mem: MemoryStore, pieces: None) -> None:
+    """A block is loaded (and cached) once the pieces read of it reach 1/PIECE_SHARE of it
+    (8 of 64 bytes): a reader that reads a file densely ends up caching it whole."""
+    data = payload(16 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+
+    async def body(f: Fetcher) -> None:
+        for offset in (4 * BS + 50, 4 * BS + 3, 4 * BS + 30):  # 2 + 2 + 2 bytes: pieces
+            assert await f.read(obj, offset, 2, random=True) == data[offset:offset + 2]
+        await f.drain()
+        assert mem.calls["get"] == 3 and not f.is_cached(obj, 4)
+        assert await f.read(obj, 4 * BS + 40, 2, random=True) == data[4 * BS + 40:4 * BS + 42]
+        await f.drain()  # 8 bytes: the block's load
+        assert mem.calls["get"] == 4 and f.is_cached(obj, 4)
+        assert await f.read(obj, 4 * BS + 10, 2, random=True) == data[4 * BS + 10:4 * BS + 12]
+        assert mem.calls["get"] == 4  # from the cache now
+
+    rig.run(body)
+
+
+def test_readers_of_a_range_a_piece_in_flight_covers_share_its_get(
+        rig: Rig, mem: MemoryStore, pieces: None) -> None:
+    data = payload(16 * BS)
+    mem.put("k", data)
+    obj = version(mem, "k")
+    slow_gets(mem)
+
+    async def body(f: Fetcher) -> None:
+        got: dict[int, bytes] = {}
+
+        async def reader(i: int, offset: int, size: int) -> None:
+            got[i] = await f.read(obj, offset, size, random=True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader, 0, 6 * BS + 10, 4)
+            await trio.sleep(0.005)  # the first piece is in flight
+            nursery.start_soon(reader, 1, 6 * BS + 11, 2)  # inside it: joins
+            nursery.start_soon(reader, 2, 6 * BS + 40, 2)  # another range: loads the block
+        assert got == {0: data[6 * BS + 10:6 * BS + 14], 1: data[6 * BS + 11:6 * BS + 13],
+                       2: data[6 * BS + 40:6 * BS + 42]}
+        assert mem.calls["get"] == 2
+        await f.drain()
+        assert f.is_cached(obj, 6)
+
+    rig.run(body)
+
+
+def test_a_piece_of_a_changed_object_raises_and_tells_the_change(
+        rig: Rig, mem: MemoryStore, pieces: None) -> None:
+    v1, v2 = payload(16 * BS, seed=1), payload(16 * BS, seed=2)
+    mem.put("k", v1)
+    old = version(mem, "k")
+    told: list[ObjectVersion] = []
+
+    async def body(f: Fetcher) -> None:
+        f.on_changed = told.append
+        assert await f.read(old, 3 * BS + 1, 2, random=True) == v1[3 * BS + 1:3 * BS + 3]
+        mem.put("k", v2)
+        with pytest.raises(ObjectChanged):
+            await f.read(old, 11 * BS + 5, 2, random=True)  # If-Match fails: no v2 byte
+        assert told == [old]
+
+    rig.run(body)

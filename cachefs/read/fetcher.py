@@ -56,6 +56,25 @@ Tasks and ownership:
   looks blocks up in synchronous helpers), so a load waiting for a disk thread
   holds no index reader slot.
 
+Pieces: a random read (:attr:`cachefs.read.sequential.ReadStream.random`) of a large
+object (at least :data:`PIECE_MIN_BLOCKS` blocks) whose blocks are in no tier and
+in no load is answered with one ranged GET of exactly its bytes, which no tier
+keeps, instead of a load of every block it touches: a reader that takes small pieces
+at random offsets of a large file (a memory-mapped array, HDF5, an indexed record
+file) would otherwise move a whole block across regions for each piece. The pieces
+read of each block are counted (:data:`PIECE_MEMORY` blocks remembered, least
+recently pieced forgotten first); once they add up to 1/:data:`PIECE_SHARE` of
+the block, the next read of it loads the block as any other read does, so a reader
+that ends up reading most of a file caches it whole, for at most that share more
+bytes. A read whose range a piece in flight covers waits for that piece (readers of
+the same bytes at once share one GET, as readers of a block share its load); a read
+of another range of a block with a piece in flight loads the block. Pieces are used
+only with blocks of at least :data:`PIECE_MIN_BLOCK_SIZE` (a smaller block costs
+little more than a round trip: one load of it serves every reader) and never with a
+tier below the disk (a shared tier's point is one copy of each block for a whole
+cluster). The same If-Match and retries apply; a piece whose version changed raises
+ObjectChanged like a load.
+
 Invariant: a block id names one object version (key, ETag), so bytes of two
 versions are never mixed; a version that changed on S3 raises ObjectChanged.
 """
@@ -65,6 +84,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -85,6 +105,16 @@ log = logging.getLogger(__name__)
 ORIGIN = "s3"  # the source name of blocks fetched from the origin
 #: Speculative loads of blocks on local disk in flight at most (see the module docstring).
 MAX_DISK_AHEAD = 64
+#: Objects of fewer blocks are always read by whole blocks (see "Pieces" above) ...
+PIECE_MIN_BLOCKS = 8
+#: ... and so are objects of smaller blocks.
+PIECE_MIN_BLOCK_SIZE = 1 << 20
+#: A block is loaded whole once the pieces read of it add up to this fraction of it:
+#: a reader that reads a file densely pays at most 1/PIECE_SHARE more bytes, one that
+#: reads it sparsely never pays a block for a piece.
+PIECE_SHARE = 8
+#: Blocks whose pieces are counted, at most (a few MB; least recently pieced dropped).
+PIECE_MEMORY = 65536
 #: How long the fetcher's end waits for disk writes still running in S3 worker threads.
 SINK_CLOSE_TIMEOUT = 10.0
 
@@ -94,6 +124,8 @@ _TIER_HITS = {name: metrics.TIER_HITS.labels(name) for name in ("memory", "disk"
 _TIER_READ_BYTES = {name: metrics.TIER_READ_BYTES.labels(name)
                     for name in ("memory", "disk", ORIGIN)}
 _S3_GET_HOPS = metrics.THREAD_HOPS.labels("s3_get")
+_PIECE_READS = metrics.PIECE_READS
+_PIECE_BYTES = metrics.PIECE_BYTES
 
 
 class ReadNotes(Protocol):
@@ -183,6 +215,19 @@ class _Flight:
         self.prefetch = prefetch
 
 
+class _Piece:
+    """One GET of bytes ``[start, end)`` of an object (see "Pieces" in the module
+    docstring), shared by the readers of a range inside it while it runs."""
+
+    __slots__ = ("data", "end", "error", "event", "start")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.event = trio.Event()  # data, error, or neither (its reader was cancelled)
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+
+
 class Fetcher:
     """Blocks of object versions, read through the caches with single-flight GETs."""
 
@@ -200,6 +245,10 @@ class Fetcher:
         self.tiers: list[Tier] = [DiskTier(cache), *lower_tiers]
         self._notes = notes
         self._flights: dict[bytes, _Flight] = {}
+        #: Bytes read as pieces of blocks no tier holds, and the pieces in flight by
+        #: block (trio thread; see "Pieces").
+        self._pieced: OrderedDict[bytes, int] = OrderedDict()
+        self._piece_flights: dict[bytes, _Piece] = {}
         self._nursery: trio.Nursery | None = None
         self._pending = 0  # flights + write-backs not finished
         self._disk_ahead = 0  # speculative loads of cached blocks in flight
@@ -295,11 +344,18 @@ class Fetcher:
         return self.is_loaded_or_loading(bid) or self.cache.contains(bid)
 
     # -- reads ------------------------------------------------------------------------------
-    async def read(self, obj: ObjectVersion, offset: int, size: int) -> bytes:
-        """Bytes ``[offset, offset+size)`` of ``obj`` (clamped to its size)."""
+    async def read(self, obj: ObjectVersion, offset: int, size: int, *,
+                   random: bool = False) -> bytes:
+        """Bytes ``[offset, offset+size)`` of ``obj`` (clamped to its size). ``random``:
+        the reader's last read was random, so the bytes may come as a piece (see the
+        module docstring)."""
         end = min(offset + size, obj.size)
         if offset >= end:
             return b""
+        if random:
+            piece = await self._read_piece(obj, offset, end)
+            if piece is not None:
+                return piece
         bs = self.block_size
         first, last = offset // bs, (end - 1) // bs
         if first == last:
@@ -413,6 +469,76 @@ class Fetcher:
                 answer(flight.data, flight.error)
             except Exception:  # a reader's answer must not end the load (nor the fetcher)
                 log.exception("answering a read joined to a fetch failed")
+
+    async def _read_piece(self, obj: ObjectVersion, offset: int, end: int) -> bytes | None:
+        """Bytes ``[offset, end)`` of ``obj`` as a piece, or None when they are to be read
+        by blocks: a small object, a lower tier, a block in some tier or load, or one whose
+        pieces reached its share (see the module docstring). Trio thread."""
+        bs = self.block_size
+        if bs < PIECE_MIN_BLOCK_SIZE or obj.size < PIECE_MIN_BLOCKS * bs or len(self.tiers) > 1:
+            return None
+        first, last = offset // bs, (end - 1) // bs
+        bids = [self.block_id(obj, i) for i in range(first, last + 1)]
+        for bid in bids:
+            if bid in self._flights or self.memory.peek(bid) is not None or self.cache.contains(bid):
+                return None
+        if any(bid in self._piece_flights for bid in bids):
+            running = self._piece_flights.get(bids[0])
+            if running is None or not running.start <= offset < end <= running.end:
+                return None  # another range of a block being pieced: load the block
+            await running.event.wait()
+            if running.error is not None:
+                raise running.error
+            if running.data is None:
+                return None  # its reader was interrupted: this one reads by blocks
+            metrics.SINGLE_FLIGHT_JOINS.inc()
+            return running.data[offset - running.start:end - running.start]
+        due = False
+        for i, bid in enumerate(bids, start=first):
+            read = self._pieced.pop(bid, 0) + min(end, (i + 1) * bs) - max(offset, i * bs)
+            if read * PIECE_SHARE >= self.block_len(obj, i):
+                due = True  # (forgotten: its load caches it)
+            else:
+                self._pieced[bid] = read
+        while len(self._pieced) > PIECE_MEMORY:
+            self._pieced.popitem(last=False)
+        if due:
+            return None
+        n = end - offset
+        piece = _Piece(offset, end)
+        for bid in bids:
+            self._piece_flights[bid] = piece
+        self.budget.force_reserve(n)
+        metrics.INFLIGHT_FETCHES.inc()
+        _S3_GET_HOPS.inc()
+        try:
+            got = await self.origin.get(obj.key, obj.etag, offset, end)
+            piece.data = got.data
+        except Exception as exc:
+            piece.error = exc
+            if isinstance(exc, ObjectChanged):
+                self._tell_changed(obj)
+            raise
+        finally:
+            for bid in bids:
+                if self._piece_flights.get(bid) is piece:
+                    del self._piece_flights[bid]
+            piece.event.set()
+            metrics.INFLIGHT_FETCHES.dec()
+            self.budget.release(n)
+        _PIECE_READS.inc()
+        _PIECE_BYTES.inc(n)
+        metrics.CACHE_MISS_REQUESTS.inc()
+        metrics.CACHE_MISS_BYTES.inc(n)
+        _TIER_READ_BYTES[ORIGIN].inc(n)
+        return got.data
+
+    def _tell_changed(self, obj: ObjectVersion) -> None:
+        if self.on_changed is not None:
+            try:
+                self.on_changed(obj)
+            except Exception:  # (a listener's bug must not end the read)
+                log.exception("telling that an object changed failed")
 
     async def _block_for_read(self, obj: ObjectVersion, index: int, n: int) -> bytes:
         data, source = await self.get_block(obj, index)
@@ -536,11 +662,8 @@ class Fetcher:
             except Exception as exc:  # handed to every waiter; logged by the FUSE layer
                 flight.error = exc
                 data = None
-                if isinstance(exc, ObjectChanged) and self.on_changed is not None:
-                    try:
-                        self.on_changed(obj)
-                    except Exception:  # (a listener's bug must not end the load)
-                        log.exception("telling that an object changed failed")
+                if isinstance(exc, ObjectChanged):
+                    self._tell_changed(obj)
                 if self._notes is not None:
                     self._notes.forget(bid)
             finally:

@@ -34,6 +34,10 @@ class ReadStream:
         #: Blocks below this index were already handed to the prefetcher by this stream
         #: (the caller advances it); reads re-issue nothing the stream already asked for.
         self.issued_until = 0
+        #: The last read was random: neither where the one before ended (within the
+        #: tolerances) nor at offset 0. A reader that goes on in order from there is
+        #: sequential again at its next read.
+        self.random = False
 
     def on_read(self, offset: int, size: int) -> range:
         """Record a read; return the block indices worth fetching ahead of it."""
@@ -41,6 +45,7 @@ class ReadStream:
         sequential = (self._reads > 0 and
                       self._next - BACKWARD_TOLERANCE <= offset <= self._next + FORWARD_TOLERANCE)
         self._reads += 1
+        self.random = not sequential and offset != 0
         if sequential:
             end_block = max(end - 1, 0) // self.block_size
             if end_block != self._block:
