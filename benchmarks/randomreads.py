@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import mmap
 import os
 import random
 import shutil
@@ -84,12 +85,17 @@ def measure_direct(wan: WanLink, offsets: list[int], size: int, data: bytes,
 
 
 def measure_mount(m: Mounted, wan: WanLink, offsets: list[int], size: int, data: bytes,
-                  threads: int) -> dict[str, Any]:
+                  threads: int, access: str = "pread") -> dict[str, Any]:
     fd = os.open(m.root / KEY, os.O_RDONLY)
+    mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if access == "mmap" else None
     try:
         before = _transferred(wan)
         cpu0 = proc_sample(m.pid) if m.pid else None
-        seconds = _read_all(lambda off, n: os.pread(fd, n, off), offsets, size, data, threads)
+        if mapped is not None:  # page faults: the kernel reads around each one
+            seconds = _read_all(lambda off, n: mapped[off:off + n], offsets, size, data, threads)
+        else:
+            seconds = _read_all(lambda off, n: os.pread(fd, n, off), offsets, size, data,
+                                threads)
         cpu1 = proc_sample(m.pid) if m.pid else None
         row: dict[str, Any] = {"system": m.system, "seconds": seconds,
                                "link_bytes": _transferred(wan) - before}
@@ -99,6 +105,8 @@ def measure_mount(m: Mounted, wan: WanLink, offsets: list[int], size: int, data:
             row["piece_reads"] = int(_metric(m.metrics_url, "cachefs_piece_reads_total"))
         return row
     finally:
+        if mapped is not None:
+            mapped.close()
         os.close(fd)
 
 
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-kb", type=int, default=64)
     ap.add_argument("--reads", type=int, default=600)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--access", choices=("pread", "mmap"), default="pread",
+                    help="pread the pieces, or slice a memory map of the file (page faults)")
     ap.add_argument("--rtt-ms", type=float, default=70.0)
     ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
     ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
@@ -158,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                                  if system == "cachefs" else
                                  mount_rclone(wan.endpoint, BUCKET, PREFIX, run))
                         with mount as m:
-                            row = measure_mount(m, wan, offsets, piece, data, args.threads)
+                            row = measure_mount(m, wan, offsets, piece, data, args.threads,
+                                                args.access)
                         row["system"] = name
                         rows.append(row)
         base = args.reads / rows[0]["seconds"]
-        print(f"{args.reads} reads of {args.read_kb} KB at random offsets of a {args.size_mb} MB "
+        print(f"{args.reads} {args.access}s of {args.read_kb} KB at random offsets of a {args.size_mb} MB "
               f"object, {args.threads} threads, {args.rtt_ms:.0f} ms / {args.bandwidth_MBps:.0f} "
               f"MB/s link, cold")
         print("| system | seconds | reads/s | vs direct | link bytes per byte read | daemon CPU s "

@@ -928,22 +928,29 @@ def test_a_random_read_of_a_large_object_gets_exactly_its_bytes(
 
 def test_pieces_of_a_block_that_add_up_to_its_share_load_it_whole(
         rig: Rig, mem: MemoryStore, pieces: None) -> None:
-    """A block is loaded (and cached) once the pieces read of it reach 1/PIECE_SHARE of it
-    (8 of 64 bytes): a reader that reads a file densely ends up caching it whole."""
+    """A block is loaded (and cached) at the first read after the pieces read of it reached
+    1/PIECE_SHARE of it (8 of 64 bytes): a reader that reads a file densely ends up caching
+    it whole. The first read of a block is a piece whatever its size (a memory map's page
+    fault reads the kernel's whole read-around)."""
     data = payload(16 * BS)
     mem.put("k", data)
     obj = version(mem, "k")
 
     async def body(f: Fetcher) -> None:
-        for offset in (4 * BS + 50, 4 * BS + 3, 4 * BS + 30):  # 2 + 2 + 2 bytes: pieces
+        for offset in (4 * BS + 50, 4 * BS + 3, 4 * BS + 30, 4 * BS + 20):  # 4 x 2 bytes
             assert await f.read(obj, offset, 2, random=True) == data[offset:offset + 2]
         await f.drain()
-        assert mem.calls["get"] == 3 and not f.is_cached(obj, 4)
+        assert mem.calls["get"] == 4 and not f.is_cached(obj, 4)
         assert await f.read(obj, 4 * BS + 40, 2, random=True) == data[4 * BS + 40:4 * BS + 42]
-        await f.drain()  # 8 bytes: the block's load
-        assert mem.calls["get"] == 4 and f.is_cached(obj, 4)
+        await f.drain()  # 8 bytes read as pieces before: the block's load
+        assert mem.calls["get"] == 5 and f.is_cached(obj, 4)
         assert await f.read(obj, 4 * BS + 10, 2, random=True) == data[4 * BS + 10:4 * BS + 12]
-        assert mem.calls["get"] == 4  # from the cache now
+        assert mem.calls["get"] == 5  # from the cache now
+        # half a block at once: a piece; the next read of that block loads it
+        assert await f.read(obj, 7 * BS, 32, random=True) == data[7 * BS:7 * BS + 32]
+        assert await f.read(obj, 7 * BS + 40, 2, random=True) == data[7 * BS + 40:7 * BS + 42]
+        await f.drain()
+        assert mem.calls["get"] == 7 and f.is_cached(obj, 7)
 
     rig.run(body)
 

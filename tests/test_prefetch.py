@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.read.sequential import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, ReadStream
+from cachefs.read.sequential import BACKWARD_TOLERANCE, FORWARD_TOLERANCE, RANDOM_RUN, ReadStream
 
 MiB = 1 << 20
 BS = MiB
@@ -154,3 +154,26 @@ def test_prefetch_is_always_ahead_bounded_and_inside_the_file(
         assert blocks[0] == -(-end // BS)  # strictly after the data being read
         assert blocks[-1] < n_blocks  # never past EOF
         assert (blocks[-1] * BS) < end + s.window  # within the window
+
+
+def test_a_short_run_from_a_random_offset_stays_random_and_opens_no_window() -> None:
+    """A page fault of a memory map reads the kernel's read-around (1 MiB) as READs in
+    order: random until the run has read more than RANDOM_RUN, then a sequential reader."""
+    s = stream()
+    start = 500 * MiB + 3 * 4096
+    step = 128 * 1024
+    for k in range(RANDOM_RUN // step):
+        assert list(s.on_read(start + k * step, step)) == [], k
+        assert s.random and s.window == 0, k
+    k = RANDOM_RUN // step
+    s.on_read(start + k * step, step)
+    assert not s.random  # past RANDOM_RUN: in order
+    while s.window == 0:  # opens at the next block entered
+        k += 1
+        assert k * step < 2 * BS, "no window within a block"
+        s.on_read(start + k * step, step)
+    # a run from offset 0 is never random
+    s2 = stream()
+    for k in range(4):
+        s2.on_read(k * step, step)
+        assert not s2.random

@@ -65,8 +65,8 @@ file) would otherwise move a whole block across regions for each piece. The piec
 read of each block are counted (:data:`PIECE_MEMORY` blocks remembered, least
 recently pieced forgotten first); once they add up to 1/:data:`PIECE_SHARE` of
 the block, the next read of it loads the block as any other read does, so a reader
-that ends up reading most of a file caches it whole, for at most that share more
-bytes. A read whose range a piece in flight covers waits for that piece (readers of
+that ends up reading most of a file caches it whole, for at most that share (and
+one read) more bytes. A read whose range a piece in flight covers waits for that piece (readers of
 the same bytes at once share one GET, as readers of a block share its load); a read
 of another range of a block with a piece in flight loads the block. Pieces are used
 only with blocks of at least :data:`PIECE_MIN_BLOCK_SIZE` (a smaller block costs
@@ -495,11 +495,12 @@ class Fetcher:
             return running.data[offset - running.start:end - running.start]
         due = False
         for i, bid in enumerate(bids, start=first):
-            read = self._pieced.pop(bid, 0) + min(end, (i + 1) * bs) - max(offset, i * bs)
-            if read * PIECE_SHARE >= self.block_len(obj, i):
+            before = self._pieced.pop(bid, 0)
+            if before * PIECE_SHARE >= self.block_len(obj, i):
                 due = True  # (forgotten: its load caches it)
-            else:
-                self._pieced[bid] = read
+            else:  # (the first read of a block is a piece whatever its size: a page fault
+                # of a memory map reads the kernel's whole read-around, --read-ahead)
+                self._pieced[bid] = before + min(end, (i + 1) * bs) - max(offset, i * bs)
         while len(self._pieced) > PIECE_MEMORY:
             self._pieced.popitem(last=False)
         if due:

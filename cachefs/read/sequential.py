@@ -7,7 +7,9 @@ readahead jitter and small seeks: up to ``BACKWARD_TOLERANCE`` back or
 blocks fetched ahead doubles each time the reader enters a new block, up to
 ``max_window`` bytes. Any other read resets the window, so a random reader
 never pays for readahead beyond ``initial_window`` at offset 0 (whole-file
-readers such as DataLoader workers start there).
+readers such as DataLoader workers start there). A run that begins elsewhere
+opens its window only once it has read more than ``RANDOM_RUN`` bytes; until
+then it is :attr:`ReadStream.random` (the fetcher may answer it with pieces).
 
 Pure logic, no I/O: :meth:`ReadStream.on_read` returns the block indices to
 prefetch; :meth:`cachefs.read.prefetcher.Prefetcher.on_read` hands them to the
@@ -18,6 +20,11 @@ from __future__ import annotations
 
 FORWARD_TOLERANCE = 16 << 20
 BACKWARD_TOLERANCE = 1 << 20
+#: A run of reads in order that began at a random offset opens a window (and stops being
+#: random) only once it has read more than this: a page fault of a memory map reads the
+#: kernel's read-around (the mount's --read-ahead, 1 MiB by default) as a short run of
+#: READs in order, and a random reader of a memory map is no sequential reader.
+RANDOM_RUN = 1 << 20
 
 
 class ReadStream:
@@ -34,10 +41,11 @@ class ReadStream:
         #: Blocks below this index were already handed to the prefetcher by this stream
         #: (the caller advances it); reads re-issue nothing the stream already asked for.
         self.issued_until = 0
-        #: The last read was random: neither where the one before ended (within the
-        #: tolerances) nor at offset 0. A reader that goes on in order from there is
-        #: sequential again at its next read.
+        #: The last read was random: part of a run of reads in order that began neither
+        #: at offset 0 nor where the read before ended (within the tolerances), and has
+        #: read at most RANDOM_RUN bytes so far.
         self.random = False
+        self._run = 0  # bytes read in order since the run began; -1: it began at offset 0
 
     def on_read(self, offset: int, size: int) -> range:
         """Record a read; return the block indices worth fetching ahead of it."""
@@ -45,10 +53,14 @@ class ReadStream:
         sequential = (self._reads > 0 and
                       self._next - BACKWARD_TOLERANCE <= offset <= self._next + FORWARD_TOLERANCE)
         self._reads += 1
-        self.random = not sequential and offset != 0
+        if not sequential:
+            self._run = -1 if offset == 0 else max(0, end - offset)
+        elif self._run >= 0:
+            self._run += max(0, end - offset)
+        self.random = 0 <= self._run <= RANDOM_RUN
         if sequential:
             end_block = max(end - 1, 0) // self.block_size
-            if end_block != self._block:
+            if end_block != self._block and not self.random:
                 self.window = min(self.max_window,
                                   max(self.window * 2, self.initial_window, self.block_size))
         elif offset == 0:
