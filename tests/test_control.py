@@ -356,3 +356,11 @@ def test_a_control_socket_that_cannot_be_created_does_not_stop_the_daemon(tmp_pa
 
     trio.run(main)
     assert control_errors() == before + 1
+
+
+def test_the_socket_is_removed_when_the_server_stops(tmp_path):
+    async def body(ctl: ControlServer, path: Path) -> None:
+        await status_works(path)
+
+    serve(tmp_path, body)  # ends by cancelling the server, as a daemon's shutdown does
+    assert list((tmp_path / "run").iterdir()) == []

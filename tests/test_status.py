@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
 
 from cachefs.cache.objectfiles import allocation_unit
-from tests.conftest import run_cachefs
+from cachefs.control import registry
+from tests.conftest import is_mounted, run_cachefs
 
 pytestmark = pytest.mark.fuse
 
@@ -125,3 +127,25 @@ def test_an_idle_mount_stops_rewriting_its_snapshot_and_a_read_refreshes_it(buck
         time.sleep(0.2)
     assert st["s3_bytes"] == 3000, "a read of an idle mount did not refresh its snapshot"
     assert st["stats_age_seconds"] < 2.5
+
+
+@pytest.mark.parametrize("how", ["unmount", "lazy"])
+def test_a_stopped_mount_leaves_nothing_in_the_runtime_directory(bucket, mount_factory, how):
+    """Its registry entry and its control socket both go: a node that mounts and unmounts
+    many times (a mount per job) does not collect dead sockets."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    sock = registry.control_socket(m.path)
+    run, me = sock.parent, sock.stem
+    assert sorted(p.name for p in run.iterdir() if p.stem == me) == [f"{me}.json", f"{me}.sock"]
+    if how == "unmount":
+        proc = run_cachefs("unmount", str(m.path))
+        assert proc.returncode == 0, proc.stderr
+    else:
+        subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+            is_mounted(m.path) or any(p.stem == me for p in run.iterdir())):
+        time.sleep(0.05)
+    assert sorted(p.name for p in run.iterdir() if p.stem == me) == []

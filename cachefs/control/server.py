@@ -145,11 +145,13 @@ class ControlServer:
                         continue
                     nursery.start_soon(self._connection, stream)
         finally:
-            await listener.aclose()
+            # Before the close: aclose() is a checkpoint, which raises again at once in
+            # the cancelled scope a shutdown ends this in, and the socket file would stay.
             try:
                 self.path.unlink()
             except OSError:
                 pass
+            await listener.aclose()
 
     def _bind(self) -> trio.socket.SocketType:
         """Bind in a private directory, restrict the socket to its owner, then rename it
