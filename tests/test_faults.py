@@ -737,6 +737,41 @@ def test_full_cache_disk_still_serves_correct_bytes(bucket, mount_factory, tmp_p
         subprocess.run(["umount", "-l", str(small)], check=False)
 
 
+def test_a_full_cache_disk_is_logged_once_a_minute_not_once_a_block(bucket, mount_factory,
+                                                                      tmp_path):
+    """A cache disk that stays full fails the write of every block fetched: one log line
+    for each (250,000 an epoch of a 1 TB dataset in 4 MiB blocks) buried the log, and by
+    default the log is on that same full disk. The first failure is logged, later ones
+    are counted and summed up at most once a minute."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    client, name = bucket
+    files = {f"f{i}.bin": random.Random(40 + i).randbytes(1 << 20) for i in range(4)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    small = tmp_path / "smallfs"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        log_file = tmp_path / "cachefs.log"  # (on a disk with room: every line can land)
+        m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "3M",
+                          "--log-file", str(log_file), cache_dir=small / "cache")
+        (small / "filler").write_bytes(b"\0" * (3 << 20))  # leave well under one MiB free
+        for key, body in files.items():
+            assert (m.path / key).read_bytes() == body
+        failed = m.metric("cachefs_cache_write_errors_total")
+        assert failed >= 40  # most of the 64 blocks found no room
+        lines = [line for line in log_file.read_text().splitlines()
+                 if "cannot write block to the cache" in line]
+        assert len(lines) == 1, lines[:5]
+        assert "No space left on device" in lines[0]
+        m.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
 def test_a_cache_disk_filled_by_something_else_still_lists_and_reads(bucket, mount_factory,
                                                                        tmp_path):
     """Another program fills the cache's file system: directories not listed yet must

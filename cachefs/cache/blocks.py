@@ -144,6 +144,10 @@ log = logging.getLogger(__name__)
 WRITTEN_MARKS = 65536
 #: trim_to_capacity() evicts at most this many bytes a transaction.
 TRIM_BATCH = 64 << 20
+#: Seconds between log lines about blocks that could not be stored, after the first: a
+#: disk that stays full fails every block fetched (all are counted in
+#: ``cachefs_cache_write_errors_total``).
+WRITE_ERROR_LOG_INTERVAL = 60.0
 
 __all__ = ["OID_LEN", "POLICIES", "BlockCache", "block_id", "block_id_at", "checksum",
            "object_id", "split_block_id"]
@@ -178,6 +182,8 @@ class BlockCache:
         # Byte ranges of dropped blocks whose release waits for their object's unpin.
         self._deferred: dict[bytes, list[tuple[int, int]]] = {}
         self._touched: dict[bytes, float] = {}
+        self._write_error_logged = 0.0  # (monotonic; 0: never)
+        self._write_errors_unlogged = 0
         # Written marks: object id -> (its file's inode, {block offset: index entry}) for
         # blocks this cache wrote and has not released since (module docstring). Changed
         # under the object's lock and _lock; oldest written first.
@@ -512,15 +518,14 @@ class BlockCache:
             try:
                 inode = self.files.write_at(oid, data, offset)
             except OSError as exc:
-                metrics.CACHE_WRITE_ERRORS.inc()
-                log.warning("cannot write block to the cache (%s); serving from memory", exc.strerror)
+                self._write_error("cannot write block to the cache (%s); serving from memory",
+                                  exc.strerror)
                 self._release_bytes(oid, [(offset, len(data))])
                 return False
             try:
                 admitted, evicted = self._index_put(bid, *entry)
             except CacheError as exc:
-                metrics.CACHE_WRITE_ERRORS.inc()
-                log.warning("cannot index block: %s", exc)
+                self._write_error("cannot index block: %s", exc)
                 admitted, evicted = False, []
             if admitted:
                 self._mark_written(oid, inode, offset, entry)
@@ -530,6 +535,20 @@ class BlockCache:
         if self._deferred:
             self.release_deferred()
         return admitted
+
+    def _write_error(self, message: str, *args: object) -> None:
+        """Count a block not stored; log the first, then at most one line every
+        :data:`WRITE_ERROR_LOG_INTERVAL` seconds with the number since (any thread)."""
+        metrics.CACHE_WRITE_ERRORS.inc()
+        now = time.monotonic()
+        with self._lock:
+            if self._write_error_logged and now - self._write_error_logged < WRITE_ERROR_LOG_INTERVAL:
+                self._write_errors_unlogged += 1
+                return
+            more, self._write_errors_unlogged = self._write_errors_unlogged, 0
+            self._write_error_logged = now
+        log.warning(message + (f" ({more} more blocks not stored since the last report)"
+                               if more else ""), *args)
 
     def _index_put(self, bid: bytes, length: int, digest: int) -> tuple[bool, list[tuple[bytes, int]]]:
         result: PutResult = self.index.put(bid, length, digest, self._is_pinned, self.is_unread)
