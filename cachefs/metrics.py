@@ -23,6 +23,8 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -33,9 +35,10 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from cachefs import __version__
 from cachefs.errors import ConfigError
@@ -817,6 +820,48 @@ def parse_metrics_addr(value: str) -> tuple[str, int]:
     return host, port
 
 
+#: Scrapes served at once; further connections wait to be accepted.
+METRICS_SCRAPERS = 4
+#: Seconds a metrics client may take to send its request (or read the page) before it is
+#: cut off, so idle connections hold no scrape slot for long.
+METRICS_CLIENT_TIMEOUT = 10.0
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    timeout = METRICS_CLIENT_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing (a line per scrape)."""
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """prometheus_client's server (a thread per connection), with at most
+    :data:`METRICS_SCRAPERS` connections served at once: the port has no access control,
+    and a local process that opened connections and never finished its requests made a
+    thread for each, without bound. The accept loop waits for a free slot, so extra
+    connections wait in the listen queue (or the kernel holds their handshake back)."""
+
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_SCRAPERS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def serve_metrics(addr: str) -> tuple[str, int]:
     """Serve /metrics on ``addr`` from a daemon thread; return the bound (host, port).
 
@@ -824,7 +869,14 @@ def serve_metrics(addr: str) -> tuple[str, int]:
     """
     host, port = parse_metrics_addr(addr)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=EXPOSED)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+
+        class Server(_MetricsServer):
+            address_family = infos[0][0]
+
+        server = make_server(str(infos[0][4][0]), port, make_wsgi_app(EXPOSED), Server,
+                             handler_class=_MetricsHandler)
+        threading.Thread(target=server.serve_forever, name="cachefs-metrics", daemon=True).start()
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {reason}") from None

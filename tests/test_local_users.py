@@ -196,3 +196,46 @@ def test_an_existing_cache_dir_open_to_others_is_tightened(bucket, s3_endpoint, 
     nobody = as_user(NOBODY, NOBODY, probe)
     assert nobody["cache_listdir"] == ["error", 13]
     assert nobody["mount_read_0"] == ["ok", 1000]
+
+
+def test_idle_connections_to_the_metrics_port_do_not_pile_up_threads(bucket, mount_factory):
+    """Any local process can connect to the metrics port (it has no access control, as
+    Prometheus endpoints go). A thread per connection, unbounded, let one that opens
+    connections and never finishes a request grow the daemon by a thread (and its stack)
+    for each, and every one of them rendered a whole page once the client went away. The
+    daemon now serves a few scrapes at once and leaves the others waiting to be
+    accepted; its reads go on."""
+    import socket
+    import urllib.request
+
+    from cachefs.control import registry
+
+    client, name = bucket
+    files = {f"d/f{i:02d}": os.urandom(50_000) for i in range(20)}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    m = mount_factory(f"s3://{name}")
+    info = registry.lookup(m.path)
+    assert info is not None
+    pid = int(info["pid"])
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{pid}/task"))
+
+    host, port = m.metrics_addr.rsplit(":", 1)
+    baseline = threads()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(60):  # (fewer than the accept queue holds: none waits to connect)
+            s = socket.create_connection((host, int(port)), timeout=30)
+            idle.append(s)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the end of the headers
+        time.sleep(2)  # (a thread per connection would be started by now)
+        assert threads() - baseline < 30
+        for key, body in files.items():
+            assert (m.path / key).read_bytes() == body
+    finally:
+        for s in idle:
+            s.close()
+    page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=120).read()
+    assert b"cachefs_build_info" in page
