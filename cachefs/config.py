@@ -453,9 +453,19 @@ def resolve(
     if values["cache_dir"] is None:
         raise ConfigError("missing --cache-dir: cachefs needs a local directory for its cache")
     values["cache_dir"] = values["cache_dir"].absolute()
+    _check_cache_outside_mount(values["cache_dir"], values["mountpoint"])
     cfg = MountConfig(**values)
     _check_ranges(cfg)
     return cfg
+
+
+def _check_cache_outside_mount(cache_dir: Path, mountpoint: Path) -> None:
+    """The mount would hide a cache directory inside it (and the daemon's own cache
+    writes would go to the mount): refused before anything is created there."""
+    cache, mp = Path(os.path.realpath(cache_dir)), Path(os.path.realpath(mountpoint))
+    if cache == mp or mp in cache.parents:
+        raise ConfigError(f"--cache-dir {cache_dir} is inside the mount point {mountpoint}: "
+                          "the mount would hide it; give a directory outside it")
 
 
 def _check_ranges(cfg: MountConfig) -> None:

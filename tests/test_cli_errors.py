@@ -59,6 +59,17 @@ def test_non_empty_mount_point(mp, tmp_path, s3_endpoint, bucket):
     assert not is_mounted(mp)
 
 
+@pytest.mark.parametrize("where", ["cache", "."])
+def test_cache_dir_inside_the_mount_point(mp, tmp_path, s3_endpoint, bucket, where):
+    """The mount would hide it. cachefs made the directory in the empty mount point, then
+    refused its own doing with 'mount point is not empty', and left the directory there."""
+    _, name = bucket
+    proc = mount(f"s3://{name}", mp, mp / where, "--endpoint-url", s3_endpoint)
+    assert_one_line_error(proc, "inside the mount point", code=2)
+    assert list(mp.iterdir()) == []
+    assert not is_mounted(mp)
+
+
 def test_bucket_that_does_not_exist(mp, tmp_path, s3_endpoint):
     proc = mount("s3://no-such-bucket-here", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
     assert_one_line_error(proc, "no-such-bucket-here", "does not exist")
