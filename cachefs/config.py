@@ -485,6 +485,9 @@ def _check_ranges(cfg: MountConfig) -> None:
     if not 0 <= cfg.registered_files <= REGISTERED_FILES_MAX:
         raise ConfigError(f"--registered-files must be 'auto' or between 0 and "
                           f"{REGISTERED_FILES_MAX}")
+    for flag, ident in (("--uid", cfg.uid), ("--gid", cfg.gid)):
+        if ident is not None and ident >= 0xFFFFFFFF:  # 32 bits; all ones means "none"
+            raise ConfigError(f"{flag} {ident}: must be below 4294967295")
     if not 1 <= cfg.fuse_workers <= 64:
         raise ConfigError("--fuse-workers must be between 1 and 64")
     if cfg.retry_deadline < 1:

@@ -70,6 +70,19 @@ def test_cache_dir_inside_the_mount_point(mp, tmp_path, s3_endpoint, bucket, whe
     assert not is_mounted(mp)
 
 
+@pytest.mark.parametrize("flag,value", [("--uid", "4294967296"), ("--gid", "4294967295"),
+                                        ("--uid", "99999999999999999999")])
+def test_an_owner_id_out_of_range(mp, tmp_path, s3_endpoint, bucket, flag, value):
+    """IDs are 32 bits and (uid_t)-1 means 'no change': the daemon mounted, crashed on
+    its first getattr with a traceback in its log, and the command said only that it
+    exited during start-up."""
+    _, name = bucket
+    proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint,
+                 flag, value)
+    assert_one_line_error(proc, flag, code=2)
+    assert not is_mounted(mp)
+
+
 def test_bucket_that_does_not_exist(mp, tmp_path, s3_endpoint):
     proc = mount("s3://no-such-bucket-here", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
     assert_one_line_error(proc, "no-such-bucket-here", "does not exist")
