@@ -68,7 +68,13 @@ class HintedSampler:
             set_epoch(epoch)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.sampler, name)
+        # Only attributes this wrapper lacks reach here. Before __init__ has set the
+        # sampler (copy and pickle make the object first and look up __setstate__ and
+        # the like on it), asking self.sampler would come back here without end.
+        sampler = self.__dict__.get("sampler")
+        if sampler is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(sampler, name)
 
 
 def hinted(sampler: Iterable[int], paths: Sequence[str] | Callable[[int], str],

@@ -135,6 +135,35 @@ def test_hinted_sampler_sends_the_epoch_order(bucket, mount_factory):
     assert m.gets() == len(paths)
 
 
+def test_a_copied_or_pickled_hinted_sampler_still_hints(bucket, mount_factory):
+    """Training frameworks copy and pickle samplers (re-created data loaders, resumable
+    loader state). The wrapper forwarded every unknown attribute to its sampler, the
+    sampler too before it was set: any copy or unpickling recursed to RecursionError."""
+    import copy
+    import pickle
+
+    from cachefs.torch import hinted
+
+    client, name = bucket
+    files = _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    keys = sorted(files)
+    paths = [str(m.path / k[len("ds/"):]) for k in keys]
+    sampler = hinted(list(range(len(paths)))[::-1], paths=paths)
+    for again in (copy.copy(sampler), copy.deepcopy(sampler),
+                  pickle.loads(pickle.dumps(sampler))):
+        assert list(again) == list(range(len(paths)))[::-1] and again.hints_sent == 1
+        assert len(again) == len(paths)
+    with pytest.raises(AttributeError):
+        sampler.no_such_attribute  # noqa: B018
+    deadline = time.monotonic() + 20
+    while m.gets() < len(paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for i, path in enumerate(paths):
+        assert open(path, "rb").read() == files[keys[i]]
+    assert m.gets() == len(paths)  # hinted ahead, each fetched once
+
+
 def test_hinted_sampler_outside_cachefs_is_harmless(tmp_path):
     from cachefs.torch import hinted
 
