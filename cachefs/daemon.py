@@ -32,6 +32,7 @@ closed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -79,7 +80,12 @@ from cachefs.read.sweep import Sweeper
 from cachefs.s3.boto import S3Store
 from cachefs.s3.objects import open_tier_client
 from cachefs.s3.origin import Origin
-from cachefs.startup import check_mountpoint, lock_cache_dir, prepare_cache_dir
+from cachefs.startup import (
+    check_mountpoint,
+    lock_cache_dir,
+    lock_mountpoint,
+    prepare_cache_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -248,16 +254,23 @@ class Daemon:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
         failure (nothing is left mounted)."""
         cfg = self.cfg
-        check_mountpoint(cfg.mountpoint)
-        prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
-        # Cache files registered for reads hold descriptors: run under the hard limit.
-        self.open_files_limit = descriptors.raise_limit()
-        log.info("open-file limit %d", self.open_files_limit)
-        with lock_cache_dir(cfg.cache_dir):
+        with contextlib.ExitStack() as held:
+            mounted = held.enter_context(lock_mountpoint(cfg.mountpoint))
+
+            def ready() -> None:
+                mounted()  # (the mount is live: another daemon now finds it so)
+                on_ready()
+
+            check_mountpoint(cfg.mountpoint)
+            prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
+            # Cache files registered for reads hold descriptors: run under the hard limit.
+            self.open_files_limit = descriptors.raise_limit()
+            log.info("open-file limit %d", self.open_files_limit)
+            held.enter_context(lock_cache_dir(cfg.cache_dir))
             # Read whole first: a damaged index is wiped (one log line), not a failed mount.
             self.env = env = LmdbEnv(cfg.cache_dir / "meta.lmdb", check=True)
             try:
-                self._run_locked(env, on_ready)
+                self._run_locked(env, ready)
             finally:
                 # No request worker may touch the index once it is closed.
                 if self.server is None or self.server.stop(timeout=10.0):

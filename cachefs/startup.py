@@ -39,7 +39,8 @@ import os
 import stat
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cachefs import metrics
@@ -48,6 +49,9 @@ from cachefs.control import registry
 from cachefs.errors import CacheError, ConfigError
 
 log = logging.getLogger(__name__)
+
+#: Seconds a daemon waits for another one holding its mount point (see lock_mountpoint).
+MOUNTPOINT_LOCK_WAIT = 30.0
 
 PROBE_TIMEOUT = 3.0  # seconds a mount at the mount point has to answer statvfs
 DIR_MODE = 0o700
@@ -249,6 +253,62 @@ def tighten_cache_dir(path: Path) -> int:
 def open_private(path: Path, flags: int) -> int:
     """``os.open`` of a file cachefs keeps private (created 0600)."""
     return os.open(path, flags | os.O_CLOEXEC, FILE_MODE)
+
+
+@contextlib.contextmanager
+def lock_mountpoint(path: Path) -> Iterator[Callable[[], None]]:
+    """Hold an exclusive lock on the mount point from before :func:`check_mountpoint` until
+    the mount is live (the daemon calls the function this yields) or failed (the block
+    ends): two mounts of one mount point started at once both found it empty and both
+    mounted, one over the other. A daemon that finds the lock taken waits for it (at most
+    :data:`MOUNTPOINT_LOCK_WAIT` seconds), then finds the winner's mount live (refused as
+    such) or none. The lock is a file in the runtime directory beside the mount's registry
+    entry, removed by its holder at release (a taker that locked a removed file, not the
+    one at the path, tries again); the kernel releases it however the daemon ends. Where
+    that directory cannot be written, the mount goes on without it (one log line)."""
+    lock = registry.control_socket(path).with_suffix(".lock")
+    held: list[int] = []
+
+    def release() -> None:
+        if held:
+            fd = held.pop()
+            with contextlib.suppress(OSError):
+                lock.unlink()  # (while locked: a waiter then finds its file gone)
+            os.close(fd)
+
+    deadline = time.monotonic() + MOUNTPOINT_LOCK_WAIT
+    try:
+        while not held:
+            try:
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                fd = open_private(lock, os.O_RDWR | os.O_CREAT)
+            except OSError as exc:
+                log.warning("cannot lock mount point %s (%s: %s); going on without the lock",
+                            path, lock, exc.strerror)
+                break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    raise ConfigError(f"mount point {path} is being mounted by another "
+                                      f"cachefs daemon (pid {owner})") from None
+                time.sleep(0.05)
+                continue
+            try:
+                current = os.stat(lock).st_ino
+            except OSError:
+                current = None
+            if current != os.fstat(fd).st_ino:  # released and removed meanwhile: again
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            held.append(fd)
+        yield release
+    finally:
+        release()
 
 
 @contextlib.contextmanager

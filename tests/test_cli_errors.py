@@ -76,11 +76,16 @@ def test_an_owner_id_out_of_range(mp, tmp_path, s3_endpoint, bucket, flag, value
     """IDs are 32 bits and (uid_t)-1 means 'no change': the daemon mounted, crashed on
     its first getattr with a traceback in its log, and the command said only that it
     exited during start-up."""
+    import subprocess
+
     _, name = bucket
-    proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint,
-                 flag, value)
-    assert_one_line_error(proc, flag, code=2)
-    assert not is_mounted(mp)
+    try:
+        proc = mount(f"s3://{name}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint,
+                     flag, value)
+        assert_one_line_error(proc, flag, code=2)
+        assert not is_mounted(mp)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
 
 
 def test_bucket_that_does_not_exist(mp, tmp_path, s3_endpoint):
@@ -201,6 +206,32 @@ def test_cache_dir_in_use_by_another_mount(tmp_path, s3_endpoint, bucket, mount_
     assert_one_line_error(proc, "in use by another cachefs")
     assert not is_mounted(other)
     assert is_mounted(m.path)
+
+
+def test_two_mounts_of_one_mount_point_at_once(mp, tmp_path, s3_endpoint, bucket):
+    """Both found the mount point empty and both mounted, one over the other: two daemons,
+    the lower one hidden, and the registry naming only one (a launcher that mounts from
+    every rank of a job, or fstab and a unit at boot). One wins; the other says why."""
+    import subprocess
+    import sys
+
+    _, name = bucket
+    try:
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
+             str(tmp_path / f"c{i}"), "--endpoint-url", s3_endpoint],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        results = [(p.wait(timeout=120), p.stderr.read() if p.stderr else "") for p in procs]
+        with open("/proc/self/mountinfo") as f:
+            stacked = sum(1 for line in f if line.split()[4] == str(mp))
+        assert stacked == 1, results
+        assert sorted(code for code, _ in results) == [0, 2], results
+        (err,) = [e.strip() for code, e in results if code != 0]
+        assert len(err.splitlines()) == 1 and "cachefs: error: " in err, err
+        assert str(mp) in err and ("being mounted" in err or "already" in err), err
+    finally:
+        for _ in range(3):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
 
 
 def test_unmount_of_something_else(tmp_path):
