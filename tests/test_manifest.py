@@ -253,3 +253,27 @@ def test_manifest_mount_with_a_missing_file_fails_in_one_line(bucket: Any, mount
                        "--endpoint-url", m.endpoint, "--manifest", str(tmp_path / "nope.csv"))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("row, field", [("-5,E1", "size"), (f"{1 << 64},E1", "size"),
+                                        ("1,E1,nan", "mtime"), ("1,E1,inf", "mtime")])
+def test_a_manifest_value_out_of_range_fails_the_mount_in_one_line(
+        bucket: Any, mount_factory: Any, tmp_path: Path, row: str, field: str) -> None:
+    """A size or time no object can have (a hand-made or corrupted manifest) was read as a
+    number, then the daemon crashed storing it, with a traceback in its log and only 'the
+    daemon exited during start-up' on the command's stderr."""
+    from tests.conftest import is_mounted, run_cachefs
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"a")
+    manifest = tmp_path / "m.csv"
+    manifest.write_text(f"key,size,etag,mtime\nd/a.bin,1,{E1},0\n"
+                        f"d/b.bin,{row.replace('E1', E1)}\n")
+    m = mount_factory(f"s3://{name}", start=False)
+    proc = run_cachefs("mount", m.source, str(m.path), "--cache-dir", str(m.cache_dir),
+                       "--endpoint-url", m.endpoint, "--manifest", str(manifest))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "line 3" in proc.stderr and field in proc.stderr, proc.stderr
+    assert "Traceback" not in m.log()
+    assert not is_mounted(m.path)

@@ -32,6 +32,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import time
 import urllib.parse
@@ -61,6 +62,9 @@ from cachefs.s3.store import ObjectInfo
 log = logging.getLogger(__name__)
 
 BATCH = 20_000  # records per write transaction
+#: The largest size a manifest may give (a file's offsets are signed 64-bit; S3's own
+#: limit is far below).
+MAX_SIZE = (1 << 63) - 1
 
 
 # -- reading -----------------------------------------------------------------------------
@@ -68,25 +72,36 @@ def _mtime(value: Any) -> float:
     if value is None or value == "":
         return 0.0
     if isinstance(value, (int, float)):
-        return float(value)
+        return _finite_mtime(float(value))
     text = str(value).strip()
     try:
-        return float(text)
+        number = float(text)
     except ValueError:
         pass
+    else:
+        return _finite_mtime(number)
     try:
         return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
         raise ValueError(f"invalid mtime {text!r}") from None
 
 
+def _finite_mtime(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"invalid mtime {value!r}")
+    return value
+
+
 def _record(key: Any, size: Any, etag: Any, mtime: Any, where: str) -> ObjectInfo:
     if not isinstance(key, str) or not key:
         raise ConfigError(f"{where}: missing key")
     try:
-        return ObjectInfo(key, int(size), str(etag or "").strip('"'), _mtime(mtime))
+        obj = ObjectInfo(key, int(size), str(etag or "").strip('"'), _mtime(mtime))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if not 0 <= obj.size <= MAX_SIZE:
+        raise ConfigError(f"{where}: invalid size {obj.size} (0 to {MAX_SIZE} bytes)")
+    return obj
 
 
 def _jsonl(f: Iterable[str], name: str) -> Iterator[ObjectInfo]:
