@@ -277,3 +277,38 @@ def test_a_manifest_value_out_of_range_fails_the_mount_in_one_line(
     assert "line 3" in proc.stderr and field in proc.stderr, proc.stderr
     assert "Traceback" not in m.log()
     assert not is_mounted(m.path)
+
+
+@pytest.mark.fuse
+def test_a_manifest_size_the_object_does_not_have_fails_reads_at_once(
+        bucket: Any, mount_factory: Any, tmp_path: Path) -> None:
+    """A manifest with sizes wrong (hand-made, or made by another tool): the GET answers a
+    complete object of another size. That was taken for a short body and retried until the
+    retry deadline (5 minutes of a GET a second per read, the reader blocked), then EIO.
+    The version the mount shows does not exist: ESTALE at once, with a log line naming
+    both sizes."""
+    client, name = bucket
+    bodies = {"small.bin": b"s" * 1000, "big.bin": bytes(range(256)) * 1024,  # 4 blocks
+              "grown.bin": b"g" * 3000, "right.bin": b"r" * 500}
+    listed = {"small.bin": 5000, "big.bin": 300_000, "grown.bin": 2000, "right.bin": 500}
+    rows = ["key,size,etag"]
+    for key, body in bodies.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+        tag = client.head_object(Bucket=name, Key=key)["ETag"].strip('"')
+        rows.append(f"{key},{listed[key]},{tag}")
+    (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
+    m = mount_factory(f"s3://{name}", "--manifest", str(tmp_path / "m.csv"),
+                      "--block-size", "64K")
+    assert (m.path / "right.bin").read_bytes() == b"r" * 500
+    for key in ("small.bin", "big.bin", "grown.bin"):
+        path = m.path / key
+        assert path.stat().st_size == listed[key]
+        # (in a child with a hang guard: the reader was blocked for the retry deadline)
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys\ntry:\n open(sys.argv[1], 'rb').read()\n"
+             "except OSError as e:\n print(e.errno)", str(path)],
+            capture_output=True, text=True, timeout=60)
+        assert proc.stdout.strip() == str(errno.ESTALE), (key, proc.stdout, proc.stderr)
+    log = m.log()
+    assert "small.bin is 1000 bytes, not 5000 as the mount shows" in log, log[-3000:]
+    assert "grown.bin is 3000 bytes, not 2000 as the mount shows" in log, log[-3000:]

@@ -56,7 +56,7 @@ from cachefs.errors import (
 from cachefs.s3 import http1
 from cachefs.s3.connections import Connector
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
-from cachefs.s3.integrity import Checksum, etag_is_md5, stated_checksum
+from cachefs.s3.integrity import Checksum, digest, etag_is_md5, stated_checksum
 from cachefs.s3.listxml import parse_list_page
 from cachefs.s3.sigv4 import SigV4Signer
 from cachefs.s3.store import Body, Exchange, ListPage
@@ -79,6 +79,27 @@ class _Answer:
 
 #: The answer headers cachefs reads (prefixes of lower-cased names).
 _WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region")
+
+
+_CONTENT_RANGE_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)\s*$")
+
+
+def _stated_size(answer: _Answer, etag: str) -> int | None:
+    """The object's whole size as a GET answer states it: the total of a 206's
+    Content-Range; the body of a 200 only when the body proves to be the whole object (it
+    matches the full-object checksum S3 states, or the ETag when that is an MD5; a body
+    cut short on the way, Content-Length too, proves nothing); None otherwise."""
+    if answer.status == 206:
+        m = _CONTENT_RANGE_RE.match(answer.headers.get("content-range", ""))
+        return int(m.group(1)) if m else None
+    stated = stated_checksum(answer.headers)
+    if stated is not None:
+        kind, expected = stated.kind, stated.digest
+    elif etag_is_md5(etag, answer.headers):
+        kind, expected = "etag_md5", bytes.fromhex(etag)
+    else:
+        return None
+    return len(answer.body) if digest(kind, answer.body) == expected else None
 
 
 def _reason(exc: BaseException) -> str:
@@ -297,6 +318,11 @@ class RangeClient:
             extra["Range"] = f"bytes={start}-{end - 1}"
         answer = self._exchange("get", "GET", self._object_path(key), extra,
                                 exchange or Exchange(self.read_timeout), where)
+        if answer.status == 416 and not whole:  # (the range starts past the object's end)
+            self._check_version("get", answer, key, etag)
+            metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
+            raise ObjectChanged(f"{where} is {start} bytes or fewer, not at least {end} as the "
+                                "mount shows (its listing or manifest is out of date)")
         if answer.status not in (200, 206):
             raise self._error("get", answer, key)
         self._check_version("get", answer, key, etag)
@@ -304,6 +330,15 @@ class RangeClient:
         if answer.status == 200 and not whole and (start > 0 or len(body) > end - start):
             body = body[start:end]  # a server that ignored Range sent the whole object
         if len(body) != end - start:
+            size = _stated_size(answer, etag)
+            if size is not None and (size < end or (whole and size != end)):
+                # A complete answer about an object of another size than the version read
+                # (a manifest's wrong size, or one without an ETag to tell versions apart):
+                # that version does not exist, and asking again will not make it.
+                metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
+                shown = f"{end}" if whole else f"at least {end}"
+                raise ObjectChanged(f"{where} is {size} bytes, not {shown} as the mount shows "
+                                    "(its listing or manifest is out of date)")
             metrics.S3_ERRORS.labels("get", "ShortRead").inc()
             raise TransientStoreError(f"{where}: got {len(body)} bytes for range "
                                       f"{start}-{end - 1}", reason="short_body")
