@@ -170,3 +170,16 @@ def test_hinted_sampler_outside_cachefs_is_harmless(tmp_path):
     sampler = hinted([2, 0, 1], paths=[str(tmp_path / f"{i}") for i in range(3)])
     assert list(sampler) == [2, 0, 1]
     assert sampler.hints_sent == 0 and len(sampler) == 3
+
+
+@pytest.mark.parametrize("parallel", ["0", "1025", "100000"])
+def test_warm_parallel_out_of_range_is_bad_input(bucket, mount_factory, parallel):
+    """Bad input exits 2 with one line, as every command's does; the daemon's own limit
+    (1024) was only found by the request: exit 1, and a refused request in its log."""
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    proc = run_cachefs("warm", str(m.path), "train", "--parallel", parallel)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--parallel" in proc.stderr, proc.stderr
+    assert "refused a request" not in m.log()

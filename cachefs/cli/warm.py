@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.config import format_size
-from cachefs.control.client import find_mount, relative_paths, request
+from cachefs.control.client import WARM_PARALLEL_MAX, find_mount, relative_paths, request
 from cachefs.errors import CachefsError, ConfigError
 
 
@@ -67,8 +67,8 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
             raise ConfigError(f"cannot read manifest {manifest!r}: {exc.strerror}") from None
         wanted += [ln if os.path.isabs(ln) else os.path.join(mp, ln) for ln in lines]
     rel = relative_paths(mp, wanted) if wanted else [""]
-    if parallel < 1:
-        raise ConfigError("--parallel must be at least 1")
+    if not 1 <= parallel <= WARM_PARALLEL_MAX:
+        raise ConfigError(f"--parallel must be between 1 and {WARM_PARALLEL_MAX}")
     tty = sys.stderr.isatty()
     t0 = time.monotonic()
     last_log = 0.0

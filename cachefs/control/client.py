@@ -22,6 +22,9 @@ from typing import Any, BinaryIO
 from cachefs.control import registry
 from cachefs.errors import CachefsError
 
+#: The most files a warm request loads at once (``--parallel``; the daemon refuses more).
+WARM_PARALLEL_MAX = 1024
+
 #: Bytes of JSON-encoded paths per request line (the server accepts lines up to 1 MiB).
 CHUNK_BYTES = 256 << 10
 

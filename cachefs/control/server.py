@@ -67,6 +67,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.background import contained, report
+from cachefs.control.client import WARM_PARALLEL_MAX
 from cachefs.control.warm import Warmer, WarmProgress
 from cachefs.errors import CachefsError
 from cachefs.read.hints import ReadOrder
@@ -283,8 +284,8 @@ class ControlServer:
             parallel = request.get("parallel", 16)
             if isinstance(parallel, bool) or not isinstance(parallel, int):
                 raise RequestError("'parallel' must be an integer")
-            if not 1 <= parallel <= 1024:
-                raise RequestError("'parallel' must be between 1 and 1024")
+            if not 1 <= parallel <= WARM_PARALLEL_MAX:
+                raise RequestError(f"'parallel' must be between 1 and {WARM_PARALLEL_MAX}")
             check = request.get("check", False)
             if not isinstance(check, bool):
                 raise RequestError("'check' must be true or false")
