@@ -311,7 +311,9 @@ class RangeClient:
             exchange: Exchange | None = None) -> Body:
         """Bytes [start, end) of version ``etag`` of ``key`` (see ObjectStore.get)."""
         where = f"s3://{self.bucket}/{key}"
-        extra = {"If-Match": f'"{etag}"' if etag else "*"}
+        # No ETag (a manifest row without one): no version to pin, so no If-Match at all;
+        # "*" is answered 412 by S3-compatible servers.
+        extra = {"If-Match": f'"{etag}"'} if etag else {}
         if whole:
             extra["x-amz-checksum-mode"] = "ENABLED"
         else:
@@ -385,7 +387,9 @@ class RangeClient:
     def full_checksum(self, key: str, etag: str,
                       exchange: Exchange | None = None) -> Checksum | None:
         """HEAD with checksum mode: the object's full-object checksum, or None."""
-        extra = {"If-Match": f'"{etag}"' if etag else "*", "x-amz-checksum-mode": "ENABLED"}
+        extra = {"x-amz-checksum-mode": "ENABLED"}
+        if etag:
+            extra["If-Match"] = f'"{etag}"'  # (none without an ETag, as in get())
         answer = self._exchange("head", "HEAD", self._object_path(key), extra,
                                 exchange or Exchange(self.read_timeout),
                                 f"s3://{self.bucket}/{key}")
