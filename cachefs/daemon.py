@@ -551,9 +551,15 @@ class Daemon:
         })
 
     async def _watch_signals(self, origin: Origin) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+        # SIGHUP, SIGUSR1 and SIGUSR2 are taken and ignored: their default action ends the
+        # process, which left a dead mount (a log rotation's "kill -USR1" is common; the
+        # log is appended to, so logrotate's copytruncate rotates it).
+        ignored = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *ignored) as sigs:
             async for signum in sigs:
-                if signum == signal.SIGHUP:
+                if signum in ignored:
+                    log.info("received %s; ignored (SIGTERM unmounts)",
+                             signal.Signals(signum).name)
                     continue
                 log.info("received %s; unmounting", signal.Signals(signum).name)
                 # Reads waiting on S3 (an outage) fail now instead of at their retry

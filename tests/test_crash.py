@@ -278,3 +278,23 @@ def test_systemd_unit_restart_after_sigkill_recovers(bucket, s3_endpoint, tmp_pa
             unit.main.kill()
         if is_mounted(mp):
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+
+
+def test_sighup_and_the_user_signals_leave_the_mount_serving(bucket, mount_factory):
+    """SIGHUP, SIGUSR1 and SIGUSR2 (a log rotation's "kill -USR1") are logged and ignored:
+    their default action ended the daemon and left a dead mount."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.txt", Body=b"alpha")
+    m = mount_factory(f"s3://{name}")
+    assert (m.path / "a.txt").read_bytes() == b"alpha"
+    pid = daemon_pid(m.path)
+    for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + 30
+    while m.log().count("; ignored (SIGTERM unmounts)") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, 0)  # (alive)
+    assert m.log().count("; ignored (SIGTERM unmounts)") == 3
+    client.put_object(Bucket=name, Key="b.txt", Body=b"beta")
+    assert (m.path / "a.txt").read_bytes() == b"alpha"
+    assert daemon_pid(m.path) == pid
