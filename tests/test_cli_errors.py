@@ -257,3 +257,10 @@ def test_output_nobody_reads_ends_quietly() -> None:
         os.close(write_end)
     assert proc.stderr == "", proc.stderr
     assert proc.returncode == 141, proc
+
+
+def test_an_unknown_word_after_the_options_of_a_command_is_refused(mp, tmp_path):
+    """Only `warm` takes words after its options (as paths); elsewhere they stay errors."""
+    proc = run_cachefs("status", str(mp), "--json", "extra")
+    assert proc.returncode == 2 and "unrecognized arguments: extra" in proc.stderr, proc
+    assert "Traceback" not in proc.stderr

@@ -38,8 +38,10 @@ def test_warm_directory_then_reads_need_no_get(bucket, mount_factory):
     gets = m.gets()
     assert gets >= len(train)
 
-    again = run_cachefs("warm", str(m.path), "train")  # resumable: nothing left to fetch
-    assert again.returncode == 0 and "0 B fetched" in again.stdout
+    # resumable: nothing left to fetch (paths after an option are paths too)
+    again = run_cachefs("warm", str(m.path), "--parallel", "4", "train")
+    assert again.returncode == 0 and "0 B fetched" in again.stdout, again.stdout + again.stderr
+    assert f"of {len(train)} objects" in again.stdout, again.stdout
     assert m.gets() == gets
 
     for key, data in train.items():

@@ -414,7 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(mount_helper_main(argv) or 0)
     parser = build_parser()
     argv = join_dash_values(parser, argv)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command == "warm" and not any(r.startswith("-") for r in rest):
+        # argparse gives a positional list (nargs="*") only the words before the first
+        # option: "warm MP --parallel 8 train/" leaves train/ over. They are paths too.
+        args.paths = [*args.paths, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.argv = argv
     try:
         code = _run(args)
