@@ -10,6 +10,7 @@ read and the recovery time (printed; appended as a JSON line to the file named b
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -713,18 +715,28 @@ def test_credentials_never_reach_the_log(bucket, mount_factory):
     assert SECRET_KEY not in log and ACCESS_KEY not in log
 
 
-def test_full_cache_disk_still_serves_correct_bytes(bucket, mount_factory, tmp_path):
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made here) for the block: a small disk to
+    fill. Needs root (the suite's tests that use it skip without)."""
     import subprocess
 
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_full_cache_disk_still_serves_correct_bytes(bucket, mount_factory, tmp_path):
     client, name = bucket
     data = random.Random(5).randbytes(3 << 20)
     client.put_object(Bucket=name, Key="big.bin", Body=data)
-    small = tmp_path / "smallfs"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
-    try:
+    small_at = tmp_path / "smallfs"
+    with small_tmpfs(small_at, "4m") as small:
         m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "3M",
                           cache_dir=small / "cache")
         (small / "filler").write_bytes(b"\0" * (3 << 20))  # leave well under one MiB free
@@ -733,8 +745,6 @@ def test_full_cache_disk_still_serves_correct_bytes(bucket, mount_factory, tmp_p
         assert m.metric("cachefs_cache_write_errors_total") > 0
         assert "No space left on device" in m.log()
         m.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 def test_a_full_cache_disk_is_logged_once_a_minute_not_once_a_block(bucket, mount_factory,
@@ -743,18 +753,12 @@ def test_a_full_cache_disk_is_logged_once_a_minute_not_once_a_block(bucket, moun
     for each (250,000 an epoch of a 1 TB dataset in 4 MiB blocks) buried the log, and by
     default the log is on that same full disk. The first failure is logged, later ones
     are counted and summed up at most once a minute."""
-    import subprocess
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
     client, name = bucket
     files = {f"f{i}.bin": random.Random(40 + i).randbytes(1 << 20) for i in range(4)}
     for key, body in files.items():
         client.put_object(Bucket=name, Key=key, Body=body)
-    small = tmp_path / "smallfs"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
-    try:
+    small_at = tmp_path / "smallfs"
+    with small_tmpfs(small_at, "4m") as small:
         log_file = tmp_path / "cachefs.log"  # (on a disk with room: every line can land)
         m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "3M",
                           "--log-file", str(log_file), cache_dir=small / "cache")
@@ -768,8 +772,6 @@ def test_a_full_cache_disk_is_logged_once_a_minute_not_once_a_block(bucket, moun
         assert len(lines) == 1, lines[:5]
         assert "No space left on device" in lines[0]
         m.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 def test_a_cache_disk_filled_by_something_else_still_lists_and_reads(bucket, mount_factory,
@@ -778,18 +780,12 @@ def test_a_cache_disk_filled_by_something_else_still_lists_and_reads(bucket, mou
     still list, and their files read from S3. Every new listing's commit failed with
     ENOSPC, and every lookup in an unlisted directory with it (EIO): the index now keeps
     disk allocated ahead to grow into (LmdbEnv.keep_reserve)."""
-    import subprocess
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
     client, name = bucket
     data = {f"{d}/f{i}.bin": random.Random(i).randbytes(20_000) for d in "abc" for i in range(3)}
     for key, body in data.items():
         client.put_object(Bucket=name, Key=key, Body=body)
-    small = tmp_path / "smallfs"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(small)], check=True)
-    try:
+    small_at = tmp_path / "smallfs"
+    with small_tmpfs(small_at, "48m") as small:
         m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "16M",
                           "--list-ahead", "0", cache_dir=small / "cache")
         assert sorted(os.listdir(m.path / "a")) == ["f0.bin", "f1.bin", "f2.bin"]
@@ -805,24 +801,13 @@ def test_a_cache_disk_filled_by_something_else_still_lists_and_reads(bucket, mou
         for key, body in data.items():
             assert (m.path / key).read_bytes() == body
         m.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 def test_mount_refuses_a_cache_dir_on_a_full_disk(bucket, tmp_path, s3_endpoint):
-    import subprocess
-
-    from tests.conftest import is_mounted, run_cachefs
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
     _, name = bucket
-    small = tmp_path / "fullfs"
-    small.mkdir()
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "fullfs", "1m") as small:
         (small / "cache").mkdir()
         try:
             (small / "filler").write_bytes(b"\0" * (2 << 20))
@@ -834,5 +819,3 @@ def test_mount_refuses_a_cache_dir_on_a_full_disk(bucket, tmp_path, s3_endpoint)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "No space left on device" in lines[0], proc.stderr
         assert not is_mounted(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
