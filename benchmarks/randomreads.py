@@ -33,22 +33,22 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from benchmarks.origin import SeaweedOrigin, s3_client
 from benchmarks.systems import Mounted, mount_cachefs, mount_rclone
-from benchmarks.util import fuse_usable, proc_sample, stop_cleanly_on_signals
+from benchmarks.util import (
+    add_link_args,
+    fuse_usable,
+    proc_sample,
+    scrape_metrics,
+    stop_cleanly_on_signals,
+)
 from benchmarks.wan import WanLink
 
 BUCKET, PREFIX, KEY = "bench", "random", "big.bin"
-
-
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def _transferred(wan: WanLink) -> int:
@@ -102,7 +102,8 @@ def measure_mount(m: Mounted, wan: WanLink, offsets: list[int], size: int, data:
         if cpu0 is not None and cpu1 is not None:
             row["daemon_cpu_s"] = round(cpu1.cpu_s - cpu0.cpu_s, 2)
         if m.metrics_url:
-            row["piece_reads"] = int(_metric(m.metrics_url, "cachefs_piece_reads_total"))
+            addr = urllib.parse.urlsplit(m.metrics_url).netloc
+            row["piece_reads"] = int(scrape_metrics(addr).get("cachefs_piece_reads_total", 0))
         return row
     finally:
         if mapped is not None:
@@ -123,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--access", choices=("pread", "mmap"), default="pread",
                     help="pread the pieces, or slice a memory map of the file (page faults)")
-    ap.add_argument("--rtt-ms", type=float, default=70.0)
-    ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
-    ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
+    add_link_args(ap)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="256 MB, 60 reads, RTT 20 ms")
     ap.add_argument("--json", type=Path, help="write the rows here")

@@ -59,6 +59,7 @@ from benchmarks.origin import SeaweedOrigin
 from benchmarks.systems import Mounted, mount_cachefs, mount_rclone, mount_s3fs
 from benchmarks.util import (
     CLK_TCK,
+    add_link_args,
     drop_caches,
     fuse_usable,
     proc_sample,
@@ -487,9 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-kb", type=int, default=80)
     ap.add_argument("--max-kb", type=int, default=140)
     ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--rtt-ms", type=float, default=70.0)
-    ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
-    ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
+    add_link_args(ap)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--origin-checksum", choices=("none", "CRC64NVME"), default="none",
                     help="the full-object checksum uploads carry and the origin states "

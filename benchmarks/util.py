@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -246,6 +247,15 @@ def timed() -> Iterator[list[float]]:
     box = [time.monotonic()]
     yield box
     box.append(time.monotonic() - box[0])
+
+
+def add_link_args(ap: Any, rtt_ms: float = 70.0) -> None:
+    """The WAN emulator's link flags with the small-files issue's link as defaults: 70 ms
+    RTT, 48 MB/s in total, 16 MB/s per connection (``args.rtt_ms``, ``args.bandwidth_MBps``,
+    ``args.conn_bandwidth_MBps``)."""
+    ap.add_argument("--rtt-ms", type=float, default=rtt_ms)
+    ap.add_argument("--bandwidth-MBps", type=float, default=48.0)
+    ap.add_argument("--conn-bandwidth-MBps", type=float, default=16.0)
 
 
 def scrape_metrics(addr: str) -> dict[str, float]:

@@ -25,6 +25,12 @@ Tasks and ownership:
   A load that goes past the disk tier holds a
   :class:`~cachefs.read.budget.MemoryBudget` reservation until its block has
   been written back to the disk cache.
+* A piece (below) is fetched in the reading task itself, not in the nursery:
+  it is that reader's own range. Readers joined to it wait on its event; if
+  its reader is cancelled (the event is set with neither bytes nor error) they
+  read by blocks instead. ``_pieced`` and ``_piece_flights`` are changed on the
+  trio thread only; ``_pieced`` is bounded (:data:`PIECE_MEMORY`), and a
+  piece's entries leave ``_piece_flights`` when its GET ends, however it ends.
 * S3 requests go through the :class:`~cachefs.s3.origin.Origin` (retries
   until the deadline, adaptive connection limit, hedging). Speculative loads
   (started by :mod:`cachefs.read.prefetcher`, the one owner of every
@@ -124,8 +130,6 @@ _TIER_HITS = {name: metrics.TIER_HITS.labels(name) for name in ("memory", "disk"
 _TIER_READ_BYTES = {name: metrics.TIER_READ_BYTES.labels(name)
                     for name in ("memory", "disk", ORIGIN)}
 _S3_GET_HOPS = metrics.THREAD_HOPS.labels("s3_get")
-_PIECE_READS = metrics.PIECE_READS
-_PIECE_BYTES = metrics.PIECE_BYTES
 
 
 class ReadNotes(Protocol):
@@ -527,8 +531,8 @@ class Fetcher:
             piece.event.set()
             metrics.INFLIGHT_FETCHES.dec()
             self.budget.release(n)
-        _PIECE_READS.inc()
-        _PIECE_BYTES.inc(n)
+        metrics.PIECE_READS.inc()
+        metrics.PIECE_BYTES.inc(n)
         metrics.CACHE_MISS_REQUESTS.inc()
         metrics.CACHE_MISS_BYTES.inc(n)
         _TIER_READ_BYTES[ORIGIN].inc(n)
