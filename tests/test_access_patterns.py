@@ -149,3 +149,37 @@ def test_random_reads_of_a_large_file_fetch_their_pieces_not_whole_blocks(
         time.sleep(0.05)
     assert m.metric("cachefs_cache_blocks") == 13  # every block cached whole: no piece kept
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.fuse
+@pytest.mark.slow
+def test_page_faults_of_a_memory_map_at_random_offsets_stay_pieces(
+        bucket: Any, mount_factory: Any) -> None:
+    """Each page fault of a memory map reads the kernel's whole read-around (1 MiB, a
+    quarter of a 4 MiB block). Two faults in each of 16 blocks are 32 pieces of about
+    1 MiB: the second fault in a block does not load the block (counted in full, the
+    first fault's read-around would have made it a quarter of the block: 80 MiB across
+    the link, not 32)."""
+    client, name = bucket
+    mib = 1 << 20
+    data = random.Random(6).randbytes(80 * mib + 999)
+    client.put_object(Bucket=name, Key="tokens.bin", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "4M", "--passthrough", "off")
+    # 1 MiB and 3 MiB into blocks 1-8 and 11-18 (read-arounds of [0.5, 1.5) and [2.5, 3.5)
+    # MiB of a block), each fault 40 MiB from the one before: none in order with another
+    offsets = [(block + far) * 4 * mib + into for into in (1 * mib, 3 * mib)
+               for block in range(1, 9) for far in (0, 10)]
+    # (faulted in a child: a slice of a memory map holds the interpreter lock through its
+    # faults, and this process runs the S3 server the daemon reads from)
+    child = ("import mmap, os, sys\n"
+             "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+             "mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\n"
+             "for offset in map(int, sys.argv[2:]):\n"
+             "    sys.stdout.buffer.write(mapped[offset:offset + 64])\n")
+    got = subprocess.run([sys.executable, "-c", child, str(m.path / "tokens.bin"),
+                          *map(str, offsets)], capture_output=True, timeout=120, check=True)
+    assert got.stdout == b"".join(data[o:o + 64] for o in offsets)
+    assert m.metric("cachefs_piece_reads_total") >= 32
+    fetched = m.metric("cachefs_s3_bytes_total")
+    assert fetched < 40 * mib, fetched  # 32 read-arounds, not 16 blocks more
+    assert m.metric("cachefs_cache_blocks") == 0  # no piece kept
