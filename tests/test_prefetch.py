@@ -177,3 +177,19 @@ def test_a_short_run_from_a_random_offset_stays_random_and_opens_no_window() -> 
     for k in range(4):
         s2.on_read(k * step, step)
         assert not s2.random
+
+
+def test_a_run_that_skips_more_than_it_reads_stays_random() -> None:
+    """Reads that each land within the forward tolerance of the one before but skip more
+    than they read (page faults a few MiB apart) stay random past RANDOM_RUN: no window,
+    pieces. A run whose READs arrive out of order but leave no hole (the kernel's
+    readahead) is in order once past RANDOM_RUN."""
+    s = stream()
+    start = 500 * MiB + 4096
+    for k in range(8):  # 1 MiB read, 3 MiB skipped, ...
+        assert list(s.on_read(start + 4 * k * MiB, MiB)) == [], k
+        assert s.random and s.window == 0, k
+    s2 = stream()
+    for k in (0, 2, 1, 4, 3, 5, 7, 6, 8, 9):  # 1 MiB READs, out of order, no hole left
+        s2.on_read(start + k * MiB, MiB)
+    assert not s2.random and s2.window > 0

@@ -8,8 +8,13 @@ blocks fetched ahead doubles each time the reader enters a new block, up to
 ``max_window`` bytes. Any other read resets the window, so a random reader
 never pays for readahead beyond ``initial_window`` at offset 0 (whole-file
 readers such as DataLoader workers start there). A run that begins elsewhere
-opens its window only once it has read more than ``RANDOM_RUN`` bytes; until
-then it is :attr:`ReadStream.random` (the fetcher may answer it with pieces).
+opens its window only once it has read more than ``RANDOM_RUN`` bytes, and only
+while it has read at least half of the bytes it spans; until then it is
+:attr:`ReadStream.random` (the fetcher may answer it with pieces). The second rule
+is for random readers whose reads land within the forward tolerance of each other
+(page faults a few MiB apart, or processes sharing one descriptor of a small file):
+they skip more than they read, where the kernel's readahead, however out of order
+its READs arrive, fills every hole it leaves.
 
 Pure logic, no I/O: :meth:`ReadStream.on_read` returns the block indices to
 prefetch; :meth:`cachefs.read.prefetcher.Prefetcher.on_read` hands them to the
@@ -43,9 +48,11 @@ class ReadStream:
         self.issued_until = 0
         #: The last read was random: part of a run of reads in order that began neither
         #: at offset 0 nor where the read before ended (within the tolerances), and has
-        #: read at most RANDOM_RUN bytes so far.
+        #: read at most RANDOM_RUN bytes so far or less than half of the bytes it spans.
         self.random = False
         self._run = 0  # bytes read in order since the run began; -1: it began at offset 0
+        self._run_from = 0  # where the run began
+        self._run_to = 0  # the furthest end of a read of the run
 
     def on_read(self, offset: int, size: int) -> range:
         """Record a read; return the block indices worth fetching ahead of it."""
@@ -55,9 +62,12 @@ class ReadStream:
         self._reads += 1
         if not sequential:
             self._run = -1 if offset == 0 else max(0, end - offset)
+            self._run_from, self._run_to = offset, end
         elif self._run >= 0:
             self._run += max(0, end - offset)
-        self.random = 0 <= self._run <= RANDOM_RUN
+            self._run_to = max(self._run_to, end)
+        self.random = self._run >= 0 and (self._run <= RANDOM_RUN or
+                                          2 * self._run < self._run_to - self._run_from)
         if sequential:
             end_block = max(end - 1, 0) // self.block_size
             if end_block != self._block and not self.random:
