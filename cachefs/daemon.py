@@ -43,7 +43,7 @@ from pathlib import Path
 
 import trio
 
-from cachefs import descriptors, gcpolicy, metrics
+from cachefs import descriptors, gcpolicy, heap, metrics
 from cachefs.background import contained
 from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
@@ -262,6 +262,7 @@ class Daemon:
                 on_ready()
 
             check_mountpoint(cfg.mountpoint)
+            heap.limit_arenas()  # (before any thread of ours starts: cachefs.heap)
             prepare_cache_dir(cfg.cache_dir, cfg.cache_size, tighten=True)
             # Cache files registered for reads hold descriptors: run under the hard limit.
             self.open_files_limit = descriptors.raise_limit()
@@ -586,19 +587,23 @@ class Daemon:
     async def _maintenance(self, cache: BlockCache, env: LmdbEnv) -> None:
         """Status snapshot every second while the mount is busy, every
         STATUS_IDLE_INTERVAL while it is idle; last-use batches every few seconds, and
-        an LMDB sync when something was written since the last one. A failure (disk
-        full, runtime dir gone, a bug) skips that step only.
+        an LMDB sync when something was written since the last one; free heap memory
+        given back (:mod:`cachefs.heap`) once the mount goes quiet after use, and every
+        TRIM_INTERVAL while it stays busy. A failure (disk full, runtime dir gone, a bug)
+        skips that step only.
 
         An idle mount does next to nothing: a snapshot collects every metric (several
         milliseconds of CPU, and of the GIL), so it is only taken when
         :func:`metrics.activity` changed since the last one, or the last one is
         STATUS_IDLE_INTERVAL old (``cachefs status`` shows its age)."""
-        last_sync = last_published = trio.current_time()
+        last_sync = last_published = last_trim = trio.current_time()
         published: tuple[float, ...] | None = None
+        trimmed: tuple[float, ...] | None = None
         synced_writes = -1
         while True:
             await trio.sleep(STATUS_INTERVAL)
             activity = metrics.activity()  # (before the snapshot: what follows is news)
+            published_before = published
             if (activity != published
                     or trio.current_time() - last_published >= STATUS_IDLE_INTERVAL):
                 published, last_published = activity, trio.current_time()
@@ -615,6 +620,12 @@ class Daemon:
                     if writes != synced_writes:
                         await trio.to_thread.run_sync(env.sync)
                         synced_writes = writes
+            quiet = activity == published_before  # (nothing happened this second)
+            if activity != trimmed and (  # (an idle mount freed nothing since)
+                    quiet or trio.current_time() - last_trim >= heap.TRIM_INTERVAL):
+                last_trim, trimmed = trio.current_time(), activity
+                with contained("maintenance", "giving free heap memory back"):
+                    await trio.to_thread.run_sync(heap.release_free_memory)
 
     async def _trim_cache(self, cache: BlockCache) -> None:
         """A cache holding more than its capacity (filled under a larger --cache-size, or

@@ -83,6 +83,7 @@ ALLOWED: dict[str, set[str]] = {
     "failpoints": {"errors"},
     "gcpolicy": set(),  # the process's garbage-collector settings: the daemon applies them
     "descriptors": set(),  # the process's open-file limit and budget: the daemon applies them
+    "heap": set(),  # giving the C heap's free memory back: the daemon's maintenance calls it
     "s3": {"errors", "metrics", "failpoints"},
     "cache": {"s3", "background", "errors", "metrics", "failpoints"},
     "read": {"cache", "s3", "background", "errors", "metrics", "failpoints"},
@@ -94,7 +95,7 @@ ALLOWED: dict[str, set[str]] = {
     "startup": {"control", "config", "errors", "metrics"},
     "torch": {"control", "errors"},
     "daemon": {"s3", "cache", "read", "fs", "control", "passthrough", "fuse", "fuse_ops",
-               "startup", "gcpolicy", "descriptors", *BASE},
+               "startup", "gcpolicy", "descriptors", "heap", *BASE},
     "cli": {"daemon", "s3", "control", "startup", *BASE},
     "__main__": {"cli"},
 }
