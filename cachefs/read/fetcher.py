@@ -69,17 +69,10 @@ keeps, instead of a load of every block it touches: a reader that takes small pi
 at random offsets of a large file (a memory-mapped array, HDF5, an indexed record
 file) would otherwise move a whole block across regions for each piece. The pieces
 read of each block are counted (:data:`PIECE_MEMORY` blocks remembered, least
-recently pieced forgotten first), each read for at most 1/:data:`PIECE_READS` of the
-share; once they add up to 1/:data:`PIECE_SHARE` of the block, the next read of it
-loads the block as any other read does, so a reader that ends up reading most of a
-file caches it whole, for at most that share (and one read) more bytes. The cap per
-read is for memory maps: each page fault asks for the kernel's whole read-around
-(``--read-ahead``, 1 MiB by default), a quarter of a 4 MiB block, though the reader
-wanted a few pages of it; counted in full, a second fault in a block would load it,
-and a sampler that touches most blocks two or three times would move up to 2.5x
-the bytes of its faults across the link instead of 1x. Capped, a block loads after
-:data:`PIECE_READS` such faults, when the pieces have cost about what the block does.
-A read whose range a piece in flight covers waits for that piece (readers of
+recently pieced forgotten first); once they add up to 1/:data:`PIECE_SHARE` of
+the block, the next read of it loads the block as any other read does, so a reader
+that ends up reading most of a file caches it whole, for at most that share (and
+one read) more bytes. A read whose range a piece in flight covers waits for that piece (readers of
 the same bytes at once share one GET, as readers of a block share its load); a read
 of another range of a block with a piece in flight loads the block. Pieces are used
 only with blocks of at least :data:`PIECE_MIN_BLOCK_SIZE` (a smaller block costs
@@ -126,10 +119,6 @@ PIECE_MIN_BLOCK_SIZE = 1 << 20
 #: a reader that reads a file densely pays at most 1/PIECE_SHARE more bytes, one that
 #: reads it sparsely never pays a block for a piece.
 PIECE_SHARE = 8
-#: ... and a block is loaded only after at least this many pieces of it (each read counts
-#: for at most 1/(PIECE_SHARE x PIECE_READS) of the block): one large read, such as a page
-#: fault's read-around, is not evidence that a reader reads the block densely.
-PIECE_READS = 4
 #: Blocks whose pieces are counted, at most (a few MB; least recently pieced dropped).
 PIECE_MEMORY = 65536
 #: How long the fetcher's end waits for disk writes still running in S3 worker threads.
@@ -511,13 +500,11 @@ class Fetcher:
         due = False
         for i, bid in enumerate(bids, start=first):
             before = self._pieced.pop(bid, 0)
-            length = self.block_len(obj, i)
-            if before * PIECE_SHARE >= length:
+            if before * PIECE_SHARE >= self.block_len(obj, i):
                 due = True  # (forgotten: its load caches it)
-            else:  # (a read counts for at most a PIECE_READS-th of the share: see above)
-                part = min(end, (i + 1) * bs) - max(offset, i * bs)
-                cap = -(-length // (PIECE_SHARE * PIECE_READS))
-                self._pieced[bid] = before + min(part, cap)
+            else:  # (the first read of a block is a piece whatever its size: a page fault
+                # of a memory map reads the kernel's whole read-around, --read-ahead)
+                self._pieced[bid] = before + min(end, (i + 1) * bs) - max(offset, i * bs)
         while len(self._pieced) > PIECE_MEMORY:
             self._pieced.popitem(last=False)
         if due:
