@@ -22,7 +22,8 @@ Contracts:
   scaled to the memory, at least :data:`MAX_IDLE_BACKINGS`; fewer when the
   open-file limit binds, see :mod:`cachefs.descriptors`) or the cache evicts its blocks; reopening it
   meanwhile needs no verification. Objects larger than :data:`MAX_OBJECT_BYTES`
-  are never passed through.
+  are passed through only when no block of their file needs reading back (written
+  marks), and served by the daemon otherwise.
 * While registered, an object is pinned in the block cache: its bytes are never
   punched out of its file (an evicted block's hole would read as zeros; see
   :meth:`~cachefs.cache.blocks.BlockCache.pin` for how pins and evictions
@@ -123,8 +124,12 @@ from cachefs.read.prefetcher import PrefetchLedger
 
 log = logging.getLogger(__name__)
 
-#: Larger objects are served by the daemon: verifying one whole at its first open
-#: would cost a random reader more than it reads.
+#: Larger objects are passed through only when their file needs no reading back to be
+#: verified (this daemon wrote or checked every block of it and released none since: the
+#: written marks of cachefs.cache.blocks), as after a first epoch that fetched them;
+#: otherwise they are served by the daemon: reading one whole at its open would cost a
+#: random reader more than it reads. (Served by the daemon, warm reads of a 1.5 GiB shard
+#: ran at 0.1 of local disk; passed through, 0.7-0.8: benchmarks/RESULTS.md.)
 MAX_OBJECT_BYTES = 1 << 30
 #: Idle backings kept registered unless told otherwise (the least ``--registered-files
 #: auto`` gives, :data:`cachefs.config.REGISTERED_FILES_AUTO_MIN`, is the same number; this
@@ -808,8 +813,8 @@ class Passthrough:
     def _decline_reason(self, obj: ObjectVersion, bids: list[bytes]) -> str | None:
         if not self.enabled:
             return "off"
-        if obj.size == 0 or obj.size > MAX_OBJECT_BYTES:
-            return "size"
+        if obj.size == 0:
+            return "size"  # (nothing to read: the daemon answers at once)
         if not self.cache.contains_all(bids):
             return "not_cached"
         return None
@@ -823,7 +828,8 @@ class Passthrough:
         is switched off for the mount)."""
         outcome: str | OSError = "unverified"
         try:
-            backing.backing_id, outcome = self._attach(backing.oid, bids)
+            backing.backing_id, outcome = self._attach(
+                backing.oid, bids, read_back=backing.size <= MAX_OBJECT_BYTES)
         finally:
             with self._lock:
                 if backing.backing_id:
@@ -843,10 +849,12 @@ class Passthrough:
             return "refused"
         return outcome
 
-    def _attach(self, oid: bytes, bids: list[bytes]) -> tuple[int, str | OSError]:
+    def _attach(self, oid: bytes, bids: list[bytes], *,
+                read_back: bool = True) -> tuple[int, str | OSError]:
         """Pin, open, verify and register the object's file with the kernel (the
         opening worker's thread). Returns (backing id, "") or (0, why the open is served by the daemon:
-        "not_cached", "unverified", "refused", or the kernel's error when it cannot
+        "not_cached", "unverified", "size" (without ``read_back``, a file that would
+        have to be read to be verified), "refused", or the kernel's error when it cannot
         pass files through at all)."""
         failpoints.hit("attach.start")
         # Pinned first: from here no eviction punches the bytes verified below.
@@ -861,9 +869,9 @@ class Passthrough:
                     return 0, "refused"
                 return 0, "not_cached"  # evicted since the index said it was cached
             try:
-                verified = self.cache.verify_object(bids, fd)
+                verified = self.cache.verify_object(bids, fd, read_back=read_back)
                 if verified is None:
-                    return 0, "unverified"
+                    return 0, "unverified" if read_back else "size"
                 failpoints.hit("attach.verified")
                 try:
                     device = self._device

@@ -612,6 +612,34 @@ def test_an_object_this_cache_wrote_is_verified_without_reading_it_back(make_cac
     assert trusted_count() == trusted + 1 and corrupt_count() == corrupt + 2
 
 
+def test_without_read_back_only_an_object_this_cache_wrote_is_verified(make_cache) -> None:  # type: ignore[no-untyped-def]
+    """What a passthrough open of an object too large to read back at its open checks:
+    the written marks, and nothing is read (a damaged block is not found, nor dropped)."""
+    c = make_cache()
+    blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(2)]
+    for i, b in enumerate(blocks):
+        assert c.put(b, data(i))
+    oid = split_block_id(blocks[0])[0]
+
+    def verify() -> int | None:
+        c.cache.pin(oid)
+        try:
+            fd = os.open(c.cache.object_path(oid), os.O_RDONLY)
+            try:
+                return c.cache.verify_object(blocks, fd, read_back=False)
+            finally:
+                os.close(fd)
+        finally:
+            c.cache.unpin(oid)
+
+    assert verify() == 2 * BLOCK  # written in this life: trusted
+    c.reopen()  # (a new daemon: no marks)
+    c.damage(blocks[1], 3)
+    corrupt = corrupt_count()
+    assert verify() is None  # would have to be read: not verified
+    assert corrupt_count() == corrupt and c.cache.contains(blocks[1]), "it was read"
+
+
 def test_an_object_read_back_whole_is_not_read_back_again_in_the_same_life(make_cache) -> None:  # type: ignore[no-untyped-def]
     """A registration dropped for the bounds (more files per node than it keeps) is made
     again at the next open: the object it read back and found right is marked as if

@@ -42,6 +42,8 @@ class _Cache:
         path.write_bytes(b"x" * OBJ.size)
         self.pins = 0
         self.policy = "keep"
+        self.read_back: list[bool] = []  # what each verification was allowed
+        self.trusted = False  # the written marks hold (see BlockCache.verify_object)
 
     def object_path(self, oid: bytes) -> str:
         return str(self.path)
@@ -49,8 +51,10 @@ class _Cache:
     def contains_all(self, bids: list[bytes]) -> bool:
         return True
 
-    def verify_object(self, bids: list[bytes], fd: int | None = None) -> int:
-        return OBJ.size
+    def verify_object(self, bids: list[bytes], fd: int | None = None, *,
+                      read_back: bool = True) -> int | None:
+        self.read_back.append(read_back)
+        return OBJ.size if read_back or self.trusted else None
 
     def pin(self, oid: bytes, *, yielding: bool = False) -> None:
         self.pins += 1
@@ -137,3 +141,26 @@ def test_predicted_files_tell_their_inode_once_registered(tmp_path: Path) -> Non
         p._stop_preparing()
         worker.join()
     assert told == [(INO, OBJ)]
+
+
+def test_an_object_larger_than_the_read_back_bound_passes_through_only_if_trusted(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """An object larger than MAX_OBJECT_BYTES is verified without reading its file back:
+    passed through when this daemon wrote (or checked) every block of it (a first epoch
+    fetched it), served by the daemon otherwise. One at most that size is read back."""
+    import cachefs.passthrough as passthrough_module
+
+    p, _, _ = _passthrough(tmp_path)
+    cache = p.cache
+    monkeypatch.setattr(passthrough_module, "MAX_OBJECT_BYTES", OBJ.size - 1)
+    assert p.open(INO, OBJ) == 0  # no marks: not read, served by the daemon
+    assert cache.read_back == [False]
+    p.release(INO, 0)
+    cache.trusted = True
+    assert p.open(INO, OBJ) == 7  # the marks hold: passed through, nothing read
+    assert cache.read_back == [False, False]
+    p.release(INO, 7)
+    monkeypatch.setattr(passthrough_module, "MAX_OBJECT_BYTES", OBJ.size)
+    (tmp_path / "b").mkdir()
+    p2, _, _ = _passthrough(tmp_path / "b")
+    assert p2.open(INO, OBJ) == 7 and p2.cache.read_back == [True]

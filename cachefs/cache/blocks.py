@@ -378,14 +378,16 @@ class BlockCache:
         self._drop_corrupt(bid, entry)
         return None
 
-    def verify_object(self, bids: list[bytes], fd: int | None = None) -> int | None:
+    def verify_object(self, bids: list[bytes], fd: int | None = None, *,
+                      read_back: bool = True) -> int | None:
         """Check every block of one object against the index (worker thread).
 
         Reads the object's file, or ``fd`` when given (an open descriptor of it, the
         one then handed to the kernel, so the bytes checked are the bytes served; the
         caller holds a :meth:`pin` of the object). With ``fd``, blocks this cache wrote
         into that very file and has not released since are not read back (written
-        marks, see the module docstring).
+        marks, see the module docstring); without ``read_back``, only such a file is
+        verified (None for any other, nothing read).
         Returns the number of bytes verified, or None when a block is not indexed,
         is missing or fails its checksum (a failing block is dropped as corrupt,
         unless the failure was an eviction racing this check). Reading the file also
@@ -399,6 +401,8 @@ class BlockCache:
             metrics.CACHE_OBJECTS_TRUSTED.inc()
             self.touch(bids)
             return sum(entry[0] for entry in entries)
+        if not read_back:
+            return None
         own = fd is None
         if fd is None:
             try:
