@@ -198,3 +198,43 @@ def test_plan_cli_prints_the_footprint_of_tiny_files():
     proc = run_cachefs(*args, "--allocation-unit", "3K")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "--allocation-unit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+PLAN_BASE = ("plan", "--dataset-size", "1T", "--cache-size", "100G", "--demand", "1GB/s")
+LINK = ("--bandwidth", "150MB/s", "--latency", "70ms")
+
+
+@pytest.mark.parametrize("probe_text", [
+    "{}",  # not what 'cachefs probe --json' writes: no figures
+    "[1, 2]",  # not an object
+    '{"parallel_bytes_per_s": "fast", "get_latency_p50_s": 0.07}',  # not a number
+    '{"parallel_bytes_per_s": NaN, "get_latency_p50_s": NaN}',  # probe --seconds nan wrote it
+    '{"parallel_bytes_per_s": 1e8, "get_latency_p50_s": -1}',
+])
+def test_plan_with_a_broken_probe_file_is_one_line(tmp_path, probe_text):
+    """A probe file that is JSON but not a probe's figures: before, a KeyError or TypeError
+    traceback (or, for NaN, a plan of 'nan PB/s' and exit 0)."""
+    probe_file = tmp_path / "probe.json"
+    probe_file.write_text(probe_text)
+    proc = run_cachefs(*PLAN_BASE, "--probe", str(probe_file))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("cachefs: error:") and proc.stderr.count("\n") == 1, proc.stderr
+    assert str(probe_file) in proc.stderr
+
+
+@pytest.mark.parametrize("extra", [
+    ("--mean-file-size", "0"),  # before: ZeroDivisionError traceback
+    ("--bandwidth", "nan"), ("--bandwidth", "inf"), ("--demand", "nan"), ("--demand", "inf"),
+    ("--latency", "inf"), ("--workers", "0"), ("--workers", "-3"), ("--in-flight", "0"),
+    ("--files", "-5"),
+])
+def test_plan_with_a_figure_it_cannot_use_is_one_line(extra):
+    """Each of these planned nonsense with exit 0 ('nan PB/s', 'grow the cache to >= 0%')
+    or ended in a traceback."""
+    flags = dict(zip(LINK[::2], LINK[1::2], strict=True))
+    flags.update({extra[0]: extra[1]})
+    args = [a for kv in flags.items() for a in kv]
+    proc = run_cachefs(*PLAN_BASE, *args)
+    assert proc.returncode == 2, (extra, proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("cachefs: error:") and proc.stderr.count("\n") == 1, proc.stderr
+    assert extra[0] in proc.stderr, proc.stderr

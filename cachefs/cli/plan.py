@@ -296,20 +296,48 @@ def _rate(value: str) -> float:
     return n / 8 if bits else n
 
 
+def _probe_figure(probe: Any, path: str, key: str, *, positive: bool) -> float:
+    """``probe[key]`` of a 'cachefs probe --json' file: a finite number (above zero if
+    ``positive``, else at least zero), or a one-line error naming the file."""
+    value = probe.get(key) if isinstance(probe, dict) else None
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise ConfigError(f"probe results {path!r}: {key} is {value!r}, not a measured figure "
+                          "(write the file with 'cachefs probe --json')")
+    return float(value)
+
+
+def _finite(flag: str, value: float, *, positive: bool = True) -> float:
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ConfigError(f"{flag} must be a finite number" + (" above zero" if positive else ""))
+    return value
+
+
 def plan_main(args: Any) -> int:
-    bandwidth = _rate(args.bandwidth) if args.bandwidth else None
-    latency = parse_duration(args.latency) if args.latency else None
+    bandwidth = _finite("--bandwidth", _rate(args.bandwidth)) if args.bandwidth else None
+    latency = (_finite("--latency", parse_duration(args.latency), positive=False)
+               if args.latency else None)
     if args.probe:
         try:
             with open(args.probe) as f:
                 probe = json.load(f)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read probe results {args.probe!r}: {exc}") from None
-        bandwidth = bandwidth or float(probe["parallel_bytes_per_s"])
-        latency = latency if latency is not None else float(probe["get_latency_p50_s"])
+        if bandwidth is None:
+            bandwidth = _probe_figure(probe, args.probe, "parallel_bytes_per_s", positive=True)
+        if latency is None:
+            latency = _probe_figure(probe, args.probe, "get_latency_p50_s", positive=False)
     if bandwidth is None or latency is None:
         raise ConfigError("give --bandwidth and --latency, or --probe FILE from "
                           "'cachefs probe --json'")
+    _finite("--demand", _rate(args.demand))
+    for flag, number in (("--workers", args.workers), ("--in-flight", args.in_flight)):
+        if number < 1:
+            raise ConfigError(f"{flag} must be at least 1")
+    if args.files < 0:
+        raise ConfigError("--files must not be negative (0: from --mean-file-size)")
+    if args.mean_file_size and parse_size(args.mean_file_size) <= 0:
+        raise ConfigError("--mean-file-size must be positive")
     dataset = parse_size(args.dataset_size)
     if dataset <= 0:
         raise ConfigError("--dataset-size must be positive")
