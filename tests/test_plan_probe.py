@@ -238,3 +238,15 @@ def test_plan_with_a_figure_it_cannot_use_is_one_line(extra):
     assert proc.returncode == 2, (extra, proc.stdout, proc.stderr)
     assert proc.stderr.startswith("cachefs: error:") and proc.stderr.count("\n") == 1, proc.stderr
     assert extra[0] in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf"])
+def test_probe_for_a_time_that_is_not_a_number_is_one_line(bucket, s3_endpoint, seconds):
+    """'--seconds nan' measured nothing and exited 0 (0.0 MB/s, and NaN in --json, which
+    plan cannot use); '--seconds inf' (or 1e400) never ended."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="p/obj", Body=b"z" * 1024)
+    proc = run_cachefs("probe", f"s3://{name}/p", "--endpoint-url", s3_endpoint,
+                       "--seconds", seconds, timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("cachefs: error:") and "--seconds" in proc.stderr

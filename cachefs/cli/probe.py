@@ -10,6 +10,7 @@ ranged GETs spread over the objects), each for a bounded time. Results feed
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import threading
@@ -103,6 +104,8 @@ def probe_main(args: Any) -> int:
     url = parse_s3_url(args.source)
     if args.samples < 1 or args.parallel < 1 or args.seconds <= 0:
         raise ConfigError("--samples, --parallel and --seconds must be positive")
+    if not math.isfinite(args.seconds):  # nan measures nothing; inf never ends
+        raise ConfigError(f"--seconds must be a finite number, not {args.seconds}")
     store = S3Store(url.bucket, endpoint_url=args.endpoint_url, region=args.region,
                     max_connections=max(args.parallel, 4), anonymous=args.no_sign_request)
     if args.region is None:
