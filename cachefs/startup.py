@@ -280,7 +280,10 @@ def lock_mountpoint(path: Path) -> Iterator[Callable[[], None]]:
     try:
         while not held:
             try:
-                lock.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    registry.ensure_runtime_dir()
+                except registry.UnsafeRuntimeDir as exc:  # (another user could step in)
+                    raise ConfigError(str(exc)) from None
                 fd = open_private(lock, os.O_RDWR | os.O_CREAT)
             except OSError as exc:
                 log.warning("cannot lock mount point %s (%s: %s); going on without the lock",

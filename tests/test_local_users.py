@@ -6,6 +6,7 @@ nothing else: not the cached bytes, not the index, not the log, not the control 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -239,3 +240,85 @@ def test_idle_connections_to_the_metrics_port_do_not_pile_up_threads(bucket, mou
             s.close()
     page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=120).read()
     assert b"cachefs_build_info" in page
+
+
+VICTIM = 65531  # a user without XDG_RUNTIME_DIR: its runtime dir falls back to /tmp
+
+
+def test_a_runtime_directory_another_user_made_first_is_refused_not_written_through():
+    """A user without XDG_RUNTIME_DIR keeps the registry, mount locks and control sockets in
+    /tmp/cachefs-UID/cachefs, a name any local user can take first. Another user made it
+    (mode 0777) and planted symbolic links at the names the daemon writes: registering the
+    mount wrote its JSON through the link into the victim's own file (and the mount lock
+    truncated another), and the squatter could swap the control socket for its own. Now a
+    runtime directory not owned by the user, or writable by others, is refused in one line
+    that says what to do, and nothing is written."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as other users needs root (setpriv)")
+    if shutil.which("setpriv") is None or shutil.which(PY) is None:
+        pytest.skip(f"setpriv and {PY} are needed")
+    base = Path(f"/tmp/cachefs-{VICTIM}")
+    home = Path(tempfile.mkdtemp(prefix="cachefs-victim-", dir="/tmp"))
+    shutil.rmtree(base, ignore_errors=True)
+    try:
+        os.chown(home, VICTIM, VICTIM)
+        precious = {name: home / name for name in ("notes.txt", "todo.txt")}
+        for path in precious.values():
+            path.write_text("the victim's own words\n")
+            os.chown(path, VICTIM, VICTIM)
+        mountpoint = home / "mnt"
+        digest = hashlib.sha1(str(mountpoint).encode()).hexdigest()[:16]
+        squat = (f"mkdir -p {base}/cachefs && chmod 0777 {base} {base}/cachefs && "
+                 f"ln -s {precious['notes.txt']} {base}/cachefs/{digest}.tmp && "
+                 f"ln -s {precious['todo.txt']} {base}/cachefs/{digest}.lock")
+        subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                        "sh", "-c", squat], check=True, cwd="/", timeout=30)
+        register = textwrap.dedent(f"""
+            import sys
+            from pathlib import Path
+            from cachefs.control import registry
+            try:
+                registry.register(Path({str(mountpoint)!r}), {{"pid": 1}})
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+                sys.exit(3)
+        """)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("XDG_RUNTIME_DIR", "CACHEFS_RUNTIME_DIR")}
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        proc = subprocess.run(["setpriv", f"--reuid={VICTIM}", f"--regid={VICTIM}",
+                               "--clear-groups", PY, "-c", register], capture_output=True,
+                              text=True, env=env, cwd="/", timeout=60)
+        for path in precious.values():
+            assert path.read_text() == "the victim's own words\n", path
+        assert proc.returncode == 3, (proc.stdout, proc.stderr)
+        assert "UnsafeRuntimeDir" in proc.stdout and f"{base}" in proc.stdout, proc.stdout
+        assert f"uid {NOBODY}" in proc.stdout and "CACHEFS_RUNTIME_DIR" in proc.stdout
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_mount_with_a_runtime_directory_others_can_write_is_refused(bucket, s3_endpoint,
+                                                                       tmp_path, monkeypatch):
+    """The daemon's side of the rule above: its mount lock is the first thing it writes
+    there, so the mount fails in one line, before anything is mounted or written."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a", Body=b"a")
+    run = Path(tempfile.mkdtemp(prefix="cachefs-squatted-", dir="/tmp"))
+    try:
+        os.chown(run, NOBODY, NOBODY)
+        run.chmod(0o777)
+        monkeypatch.setenv("CACHEFS_RUNTIME_DIR", str(run))
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        proc = run_cachefs("mount", f"s3://{name}", str(mp), "--cache-dir",
+                           str(tmp_path / "cache"), "--endpoint-url", s3_endpoint)
+        assert proc.returncode == 2 and not is_mounted(mp), proc.stderr
+        assert proc.stderr.startswith("cachefs: error: refusing runtime directory")
+        assert proc.stderr.count("\n") == 1 and f"uid {NOBODY}" in proc.stderr, proc.stderr
+        assert list(run.iterdir()) == []
+    finally:
+        if is_mounted(tmp_path / "mnt"):
+            subprocess.run(["fusermount3", "-u", "-z", str(tmp_path / "mnt")], check=False)
+        shutil.rmtree(run, ignore_errors=True)

@@ -8,9 +8,11 @@ process is gone are ignored.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,56 @@ def runtime_dir() -> Path:
     return Path(os.environ.get("CACHEFS_RUNTIME_DIR", os.path.join(base, "cachefs")))
 
 
+class UnsafeRuntimeDir(Exception):
+    """Another local user could replace what cachefs keeps in the runtime directory;
+    ``str()`` is the one-line reason (the mount turns it into a ConfigError)."""
+
+
+def _unsafe(path: Path, st: os.stat_result, *, leaf: bool) -> str | None:
+    """Why another local user could replace ``path`` or what it holds, or None. Only root
+    and this user may own the runtime directory and its ancestors; an ancestor others may
+    write to must be sticky (/tmp: they cannot rename or remove our entries there)."""
+    euid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        return None if st.st_uid in (0, euid) else (
+            f"{path} is a symbolic link of uid {st.st_uid}, another user")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != euid and (leaf or st.st_uid != 0):
+        return f"{path} belongs to uid {st.st_uid}, another user"
+    if st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX):
+        return f"{path} can be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def ensure_runtime_dir() -> Path:
+    """The runtime directory, created if missing, once it is known that no other local user
+    can replace what cachefs keeps there (the registry, mount locks, control sockets): a
+    user without XDG_RUNTIME_DIR has it under /tmp, where anyone can make the name first
+    and plant links that the daemon's writes would follow. Raises UnsafeRuntimeDir if
+    one could, OSError if the directory cannot be made."""
+    path = runtime_dir().absolute()
+    fallback = os.geteuid() != 0 and not os.environ.get("CACHEFS_RUNTIME_DIR") and \
+        not os.environ.get("XDG_RUNTIME_DIR")
+    for d in (*reversed(path.parents), path):
+        try:
+            os.mkdir(d, 0o700 if fallback and d.parent == Path("/tmp") else 0o755)
+        except FileExistsError:
+            continue
+        except OSError:
+            break  # (refused below if it matters, or by the write that needs it)
+        os.chmod(d, stat.S_IMODE(os.lstat(d).st_mode) & ~0o022)  # (whatever the umask)
+    problem = None
+    for lexical in (path, Path(os.path.realpath(path))):  # (OSError: cannot be made)
+        for d in (*reversed(lexical.parents), lexical):
+            problem = problem or _unsafe(d, os.lstat(d), leaf=d == lexical)
+    if problem:
+        raise UnsafeRuntimeDir(f"refusing runtime directory {path}: {problem}, who could replace "
+                          "the mount's lock, registry entry and control socket (set "
+                          "XDG_RUNTIME_DIR or CACHEFS_RUNTIME_DIR to a directory of your own)")
+    return path
+
+
 def _entry_path(mountpoint: Path) -> Path:
     digest = hashlib.sha1(str(mountpoint).encode()).hexdigest()[:16]
     return runtime_dir() / f"{digest}.json"
@@ -36,10 +88,15 @@ def control_socket(mountpoint: Path) -> Path:
 
 
 def register(mountpoint: Path, info: dict[str, Any]) -> None:
+    ensure_runtime_dir()
     path = _entry_path(mountpoint)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # (left by a daemon killed mid-write; never written through)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info))
     os.replace(tmp, path)
 
 
