@@ -184,11 +184,21 @@ def prepare_cache_dir(path: Path, cache_size: int, *, tighten: bool = True) -> N
     ``tighten`` (the daemon), wider modes of an existing directory and of the files at its
     top are narrowed, with one log line."""
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        registry.make_dirs(path, DIR_MODE)
     except OSError as exc:
         raise CacheError(f"cannot create cache directory {path}: {exc.strerror}") from None
     if not path.is_dir():
         raise CacheError(f"cache directory {path} is not a directory")
+    # Another user's directory (or one under a directory others may write to) could hold
+    # links the daemon's writes would follow, and its owner could read the cache.
+    try:
+        problem = registry.unsafe_reason(path, leaf_modes=False)  # (its modes are narrowed)
+    except OSError as exc:
+        raise CacheError(f"cache directory {path}: {exc.strerror}") from None
+    if problem:
+        raise CacheError(f"refusing cache directory {path}: {problem}, who could read the "
+                         "cache and plant links that cachefs would write through (use a "
+                         "directory of your own)")
     if tighten:
         tighten_cache_dir(path)
     probe = path / f".write-test-{os.getpid()}"

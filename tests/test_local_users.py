@@ -322,3 +322,45 @@ def test_a_mount_with_a_runtime_directory_others_can_write_is_refused(bucket, s3
         if is_mounted(tmp_path / "mnt"):
             subprocess.run(["fusermount3", "-u", "-z", str(tmp_path / "mnt")], check=False)
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_cache_directory_another_user_made_first_is_refused_not_written_through(
+        bucket, s3_endpoint, tmp_path):
+    """Root mounted with a cache directory that another local user had made (any name under
+    /tmp can be taken first) with links planted at 'lock' and 'cachefs.log': the mount went
+    on (the directory tightened to 0700, but still the other user's), and root truncated and
+    wrote its pid and log lines into the file the links named. Now a cache directory not
+    owned by the mounting user, or under a directory others may write to, is refused in
+    one line and nothing is written."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("acting as another user needs root and setpriv")
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a", Body=b"a")
+    precious = tmp_path / "root-only.conf"
+    precious.write_text("root's own settings\n")
+    for made in ("cache", "parent"):
+        base = Path(tempfile.mkdtemp(prefix="cachefs-taken-", dir="/tmp"))
+        try:
+            os.chown(base, NOBODY, NOBODY)
+            base.chmod(0o777 if made == "parent" else 0o755)
+            cache = base / "cache"
+            cache.mkdir()
+            if made == "cache":  # the other user's own directory, links planted in it
+                os.chown(cache, NOBODY, NOBODY)
+                cache.chmod(0o777)
+                for link in ("lock", "cachefs.log"):
+                    (cache / link).symlink_to(precious)
+                    os.lchown(cache / link, NOBODY, NOBODY)
+            mp = tmp_path / f"mnt-{made}"
+            mp.mkdir()
+            proc = run_cachefs("mount", f"s3://{name}", str(mp), "--cache-dir", str(cache),
+                               "--endpoint-url", s3_endpoint)
+            mounted = is_mounted(mp)
+            if mounted:
+                subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+            assert precious.read_text() == "root's own settings\n", made
+            assert proc.returncode == 1 and not mounted, (made, proc.stderr)
+            assert proc.stderr.startswith(f"cachefs: error: refusing cache directory {cache}")
+            assert proc.stderr.count("\n") == 1 and f"uid {NOBODY}" in proc.stderr, proc.stderr
+        finally:
+            shutil.rmtree(base, ignore_errors=True)

@@ -78,6 +78,9 @@ def test_cache_dir_is_created_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a" / "cache").stat().st_mode) == 0o700
+    # The parents it made are closed to other users' writes too (they were 0777 under umask 0:
+    # anyone could then move the cache directory aside and put their own in its place).
+    assert not (tmp_path / "a").stat().st_mode & 0o022
 
 
 def test_a_cache_dir_open_to_others_is_tightened_with_one_log_line(tmp_path, caplog):

@@ -32,10 +32,7 @@ class UnsafeRuntimeDir(Exception):
     ``str()`` is the one-line reason (the mount turns it into a ConfigError)."""
 
 
-def _unsafe(path: Path, st: os.stat_result, *, leaf: bool) -> str | None:
-    """Why another local user could replace ``path`` or what it holds, or None. Only root
-    and this user may own the runtime directory and its ancestors; an ancestor others may
-    write to must be sticky (/tmp: they cannot rename or remove our entries there)."""
+def _unsafe(path: Path, st: os.stat_result, *, leaf: bool, leaf_modes: bool) -> str | None:
     euid = os.geteuid()
     if stat.S_ISLNK(st.st_mode):
         return None if st.st_uid in (0, euid) else (
@@ -44,9 +41,33 @@ def _unsafe(path: Path, st: os.stat_result, *, leaf: bool) -> str | None:
         return f"{path} is not a directory"
     if st.st_uid != euid and (leaf or st.st_uid != 0):
         return f"{path} belongs to uid {st.st_uid}, another user"
-    if st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX):
+    if st.st_mode & 0o022 and (leaf_modes if leaf else not st.st_mode & stat.S_ISVTX):
         return f"{path} can be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
+
+
+def unsafe_reason(path: Path, *, leaf_modes: bool = True) -> str | None:
+    """Why another local user could replace the directory ``path`` or what it holds, or
+    None. ``path`` must belong to this user, its ancestors to root or this user (both as
+    written and with links resolved), and no ancestor that others may write to may lack
+    the sticky bit (/tmp: others cannot rename or remove our entries there); with
+    ``leaf_modes``, others may not write to ``path`` itself either. OSError if it is not
+    there."""
+    path = path.absolute()
+    for lexical in (path, Path(os.path.realpath(path))):
+        for d in (*reversed(lexical.parents), lexical):
+            problem = _unsafe(d, os.lstat(d), leaf=d == lexical, leaf_modes=leaf_modes)
+            if problem:
+                return problem
+    return None
+
+
+def make_dirs(path: Path, mode: int, *, parent_mode: int = 0o755) -> None:
+    """``path`` and its missing parents, none open to other users' writes whatever the
+    umask (``Path.mkdir(parents=True)`` makes the parents 0777 under umask 0)."""
+    for d in (*reversed(path.parents), path):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, mode if d == path else parent_mode)
 
 
 def ensure_runtime_dir() -> Path:
@@ -58,22 +79,14 @@ def ensure_runtime_dir() -> Path:
     path = runtime_dir().absolute()
     fallback = os.geteuid() != 0 and not os.environ.get("CACHEFS_RUNTIME_DIR") and \
         not os.environ.get("XDG_RUNTIME_DIR")
-    for d in (*reversed(path.parents), path):
-        try:
-            os.mkdir(d, 0o700 if fallback and d.parent == Path("/tmp") else 0o755)
-        except FileExistsError:
-            continue
-        except OSError:
-            break  # (refused below if it matters, or by the write that needs it)
-        os.chmod(d, stat.S_IMODE(os.lstat(d).st_mode) & ~0o022)  # (whatever the umask)
-    problem = None
-    for lexical in (path, Path(os.path.realpath(path))):  # (OSError: cannot be made)
-        for d in (*reversed(lexical.parents), lexical):
-            problem = problem or _unsafe(d, os.lstat(d), leaf=d == lexical)
+    with contextlib.suppress(OSError):  # (refused below if it matters)
+        make_dirs(path, 0o700 if fallback else 0o755, parent_mode=0o700 if fallback else 0o755)
+    problem = unsafe_reason(path)  # (OSError: it could not be made)
     if problem:
-        raise UnsafeRuntimeDir(f"refusing runtime directory {path}: {problem}, who could replace "
-                          "the mount's lock, registry entry and control socket (set "
-                          "XDG_RUNTIME_DIR or CACHEFS_RUNTIME_DIR to a directory of your own)")
+        raise UnsafeRuntimeDir(
+            f"refusing runtime directory {path}: {problem}, who could replace the mount's "
+            "lock, registry entry and control socket (set XDG_RUNTIME_DIR or "
+            "CACHEFS_RUNTIME_DIR to a directory of your own)")
     return path
 
 
