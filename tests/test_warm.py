@@ -78,6 +78,50 @@ def test_warm_rejects_paths_outside_the_mount(bucket, mount_factory, tmp_path):
     assert proc.returncode != 0 and "not inside a cachefs mount" in proc.stderr
 
 
+def test_warm_of_a_hung_daemon_ends_with_an_error(bucket, mount_factory, monkeypatch):
+    """A daemon that stops answering (stopped, wedged) left 'cachefs warm' waiting forever:
+    the warm request read its answer with no timeout, though a live daemon reports progress
+    every half second. Now a silence of IDLE_TIMEOUT seconds ends it with a one-line error
+    (exit 1). The daemon is stopped with SIGSTOP; the bound below only keeps a hang from
+    hanging the test."""
+    import os
+    import signal
+    import threading
+
+    from cachefs.cli import warm as warm_cli
+    from cachefs.control import registry
+    from cachefs.errors import CachefsError
+
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    monkeypatch.setattr(warm_cli, "IDLE_TIMEOUT", 1.0, raising=False)
+    pid = int(registry.lookup(m.path)["pid"])
+    outcome: list[object] = []
+
+    def warm() -> None:
+        try:
+            outcome.append(warm_cli.warm_main(str(m.path), [], manifest=None, parallel=4,
+                                              check=True))
+        except CachefsError as exc:
+            outcome.append(exc)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=warm, daemon=True)
+        t.start()
+        t.join(60)
+        hung = t.is_alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t.join(60)
+    assert not hung, "cachefs warm waited on the stopped daemon"
+    (error,) = outcome
+    assert isinstance(error, CachefsError), error
+    assert "did not answer" in str(error) and "\n" not in str(error), error
+    assert run_cachefs("warm", str(m.path), "--check").returncode == 0  # the daemon goes on
+
+
 def test_read_order_hint_prefetches_the_hinted_files(bucket, mount_factory):
     from cachefs.control.client import send_hint
 

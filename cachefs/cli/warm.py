@@ -17,6 +17,11 @@ from cachefs.config import format_size
 from cachefs.control.client import WARM_PARALLEL_MAX, find_mount, relative_paths, request
 from cachefs.errors import CachefsError, ConfigError
 
+#: Seconds of silence after which a warm gives up on the daemon: a live one reports progress
+#: every half second (and waits at most a few seconds for a free connection slot), so only
+#: a daemon that is stopped or wedged is silent this long.
+IDLE_TIMEOUT = 60.0
+
 
 def _eta(seconds: float) -> str:
     if seconds != seconds or seconds == float("inf"):
@@ -77,7 +82,7 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
     if shard_in is not None:
         message["shard"] = list(shard_in)
     try:
-        for reply in request(sock, message, timeout=None):
+        for reply in request(sock, message, timeout=IDLE_TIMEOUT):
             elapsed = time.monotonic() - t0
             if reply["event"] == "progress":
                 if tty:

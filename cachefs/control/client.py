@@ -101,7 +101,7 @@ def request(sock_path: Path, message: dict[str, Any], timeout: float | None = 60
                     yield reply
             except TimeoutError:
                 raise CachefsError(f"the cachefs daemon at {sock_path} did not answer within "
-                                   f"{timeout:.0f}s") from None
+                                   f"{timeout:.0f}s (stopped or hung? see its log)") from None
             except (BrokenPipeError, ConnectionResetError):
                 reason = _reply_after_close(replies)
                 raise CachefsError("the cachefs daemon closed the connection"
