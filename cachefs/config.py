@@ -102,10 +102,13 @@ def parse_bool(value: str | bool) -> bool:
     raise ConfigError(f"invalid boolean {value!r}: expected true or false")
 
 
-def parse_int(value: str | int) -> int:
+def parse_int(value: str | int | float) -> int:
+    # (int() would take a TOML 2.5 as 2 and true as 1)
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"invalid number {value!r}: expected a whole number")
     try:
         result = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"invalid number {value!r}") from None
     if result < 0:
         raise ConfigError(f"invalid number {value!r}: must not be negative")
@@ -401,7 +404,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # (TOML is UTF-8)
         raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
     known = set(OPTIONS_BY_NAME) | {"source", "mountpoint"}
     unknown = sorted(set(data) - known)

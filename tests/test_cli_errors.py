@@ -185,6 +185,32 @@ def test_bad_config_file(mp, tmp_path):
     assert_one_line_error(proc, "not valid TOML", code=2)
 
 
+def test_a_config_file_that_is_not_text_is_one_line(mp, tmp_path):
+    """A config file that is not UTF-8 (a binary copied by mistake, a Latin-1 editor) ended
+    in a UnicodeDecodeError traceback with exit 1."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b'\xff\xfecache_dir = "/tmp/x"\n')
+    proc = run_cachefs("mount", "--config", str(cfg), "s3://bucket", str(mp))
+    assert_one_line_error(proc, "not valid TOML", code=2)
+    cfg.write_bytes('log_file = "/var/log/caf\u00e9.log"\n'.encode("latin-1"))
+    proc = run_cachefs("unmount", "--config", str(cfg))
+    assert_one_line_error(proc, "not valid TOML", code=2)
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("fuse_workers = 2.5", "2.5"),  # was 2, silently
+    ("fuse_workers = true", "True"),  # was 1
+    ("max_connections = 16.9", "16.9"),  # was 16
+])
+def test_a_whole_number_option_given_a_fraction_or_a_boolean_is_refused(mp, tmp_path, line,
+                                                                          fragment):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(line + "\n")
+    proc = run_cachefs("mount", "--config", str(cfg), "s3://bucket", str(mp), "--cache-dir",
+                       str(tmp_path / "c"))
+    assert_one_line_error(proc, f"invalid number {fragment}", code=2)
+
+
 def test_metrics_address_in_use(mp, tmp_path, s3_endpoint, bucket):
     _, name = bucket
     with socket.socket() as s:
