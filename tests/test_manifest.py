@@ -255,6 +255,32 @@ def test_manifest_mount_with_a_missing_file_fails_in_one_line(bucket: Any, mount
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr
 
 
+@pytest.mark.parametrize("data", [
+    gzip.compress(f"key,size,etag\nd/a.bin,1,{E1}\n".encode())[:-12],  # cut short
+    b"\x1f\x8b\x08\x00" + b"not deflate data at all" * 4,  # gzip header, then junk
+    b"\x1f\x8b\x07" + b"\x00" * 20,  # not a method gzip knows
+])
+def test_a_damaged_gzip_manifest_fails_the_mount_in_one_line(
+        bucket: Any, mount_factory: Any, tmp_path: Path, data: bytes) -> None:
+    """A manifest.csv.gz cut short (a copy that did not finish) or damaged crashed the daemon
+    at start-up with an EOFError or zlib.error traceback in its log, and the command said
+    only 'the daemon exited during start-up'; a bad header said 'cannot read manifest ...:
+    None'."""
+    from tests.conftest import is_mounted, run_cachefs
+
+    _, name = bucket
+    manifest = tmp_path / "m.csv.gz"
+    manifest.write_bytes(data)
+    m = mount_factory(f"s3://{name}", start=False)
+    proc = run_cachefs("mount", m.source, str(m.path), "--cache-dir", str(m.cache_dir),
+                       "--endpoint-url", m.endpoint, "--manifest", str(manifest))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert f"manifest {manifest} is not a readable gzip file" in proc.stderr, proc.stderr
+    assert "None" not in proc.stderr and "Traceback" not in m.log()
+    assert not is_mounted(m.path)
+
+
 @pytest.mark.parametrize("row, field", [("-5,E1", "size"), (f"{1 << 64},E1", "size"),
                                         ("1,E1,nan", "mtime"), ("1,E1,inf", "mtime")])
 def test_a_manifest_value_out_of_range_fails_the_mount_in_one_line(

@@ -36,6 +36,7 @@ import math
 import os
 import time
 import urllib.parse
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -167,6 +168,9 @@ def read_manifest(path: Path, bucket: str) -> Iterator[ObjectInfo]:
             yield from (_jsonl if first.lstrip().startswith("{") else _csv)(f, str(path))
     except UnicodeDecodeError:
         raise ConfigError(f"manifest {path} is not UTF-8 text (JSON lines or CSV)") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # (BadGzipFile is an OSError)
+        raise ConfigError(f"manifest {path} is not a readable gzip file (cut short or "
+                          f"damaged: {exc})") from None
     except OSError as exc:
         raise ConfigError(f"cannot read manifest {path}: {exc.strerror}") from None
 
