@@ -67,6 +67,21 @@ def test_warm_manifest_with_missing_entry_fails_clearly(bucket, mount_factory, t
     assert (m.path / "val/v.bin").read_bytes() == b"v" * 300_000
 
 
+def test_warm_manifest_that_is_not_text_is_one_line(bucket, mount_factory, tmp_path):
+    """'cachefs warm --manifest' of a file that is not UTF-8 (a binary given by mistake, a
+    Latin-1 list of paths) ended in a UnicodeDecodeError traceback."""
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_bytes("val/v.bin\ntrain/caf\u00e9.bin\n".encode("latin-1"))
+    proc = run_cachefs("warm", str(m.path), "--manifest", str(manifest))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
+    assert "not UTF-8" in lines[0] and str(manifest) in lines[0]
+
+
 def test_warm_rejects_paths_outside_the_mount(bucket, mount_factory, tmp_path):
     client, name = bucket
     _populate(client, name)

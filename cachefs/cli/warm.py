@@ -70,6 +70,9 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
                 lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
         except OSError as exc:
             raise ConfigError(f"cannot read manifest {manifest!r}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"manifest {manifest!r} is not UTF-8 text (one path per "
+                              "line)") from None
         wanted += [ln if os.path.isabs(ln) else os.path.join(mp, ln) for ln in lines]
     rel = relative_paths(mp, wanted) if wanted else [""]
     if not 1 <= parallel <= WARM_PARALLEL_MAX:
