@@ -290,3 +290,23 @@ def test_an_unknown_word_after_the_options_of_a_command_is_refused(mp, tmp_path)
     proc = run_cachefs("status", str(mp), "--json", "extra")
     assert proc.returncode == 2 and "unrecognized arguments: extra" in proc.stderr, proc
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "export", "status"])
+def test_output_to_a_full_disk_is_one_line_and_a_failure(bucket, s3_endpoint, command):
+    """'cachefs manifest export > dataset.csv' on a full disk ended in an OSError traceback
+    (ENOSPC); the manifest file is incomplete, which the user must learn in one line. Every
+    command's output goes through the same check (/dev/full: every write fails ENOSPC)."""
+    import subprocess
+    import sys
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/a", Body=b"a")
+    args = {"plan": ["plan", "--dataset-size", "1G", "--cache-size", "1G", "--bandwidth",
+                     "1GB/s", "--latency", "1ms", "--demand", "1GB/s"],
+            "export": ["manifest", "export", f"s3://{name}", "--endpoint-url", s3_endpoint],
+            "status": ["status"]}[command]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "cachefs", *args], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert_one_line_error(proc, "cannot write the output", "No space left on device", code=1)

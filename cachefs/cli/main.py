@@ -405,6 +405,38 @@ def _run(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown command {args.command}")
 
 
+class OutputError(CachefsError):
+    """Standard output could not be written (a full disk under 'cachefs manifest export >
+    dataset.csv', a quota, an I/O error): what was written is incomplete."""
+
+
+class _GuardedOutput:
+    """Standard output whose failed writes (but a reader gone: BrokenPipeError) raise
+    OutputError, one line for the user, instead of an OSError traceback."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("s3://") and "-o" in argv:
@@ -422,10 +454,18 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.argv = argv
+    stdout = sys.stdout
+    sys.stdout = _GuardedOutput(stdout)  # type: ignore[assignment]
     try:
         code = _run(args)
         sys.stdout.flush()  # here, so a reader gone is caught below, not at exit
         return code
+    except OutputError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        # What is still buffered cannot be written either: the interpreter's flush at exit
+        # must not fail again (a second report, with a traceback).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        return 1
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
@@ -436,8 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         # wrong here to report. Quiet, with the exit status of a process SIGPIPE ended,
         # as other command-line tools; stdout goes to /dev/null so the interpreter's own
         # flush at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return 128 + 13
+    finally:
+        sys.stdout = stdout
 
 
 __all__ = ["build_parser", "main"]
