@@ -173,3 +173,35 @@ def test_status_says_which_reads_the_hit_ratio_counts(capsys, monkeypatch):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  reads"))
     assert line.startswith("  reads   152.0 MiB by the daemon + 20.0 GiB of files opened for "
                            "the kernel to read from the cache; byte hit ratio 99.3%"), line
+
+
+def test_status_names_a_dead_mount_and_fails(bucket, mount_factory):
+    """A daemon killed with SIGKILL (the OOM killer) leaves its mount dead ('Transport
+    endpoint is not connected'). 'cachefs status' left it out and exited 0, so a node's
+    health check saw nothing wrong; 'cachefs status MP' said only 'not a live cachefs
+    mount'. Now both name it as dead, with the dead pid and what recovers it, and exit 1."""
+    import os
+    import signal
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    live = mount_factory(f"s3://{name}")
+    dead = mount_factory(f"s3://{name}")
+    pid = int(registry.lookup(dead.path)["pid"])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while registry.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert is_mounted(dead.path)
+
+    table = run_cachefs("status")
+    assert table.returncode == 1, (table.stdout, table.stderr)
+    assert str(live.path) in table.stdout  # the live one is still described
+    assert f"{dead.path} is a dead cachefs mount (daemon pid {pid} is gone)" in table.stderr
+    assert "cachefs unmount --lazy" in table.stderr and "Traceback" not in table.stderr
+    as_json = run_cachefs("status", "--json")
+    assert as_json.returncode == 1 and str(dead.path) in as_json.stderr
+    assert str(live.path) in {row["mountpoint"] for row in json.loads(as_json.stdout)}
+    one = run_cachefs("status", str(dead.path))
+    assert one.returncode == 1 and one.stderr.count("\n") == 1, one.stderr
+    assert f"{dead.path} is a dead cachefs mount (daemon pid {pid} is gone)" in one.stderr

@@ -117,12 +117,41 @@ def _faults(r: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _dead_mounts(mounted: dict[str, str]) -> dict[str, int]:
+    """Mount point -> pid of each cachefs mount whose daemon is gone (killed: its registry
+    entry is left behind, and the mount answers 'Transport endpoint is not connected')."""
+    dead = {}
+    for mp in mounted:
+        info = registry.entry(Path(mp))
+        if info is None or info.get("mountpoint") != mp:
+            continue
+        try:
+            pid = int(info.get("pid", 0))
+        except (TypeError, ValueError):
+            continue
+        if not registry.pid_alive(pid):
+            dead[mp] = pid
+    return dead
+
+
+def _report_dead(dead: dict[str, int]) -> None:
+    for mp, pid in sorted(dead.items()):
+        print(f"cachefs: error: {mp} is a dead cachefs mount (daemon pid {pid} is gone): run "
+              f"the same 'cachefs mount' again to recover it, or 'cachefs unmount --lazy {mp}'",
+              file=sys.stderr)
+
+
 def status_main(mountpoint: str | None, *, as_json: bool) -> int:
     mounted = registry.cachefs_mounts()
+    dead = _dead_mounts(mounted)
     infos = [i for i in registry.all_mounts() if i.get("mountpoint") in mounted]
     if mountpoint is not None:
         want = str(Path(mountpoint).absolute())
         infos = [i for i in infos if i.get("mountpoint") == want]
+        dead = {mp: pid for mp, pid in dead.items() if mp == want}
+        if dead:
+            _report_dead(dead)
+            return 1
         if not infos:
             print(f"cachefs: error: {want} is not a live cachefs mount", file=sys.stderr)
             return 1
@@ -130,10 +159,12 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
     if as_json:
         json.dump(rows if mountpoint is None else rows[0], sys.stdout, indent=2)
         print()
-        return 0
+        _report_dead(dead)
+        return 1 if dead else 0
     if not rows:
-        print("no cachefs mounts")
-        return 0
+        print("no live cachefs mounts" if dead else "no cachefs mounts")
+        _report_dead(dead)
+        return 1 if dead else 0
     for r in rows:
         ratio = "-" if r["hit_ratio"] is None else f"{100 * r['hit_ratio']:.1f}%"
         warm = ""
@@ -182,4 +213,5 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
                   f"read by the native loop ({r['passthrough_opens']} opens so far)")
         else:
             print("  kernel  passthrough off: every read goes through cachefs")
-    return 0
+    _report_dead(dead)
+    return 1 if dead else 0
