@@ -205,3 +205,36 @@ def test_status_names_a_dead_mount_and_fails(bucket, mount_factory):
     one = run_cachefs("status", str(dead.path))
     assert one.returncode == 1 and one.stderr.count("\n") == 1, one.stderr
     assert f"{dead.path} is a dead cachefs mount (daemon pid {pid} is gone)" in one.stderr
+
+
+def test_status_of_a_hung_daemon_says_its_figures_are_old_and_fails(bucket, mount_factory):
+    """A daemon that stops (SIGSTOP here; a wedged one alike) stops publishing its snapshot,
+    but 'cachefs status' went on showing the last one as current and exited 0, so the
+    DaemonSet's readiness probe ('cachefs status --json MP') kept a hung node ready. A
+    live daemon publishes every 10 s at least; a snapshot older than STALE_AFTER is now
+    named on stderr and status exits 1. The snapshot's age is set by rewriting its time
+    while the daemon is stopped (waiting for it would take a minute)."""
+    import os
+    import signal
+
+    from cachefs.cli.status import STALE_AFTER
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    info = registry.lookup(m.path)
+    pid = int(info["pid"])
+    entry = registry.control_socket(m.path).with_suffix(".json")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        info = json.loads(entry.read_text())
+        info["updated_at"] = time.time() - STALE_AFTER - 240
+        entry.write_text(json.dumps(info))
+        for args in (["status", str(m.path)], ["status", "--json", str(m.path)], ["status"]):
+            proc = run_cachefs(*args)
+            assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
+            assert f"{m.path}: the cachefs daemon (pid {pid}) has published no figures for " \
+                   f"{(STALE_AFTER + 240) // 60:.0f}m" in proc.stderr, proc.stderr
+            assert str(m.path) in proc.stdout  # still described, as of its last snapshot
+    finally:
+        os.kill(pid, signal.SIGCONT)

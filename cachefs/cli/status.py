@@ -117,6 +117,23 @@ def _faults(r: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: Seconds after which a snapshot is too old for a working daemon: it publishes one every
+#: second while the mount works and every 10 s while it is idle, so only a daemon that is
+#: stopped or hung lets it age this long.
+STALE_AFTER = 60.0
+
+
+def _report_stale(rows: list[dict[str, Any]]) -> bool:
+    """Name each mount whose daemon has published nothing for STALE_AFTER seconds (its
+    figures are that old); True if any."""
+    stale = [r for r in rows if r["stats_age_seconds"] > STALE_AFTER]
+    for r in stale:
+        print(f"cachefs: error: {r['mountpoint']}: the cachefs daemon (pid {r['pid']}) has "
+              f"published no figures for {_duration(r['stats_age_seconds'])} (stopped or "
+              "hung? see its log); these are from its last snapshot", file=sys.stderr)
+    return bool(stale)
+
+
 def _dead_mounts(mounted: dict[str, str]) -> dict[str, int]:
     """Mount point -> pid of each cachefs mount whose daemon is gone (killed: its registry
     entry is left behind, and the mount answers 'Transport endpoint is not connected')."""
@@ -160,7 +177,7 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         json.dump(rows if mountpoint is None else rows[0], sys.stdout, indent=2)
         print()
         _report_dead(dead)
-        return 1 if dead else 0
+        return 1 if _report_stale(rows) or dead else 0
     if not rows:
         print("no live cachefs mounts" if dead else "no cachefs mounts")
         _report_dead(dead)
@@ -214,4 +231,4 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         else:
             print("  kernel  passthrough off: every read goes through cachefs")
     _report_dead(dead)
-    return 1 if dead else 0
+    return 1 if _report_stale(rows) or dead else 0
