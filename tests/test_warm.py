@@ -157,6 +157,36 @@ def test_read_order_hint_prefetches_the_hinted_files(bucket, mount_factory):
     assert st["mountpoint"] == str(m.path)
 
 
+def test_paths_through_a_symbolic_link_to_the_mount_are_warmed_and_hinted(
+        bucket, mount_factory, tmp_path):
+    """Clusters often reach a dataset through a link (/data -> the mount, or a folder of
+    links to its files). 'cachefs warm LINK' said 'not inside a cachefs mount', and a
+    HintedSampler over such paths sent no hint (one warning, then training without
+    prefetch): the paths were compared with the mount table as written."""
+    from cachefs.control.client import send_hint
+
+    client, name = bucket
+    files = _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds")
+    data = tmp_path / "data"
+    data.symlink_to(m.path)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "v.bin").symlink_to(m.path / "val" / "v.bin")
+    proc = run_cachefs("warm", str(data), "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{len(files)} objects" in proc.stdout, proc.stdout
+    proc = run_cachefs("warm", str(data), str(data / "train" / "c1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "warmed 6 of 6 objects" in proc.stdout, proc.stdout
+    order = [str(data / k[len("ds/"):]) for k in sorted(files) if "/c2/" in k]
+    order.append(str(tmp_path / "links" / "v.bin"))
+    assert send_hint(order) == len(order)
+    deadline = time.monotonic() + 20
+    while m.gets() < len(files) - 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert m.gets() == 6 + len(order)  # the hinted files were fetched ahead, once each
+
+
 def test_hinted_sampler_sends_the_epoch_order(bucket, mount_factory):
     import random
 

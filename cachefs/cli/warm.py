@@ -10,11 +10,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from cachefs.config import format_size
-from cachefs.control.client import WARM_PARALLEL_MAX, find_mount, relative_paths, request
+from cachefs.control.client import (
+    WARM_PARALLEL_MAX,
+    find_mount,
+    mount_path,
+    relative_paths,
+    request,
+)
 from cachefs.errors import CachefsError, ConfigError
 
 #: Seconds of silence after which a warm gives up on the daemon: a live one reports progress
@@ -61,7 +66,7 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
               check: bool, shard: str | None = None) -> int:
     shard_in = parse_shard(shard) if shard is not None else None
     mp, sock = find_mount(mountpoint)
-    if Path(os.path.abspath(mountpoint)) != mp:
+    if mount_path(mountpoint, mp) != mp:
         raise ConfigError(f"{mountpoint} is not a cachefs mount point (it is inside {mp})")
     wanted = [p if os.path.isabs(p) else os.path.join(mp, p) for p in paths]
     if manifest:

@@ -11,6 +11,7 @@ generator without being held in a list.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import socket
@@ -33,16 +34,42 @@ class NotACachefsPath(CachefsError):
     pass
 
 
+@functools.lru_cache(maxsize=4096)
+def _real_dir(directory: str) -> str:
+    """A directory's path with symbolic links resolved (a hint of a million files in a few
+    thousand folders resolves each folder once)."""
+    return os.path.realpath(directory)
+
+
+def _inside(path: Path, mountpoint: Path) -> bool:
+    return path == mountpoint or mountpoint in path.parents
+
+
+def _real(path: Path, mountpoint: Path | None = None) -> Path:
+    """``path`` (absolute) with symbolic links resolved: its folder's, then its own unless
+    that folder is inside ``mountpoint`` (a cachefs mount has no links)."""
+    folder = Path(_real_dir(str(path.parent)))
+    if mountpoint is not None and _inside(folder, mountpoint):
+        return folder / path.name
+    return Path(os.path.realpath(path))
+
+
 def find_mount(path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """The (mountpoint, control socket) of the live cachefs mount holding ``path``."""
-    target = Path(os.path.abspath(path))
+    """The (mountpoint, control socket) of the live cachefs mount holding ``path``, also
+    through symbolic links (``/data`` -> the mount)."""
+    written = Path(os.path.abspath(path))
+    mounts = [Path(mp) for mp in registry.cachefs_mounts()]
     best: Path | None = None
-    for mp in registry.cachefs_mounts():
-        m = Path(mp)
-        if (target == m or m in target.parents) and (best is None or len(str(m)) > len(str(best))):
-            best = m
+    for target in (written, None):
+        if target is None:  # as written it is in no mount: the links it goes through?
+            target = _real(written)
+        for m in mounts:
+            if _inside(target, m) and (best is None or len(str(m)) > len(str(best))):
+                best = m
+        if best is not None:
+            break
     if best is None:
-        raise NotACachefsPath(f"{target} is not inside a cachefs mount")
+        raise NotACachefsPath(f"{written} is not inside a cachefs mount")
     sock = registry.control_socket(best)
     if not sock.exists():
         raise NotACachefsPath(f"the cachefs daemon of {best} has no control socket (is it "
@@ -151,8 +178,15 @@ def _reply_after_close(replies: BinaryIO) -> str:
         return ""
 
 
-def relative_path(mountpoint: Path, path: str) -> str:
+def mount_path(path: str | os.PathLike[str], mountpoint: Path) -> Path:
+    """``path`` (absolute) as it lies in ``mountpoint``: as written, else with the symbolic
+    links it goes through resolved (which may leave it outside)."""
     ap = Path(os.path.abspath(path))
+    return ap if _inside(ap, mountpoint) else _real(ap, mountpoint)
+
+
+def relative_path(mountpoint: Path, path: str) -> str:
+    ap = mount_path(path, mountpoint)
     if ap == mountpoint:
         return ""
     if mountpoint not in ap.parents:
