@@ -238,3 +238,25 @@ def test_status_of_a_hung_daemon_says_its_figures_are_old_and_fails(bucket, moun
             assert str(m.path) in proc.stdout  # still described, as of its last snapshot
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_status_and_unmount_of_a_symbolic_link_to_the_mount(bucket, mount_factory, tmp_path):
+    """'cachefs status LINK' and 'cachefs unmount LINK' (LINK -> the mount point, as
+    /data -> /mnt/cachefs/data) said 'not a (live) cachefs mount', though umount(8) takes
+    the link; both now follow it."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "data"
+    link.symlink_to(m.path)
+    (tmp_path / "hop").symlink_to(tmp_path / "links")  # a link in the folders too
+    proc = run_cachefs("status", "--json", str(tmp_path / "hop" / "data"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["mountpoint"] == str(m.path)
+    proc = run_cachefs("unmount", str(link))
+    assert proc.returncode == 0, proc.stderr
+    deadline = time.monotonic() + 30
+    while is_mounted(m.path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_mounted(m.path)

@@ -295,12 +295,12 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     from cachefs.control import registry
 
     if args.mountpoint:
-        mp = Path(args.mountpoint).absolute()
+        mp = registry.as_mounted(args.mountpoint)
     elif args.config:
         values = load_config_file(args.config)
         if "mountpoint" not in values:
             raise ConfigError(f"config file {args.config!r} names no mountpoint")
-        mp = Path(str(values["mountpoint"])).absolute()
+        mp = registry.as_mounted(str(values["mountpoint"]))
     else:
         raise ConfigError("give the mount point (or --config FILE)")
     mounted = registry.cachefs_mounts()

@@ -163,7 +163,7 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
     dead = _dead_mounts(mounted)
     infos = [i for i in registry.all_mounts() if i.get("mountpoint") in mounted]
     if mountpoint is not None:
-        want = str(Path(mountpoint).absolute())
+        want = str(registry.as_mounted(mountpoint))
         infos = [i for i in infos if i.get("mountpoint") == want]
         dead = {mp: pid for mp, pid in dead.items() if mp == want}
         if dead:

@@ -189,6 +189,27 @@ def cachefs_mounts() -> dict[str, str]:
     return mounts
 
 
+def as_mounted(path: str | os.PathLike[str]) -> Path:
+    """``path`` (made absolute) as the mount table names a cachefs mount: as written, else
+    through the symbolic links it is (``/data`` -> the mount point), else as written. The
+    mount's own root is never looked at (a hung daemon would hang the look)."""
+    written = Path(os.path.abspath(path))
+    mounts = cachefs_mounts()
+    p = written
+    for _ in range(40):  # (the kernel's own bound on links in a row)
+        if str(p) in mounts:
+            return p
+        p = Path(os.path.realpath(p.parent)) / p.name  # (links in the folders)
+        if str(p) in mounts:
+            return p
+        try:
+            target = os.readlink(p)
+        except OSError:  # not a link
+            break
+        p = Path(os.path.abspath(os.path.join(p.parent, target)))
+    return written
+
+
 def mount_device(mountpoint: Path) -> str | None:
     """``major:minor`` of the file system mounted at ``mountpoint`` (from mountinfo)."""
     found = _top_mount(mountpoint)
