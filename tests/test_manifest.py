@@ -211,6 +211,31 @@ def test_export_lists_everything_in_parallel(tmp_path: Path) -> None:
     assert [json.loads(x)["key"] for x in out.getvalue().splitlines()] == [f"ds/d2/f{f}" for f in range(4)]
 
 
+def test_export_retries_a_throttled_listing(bucket: Any, s3_endpoint: str) -> None:
+    """'cachefs manifest export' of a bucket that answered one listing with 503 SlowDown
+    (S3's throttling; routine on a large bucket listed in parallel) ended in a traceback
+    (ValueError: Incorrect label count, from counting the retry) instead of retrying."""
+    from tests.conftest import run_cachefs
+    from tests.faultproxy import FaultProxy
+
+    client, name = bucket
+    keys = [f"ds/d{d}/f{f}" for d in range(3) for f in range(2)]
+    for k in keys:
+        client.put_object(Bucket=name, Key=k, Body=k.encode())
+    lists = iter(range(10**6))
+    with FaultProxy(s3_endpoint) as proxy:
+        # The second and third listings are throttled; the rest go through.
+        proxy.plan = lambda method, path, n: (
+            "503" if method == "GET" and "list-type" in path and next(lists) in (1, 2)
+            else "pass")
+        proc = run_cachefs("manifest", "export", f"s3://{name}/ds", "--endpoint-url",
+                           proxy.url, "--region", "us-east-1")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    rows = proc.stdout.splitlines()[1:]
+    assert sorted(r.split(",")[0] for r in rows) == keys
+
+
 # -- a real mount ----------------------------------------------------------------------------------
 @pytest.mark.fuse
 def test_manifest_mount_never_lists(bucket: Any, mount_factory: Any, tmp_path: Path,

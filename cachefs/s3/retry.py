@@ -51,7 +51,7 @@ class RetryingStore:
                 if attempt + 1 >= self.policy.attempts:
                     raise
                 delay = self.policy.delay(attempt)
-                metrics.S3_RETRIES.labels(op).inc()
+                metrics.S3_RETRIES.labels(op, exc.reason).inc()
                 log.warning("S3 %s failed (%s); retry %d/%d in %.2fs", op, exc, attempt + 1,
                             self.policy.attempts - 1, delay)
                 self._sleep(delay)
