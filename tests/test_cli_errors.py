@@ -310,3 +310,47 @@ def test_output_to_a_full_disk_is_one_line_and_a_failure(bucket, s3_endpoint, co
         proc = subprocess.run([sys.executable, "-m", "cachefs", *args], stdout=full,
                               stderr=subprocess.PIPE, text=True, timeout=120)
     assert_one_line_error(proc, "cannot write the output", "No space left on device", code=1)
+
+
+def test_an_endpoint_that_is_not_s3_fails_the_mount_at_once(mp, tmp_path):
+    """An --endpoint-url of a web server that answers every request with a 200 HTML page (a
+    storage console's port instead of its S3 API, a proxy's welcome page): the mount
+    said it was live, then the first 'ls' waited out the whole retry deadline (5 minutes)
+    and failed with EIO, every listing answer taken for one cut short. The start-up
+    listing now checks the answer is S3's and the mount fails in one line."""
+    import http.server
+    import threading
+
+    page = b"<!DOCTYPE html><html><body>Welcome to the storage console</body></html>"
+
+    class Console(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _page(self, body: bool) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            if body:
+                self.wfile.write(page)
+
+        def do_GET(self) -> None:
+            self._page(True)
+
+        def do_HEAD(self) -> None:
+            self._page(False)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Console)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = mount("s3://bucket", mp, tmp_path / "c", "--endpoint-url",
+                     f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        if is_mounted(mp):
+            import subprocess
+
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+    assert_one_line_error(proc, "not an S3 listing", "--endpoint-url", code=1)
+    assert not is_mounted(mp)

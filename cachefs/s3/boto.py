@@ -148,9 +148,15 @@ class S3Store:
 
     def probe(self, prefix: str) -> None:
         """One cheap request (a one-key listing) proving the bucket exists and the
-        credentials may list it. Raises the errors of list_page."""
-        self._call("list", self._client.list_objects_v2, Bucket=self.bucket, Prefix=prefix,
-                   MaxKeys=1)
+        credentials may list it. Raises the errors of list_page, and a StoreError if the
+        answer is not S3's (a web page: botocore finds no fields in it and says nothing)."""
+        answer = self._call("list", self._client.list_objects_v2, Bucket=self.bucket,
+                            Prefix=prefix, MaxKeys=1)
+        if "IsTruncated" not in answer:  # (every ListBucketResult has it)
+            headers = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            kind = headers.get("content-type") or "no content type"
+            raise StoreError(f"the endpoint answered a listing with {kind}, not an S3 listing "
+                             "(is --endpoint-url the address of the S3 API?)")
 
     def probe_bucket(self) -> None:
         """HeadBucket: the bucket exists and the credentials are accepted, without a
