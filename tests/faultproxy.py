@@ -14,7 +14,8 @@ action:
 * ``short``       send half the body with a Content-Length saying so
 * ``flip``        forward an object GET's body with 8 bytes flipped (same length)
 
-``set_down(True)`` takes the endpoint away altogether (the listening socket is
+``accepted_keys`` (a set of access key ids) refuses requests signed with any other key
+as S3 does (403 InvalidAccessKeyId). ``set_down(True)`` takes the endpoint away altogether (the listening socket is
 closed, so connections are refused, and open connections are reset);
 ``set_down(False)`` brings it back on the same port. ``bucket_region`` makes
 the proxy answer like S3 does to a request signed for another region than the
@@ -44,9 +45,14 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>
 INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
             b"<Message>We encountered an internal error. Please try again.</Message></Error>")
 
+UNKNOWN_KEY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code>'
+               b"<Message>The AWS Access Key Id you provided does not exist in our records."
+               b"</Message></Error>")
+
 # A plan maps (method, path, request number) -> an action (see the module docstring).
 Plan = Callable[[str, str, int], str]
 
+_KEY = re.compile(r"Credential=([^/]+)/")
 _SCOPE = re.compile(r"Credential=[^/]+/\d{8}/([^/]+)/s3/aws4_request")
 
 
@@ -90,6 +96,9 @@ class FaultProxy:
         self.faults: Counter[str] = Counter()
         self.bucket_region: str | None = None
         self.redirect = False
+        # When set, only requests signed with one of these access keys are forwarded; the
+        # others get S3's answer to a key it does not know (403 InvalidAccessKeyId).
+        self.accepted_keys: set[str] | None = None
         self._tls = tls
         self._n = 0
         self._lock = threading.Lock()
@@ -148,6 +157,8 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if proxy.bucket_region and self._wrong_region():
+                    return
+                if proxy.accepted_keys is not None and self._unknown_key():
                     return
                 action = proxy.plan(self.command, self.path, n)
                 if action != "pass":
@@ -217,6 +228,15 @@ class FaultProxy:
                     return resp.status, out, data
                 finally:
                     conn.close()
+
+            def _unknown_key(self) -> bool:
+                """Answer like S3 to an access key it does not know; True if answered."""
+                m = _KEY.search(self.headers.get("Authorization") or "")
+                if m and m.group(1) in (proxy.accepted_keys or ()):
+                    return False
+                proxy.faults["unknown_key"] += 1
+                self._answer(403, {"Content-Type": "application/xml"}, UNKNOWN_KEY)
+                return True
 
             def _wrong_region(self) -> bool:
                 """Answer like S3 to a request signed for another region; True if answered."""

@@ -819,3 +819,32 @@ def test_mount_refuses_a_cache_dir_on_a_full_disk(bucket, tmp_path, s3_endpoint)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "No space left on device" in lines[0], proc.stderr
         assert not is_mounted(mnt)
+
+
+def test_credentials_rotated_in_the_credentials_file_are_used_without_a_restart(
+        bucket, s3_endpoint, mount_factory, tmp_path, monkeypatch):
+    """Temporary credentials written into the shared credentials file by a refresher (a
+    cron job with aws sts, saml2aws, a cluster's own tool) replace the expiring ones in
+    place. The daemon kept signing with the ones it read at mount: once S3 stopped taking
+    them, every read of what was not cached failed with EACCES until a restart. Now a
+    changed file is read again before the next request."""
+    client, name = bucket
+    for i in range(2):
+        client.put_object(Bucket=name, Key=f"d/f{i}.bin", Body=bytes([i]) * 70_000)
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = OLDKEY\naws_secret_access_key = s1\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.accepted_keys = {"OLDKEY"}
+        # (--list-ahead 0: nothing is listed or fetched but what the reads below ask for,
+        # so no request is in flight while the credentials change)
+        m = proxied_mount(mount_factory, proxy, name, "--list-ahead", "0")
+        assert proxy.counts["GET"] + proxy.counts["HEAD"] > 0  # the mount's, with OLDKEY
+        creds.write_text("[default]\naws_access_key_id = NEWKEY\naws_secret_access_key = s2\n")
+        proxy.accepted_keys = {"NEWKEY"}
+        for i in range(2):
+            assert (m.path / "d" / f"f{i}.bin").read_bytes() == bytes([i]) * 70_000
+        assert proxy.faults["unknown_key"] == 0
+        assert "the AWS credentials file changed" in m.log()

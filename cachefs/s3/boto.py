@@ -19,6 +19,7 @@ from typing import Any
 
 from cachefs import metrics
 from cachefs.errors import StoreError, TransientStoreError
+from cachefs.s3.credentials import FileCredentials
 from cachefs.s3.errors import translate_botocore
 from cachefs.s3.integrity import Checksum
 from cachefs.s3.ranges import RangeClient
@@ -76,6 +77,10 @@ class S3Store:
             config=botocore.config.Config(**cfg_args),
         )
         self.region: str = self._client.meta.region_name
+        credentials = None if anonymous else session.get_credentials()
+        if credentials is not None:  # (renewed in their file, they are picked up: see there)
+            credentials = FileCredentials(session._session, credentials)
+            self._client._request_signer._credentials = credentials
         # GETs take the lean data path (see cachefs.s3.ranges for why and the numbers).
         try:  # AWS_CA_BUNDLE or the profile's ca_bundle, as botocore itself uses
             ca_bundle = session._session.get_config_variable("ca_bundle")
@@ -83,7 +88,7 @@ class S3Store:
             ca_bundle = None
         self._ranges = RangeClient(
             bucket, endpoint_url=self._client.meta.endpoint_url, region=self.region,
-            credentials=None if anonymous else session.get_credentials(), anonymous=anonymous,
+            credentials=credentials, anonymous=anonymous,
             max_connections=max_connections, connect_timeout=connect_timeout,
             read_timeout=read_timeout, ca_bundle=ca_bundle)
 
