@@ -205,6 +205,22 @@ def _path(value: Any) -> Path:
     return Path(str(value)).expanduser()
 
 
+def _mountpoint(value: Any) -> Path:
+    """The mount point as the kernel will name it: absolute, with the symbolic links on the
+    way resolved (the kernel mounts on their target, and the registry, the control socket
+    and the readahead must name what it mounted), without looking at the directory
+    itself: a hung mount there would hang the look (its check has a timeout)."""
+    path = Path(os.path.abspath(_path(value)))
+    for _ in range(40):  # (the kernel's own bound on links in a row)
+        path = Path(os.path.realpath(path.parent)) / path.name
+        try:
+            target = os.readlink(path)
+        except OSError:  # not a link (or not there: the mount point check says so)
+            return path
+        path = Path(os.path.abspath(os.path.join(path.parent, target)))
+    return path
+
+
 def _choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         text = str(value).strip().lower()
@@ -445,7 +461,7 @@ def resolve(
         raise ConfigError("missing mount point")
     values: dict[str, Any] = {
         "source": parse_s3_url(merged["source"]),
-        "mountpoint": _path(merged["mountpoint"]).absolute(),
+        "mountpoint": _mountpoint(merged["mountpoint"]),
     }
     for opt in OPTIONS:
         raw = merged.get(opt.name, opt.default)

@@ -260,3 +260,37 @@ def test_status_and_unmount_of_a_symbolic_link_to_the_mount(bucket, mount_factor
     while is_mounted(m.path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not is_mounted(m.path)
+
+
+def test_a_mount_made_through_a_symbolic_link_is_found_by_every_command(bucket, s3_endpoint,
+                                                                       tmp_path):
+    """'cachefs mount s3://b /data' with /data a link to the real directory (a node's
+    /data -> /mnt/nvme/data): the kernel mounts at the real path, but the daemon registered
+    itself, its control socket and its readahead under the link's. 'cachefs status' then
+    said 'not a live cachefs mount', 'cachefs warm' 'has no control socket' (and so the
+    sampler's hints went nowhere), and the mount kept the kernel's 128 KiB readahead
+    ('could not find ... in mountinfo'). The mount point is now the real path."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a" * 1000)
+    real = tmp_path / "nvme" / "data"
+    real.mkdir(parents=True)
+    link = tmp_path / "data"
+    link.symlink_to(real)
+    proc = run_cachefs("mount", f"s3://{name}", str(link), "--cache-dir",
+                       str(tmp_path / "cache"), "--endpoint-url", s3_endpoint)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert is_mounted(real)
+        for where in (real, link):
+            st = run_cachefs("status", "--json", str(where))
+            assert st.returncode == 0, st.stderr
+            assert json.loads(st.stdout)["mountpoint"] == str(real)
+        warm = run_cachefs("warm", str(link))
+        assert warm.returncode == 0, warm.stderr
+        assert "warmed 1 of 1 objects" in warm.stdout
+        log = (tmp_path / "cache" / "cachefs.log").read_text()
+        assert "to set its readahead" not in log, log
+        assert run_cachefs("unmount", str(link)).returncode == 0
+    finally:
+        if is_mounted(real):
+            subprocess.run(["fusermount3", "-u", "-z", str(real)], check=False)
