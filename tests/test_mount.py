@@ -291,3 +291,29 @@ def test_an_unmount_refused_for_open_files_names_who_holds_them(bucket, mount_fa
         assert is_mounted(m.path)
     assert run_cachefs("unmount", str(m.path)).returncode == 0
     assert not is_mounted(m.path)
+
+
+def test_an_unmount_whose_daemon_does_not_end_says_so(bucket, mount_factory):
+    """'cachefs unmount' waits --timeout seconds for the daemon to finish its cache writes
+    and exit. A daemon that did not (stopped here with SIGSTOP; a hung one alike) left it
+    exiting 0 in silence, so a script went on to mount again and met 'cache directory ...
+    is in use by another cachefs daemon'. Now it exits 1 naming the daemon still running."""
+    import signal
+
+    from cachefs.control import registry
+    from tests.conftest import run_cachefs
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    pid = int(registry.lookup(m.path)["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        proc = run_cachefs("unmount", str(m.path), "--timeout", "1")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not is_mounted(m.path)  # the unmount itself happened
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
+    assert f"pid {pid}" in lines[0] and "still running" in lines[0], lines[0]

@@ -303,6 +303,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         mp = registry.as_mounted(str(values["mountpoint"]))
     else:
         raise ConfigError("give the mount point (or --config FILE)")
+    if not 0 <= args.timeout < float("inf"):  # (nan too)
+        raise ConfigError(f"--timeout must be a number of seconds, not {args.timeout}")
     mounted = registry.cachefs_mounts()
     if str(mp) not in mounted:
         if args.quiet:
@@ -320,7 +322,12 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         print(f"cachefs: error: cannot unmount {mp}: {reason}", file=sys.stderr)
         return 1
     if info is not None:
-        _wait_for_exit(int(info["pid"]), args.timeout)
+        pid = int(info["pid"])
+        if not _wait_for_exit(pid, args.timeout):
+            print(f"cachefs: error: {mp} is unmounted, but its daemon (pid {pid}) is still "
+                  f"running after {args.timeout:g}s (finishing its cache writes, or hung: see "
+                  f"its log); its cache directory stays in use until it ends", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -352,7 +359,8 @@ def _users_of(mp: Path, most: int = 5) -> list[str]:
     return users
 
 
-def _wait_for_exit(pid: int, timeout: float) -> None:
+def _wait_for_exit(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for process ``pid`` to end; whether it has."""
     from cachefs.control.registry import pid_alive
 
     deadline = time.monotonic() + timeout
@@ -362,6 +370,7 @@ def _wait_for_exit(pid: int, timeout: float) -> None:
         except ChildProcessError:
             pass
         time.sleep(0.05)
+    return not pid_alive(pid)
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
