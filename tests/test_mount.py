@@ -317,3 +317,37 @@ def test_an_unmount_whose_daemon_does_not_end_says_so(bucket, mount_factory):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
     assert f"pid {pid}" in lines[0] and "still running" in lines[0], lines[0]
+
+
+def test_an_unmount_does_not_wait_on_a_process_that_is_not_the_daemon(bucket, mount_factory):
+    """The registry names the daemon by pid, and a pid can name another process by the
+    time of the unmount: reused, or in another pid namespace (the DaemonSet's init
+    container clears a dead mount whose daemon was pid 1 of its container; pid 1 there is
+    the init container's own shell). The unmount waited out --timeout on that process
+    (and would now call it a daemon still running). A process that is not a cachefs
+    daemon is not waited on."""
+    import json
+    import signal
+    import subprocess
+
+    from cachefs.control import registry
+    from tests.conftest import run_cachefs
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    daemon = int(registry.lookup(m.path)["pid"])
+    other = subprocess.Popen(["sleep", "300"])
+    entry = registry.control_socket(m.path).with_suffix(".json")
+    os.kill(daemon, signal.SIGSTOP)  # (so that it does not rewrite its entry meanwhile)
+    try:
+        info = json.loads(entry.read_text())
+        info["pid"] = other.pid
+        entry.write_text(json.dumps(info))
+        proc = run_cachefs("unmount", str(m.path), "--timeout", "120", timeout=60)
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+        other.kill()
+        other.wait()
+    assert proc.returncode == 0, proc.stderr
+    assert not is_mounted(m.path)

@@ -321,7 +321,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
             reason += " (close them, or --lazy: detach now, and their reads then fail)"
         print(f"cachefs: error: cannot unmount {mp}: {reason}", file=sys.stderr)
         return 1
-    if info is not None:
+    if info is not None and registry.is_daemon(int(info["pid"])):
         pid = int(info["pid"])
         if not _wait_for_exit(pid, args.timeout):
             print(f"cachefs: error: {mp} is unmounted, but its daemon (pid {pid}) is still "

@@ -139,6 +139,21 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def is_daemon(pid: int) -> bool:
+    """Whether process ``pid`` runs and is a cachefs daemon (``... cachefs mount ...``): a
+    registry entry's pid may name another process by now (reused, or seen from another
+    pid namespace: a container's pid 1)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return True  # (not ours to read: trust the registry)
+    return b"mount" in argv and any(a.endswith(b"cachefs") or a == b"cachefs.__main__"
+                                    for a in argv)
+
+
 def entry(mountpoint: Path) -> dict[str, Any] | None:
     """The registry entry of ``mountpoint`` as written, even if its daemon is gone
     (a daemon killed with SIGKILL leaves its entry behind)."""
