@@ -54,6 +54,28 @@ def test_warm_directory_then_reads_need_no_get(bucket, mount_factory):
     assert f"({100 * cached / total:.1f}%)" in check.stdout, check.stdout
 
 
+def test_warm_into_a_cache_too_small_says_what_did_not_stay(bucket, mount_factory):
+    """A warm of more than the cache holds said 'warmed 3 of 3 objects, 1.7 MiB resident'
+    and exited 0 while the (keep policy) cache had admitted only what fit: the script that
+    warmed before training went on, and the training read the rest across regions. It
+    counted every block loaded as resident. Now only blocks the cache kept are, an object
+    not kept whole is listed as failed with the reason, and warm exits 1; --check agrees."""
+    client, name = bucket
+    files = {f"big/f{i}.bin": bytes([i]) * 600_000 for i in range(3)}
+    for k, v in files.items():
+        client.put_object(Bucket=name, Key=k, Body=v)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", "1M")
+    proc = run_cachefs("warm", str(m.path), "big")
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "warmed 3 of 3" not in proc.stdout, proc.stdout
+    assert "not kept: the cache is full" in proc.stderr, proc.stderr
+    check = run_cachefs("warm", str(m.path), "--check", "big")
+    resident = check.stdout.split(" of ")[0]
+    assert f"{resident} resident" in proc.stdout, (proc.stdout, check.stdout)
+    for k, v in files.items():  # the reads are right all the same
+        assert (m.path / k).read_bytes() == v
+
+
 def test_warm_manifest_with_missing_entry_fails_clearly(bucket, mount_factory, tmp_path):
     client, name = bucket
     _populate(client, name)

@@ -185,7 +185,7 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                     progress.fail(rel, "no such file or directory")
                     continue
                 try:
-                    unpublished = 0
+                    unpublished = not_kept = 0
                     for index in mine(obj):
                         n = fetcher.block_len(obj, index)
                         if check:
@@ -199,11 +199,19 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                                 progress.bytes_published += n
                             else:
                                 unpublished += 1
+                        elif not fetcher.is_cached(obj, index):
+                            # Loaded, written back, and not on disk: the cache did not
+                            # admit it (full, under the keep policy) or could not write it.
+                            not_kept += 1
+                            continue
                         progress.bytes_done += n
                         metrics.WARM_BYTES_DONE.inc(n)
                     if unpublished:
                         raise CachefsError(f"{unpublished} block(s) of this node's share could "
                                            "not be put into the shared cache tier")
+                    if not_kept:
+                        raise CachefsError(f"not kept: the cache is full ({not_kept} block(s) "
+                                           "not admitted; --cache-size, or its disk)")
                     progress.objects_done += 1
                     metrics.WARM_OBJECTS_DONE.inc()
                 except CachefsError as exc:
