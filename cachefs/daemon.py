@@ -249,6 +249,7 @@ class Daemon:
         self._dev = ""  # major:minor of the mount, for aborting its connection
         self.shared: SharedTier | None = None
         self.open_files_limit = 1024  # raised in run() (cachefs.descriptors)
+        self.metrics_addr: str | None = None  # HOST:PORT served, once serving
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -295,7 +296,9 @@ class Daemon:
         metrics.create_known_series()
         if cfg.metrics_addr:
             host, port = metrics.serve_metrics(cfg.metrics_addr)
-            log.info("metrics at http://%s:%d/metrics", host, port)
+            # The address served (the port the kernel chose for port 0), as status names it.
+            self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("metrics at http://%s/metrics", self.metrics_addr)
 
         disk_limiter = trio.CapacityLimiter(16)
         cache = BlockCache(env, cfg.cache_dir, capacity=cfg.cache_size, policy=cfg.cache_policy,
@@ -537,7 +540,7 @@ class Daemon:
         registry.register(cfg.mountpoint, {
             "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
             "source": str(cfg.source), "cache_dir": str(cfg.cache_dir),
-            "metrics_addr": cfg.metrics_addr, "started_at": self.started_at,
+            "metrics_addr": self.metrics_addr, "started_at": self.started_at,
             "cache_size": cfg.cache_size, "cache_policy": cfg.cache_policy,
             "updated_at": time.time(), "stats": metrics.totals(),
             "tiers": {"read_bytes": metrics.by_label(metrics.TIER_READ_BYTES),

@@ -294,3 +294,19 @@ def test_a_mount_made_through_a_symbolic_link_is_found_by_every_command(bucket, 
     finally:
         if is_mounted(real):
             subprocess.run(["fusermount3", "-u", "-z", str(real)], check=False)
+
+
+def test_status_names_the_metrics_port_the_kernel_chose(bucket, mount_factory):
+    """'--metrics-addr 127.0.0.1:0' (a free port, for several mounts on a node) served on
+    the port the kernel chose, but 'cachefs status' named port 0, so nothing could find
+    the endpoint from it. The registry now holds the address served."""
+    from tests.conftest import scrape
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    # (the flag given last wins over the fixture's own --metrics-addr)
+    other = mount_factory(f"s3://{name}", "--metrics-addr", "127.0.0.1:0")
+    addr = json.loads(run_cachefs("status", "--json", str(other.path)).stdout)["metrics_addr"]
+    host, port = addr.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0, addr
+    assert "cachefs_cache_capacity_bytes" in scrape(addr)
