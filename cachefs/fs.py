@@ -83,6 +83,12 @@ class BackingFiles(Protocol):
         """The handle opened with answer ``backing_id`` is closed."""
         ...
 
+    def upgrade(self, ino: int, obj: ObjectVersion) -> int:
+        """A backing id for the native loop's reads of the one handle of ``ino`` opened
+        while ``obj`` was not cached whole, now that it is (that handle's release then gives
+        it), or 0."""
+        ...
+
     def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
                      prefix: str) -> bool:
         """Let the native loop answer the next opens of ``ino`` as this one (answer
@@ -145,6 +151,10 @@ class FileHandle:
     backing_id: int = 0  # > 0: the kernel reads the cache file itself (passthrough)
     stream: ReadStream | None = None  # made at the first read through the trio thread
     adopted: bool = False  # opened by the native loop (its backing's use is counted there)
+    # Unbound handles: when the next try to bind it to the native loop is due (see
+    # FileSystem.bind_later), and the wait after that one.
+    bind_at: float = 0.0
+    bind_wait: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -157,6 +167,10 @@ class DirHandle:
     sent: dict[int, bytes] = dataclasses.field(default_factory=dict)
 
 
+# Seconds between tries to bind a handle opened before its object was cached whole to the
+# native loop (FileSystem.bind_later): the first after this, doubling up to the second.
+BIND_RETRY = 1.0
+BIND_RETRY_MAX = 60.0
 # Directory inodes whose prefix is remembered (a directory's prefix never changes for
 # its inode number, so this only saves index reads; one entry per directory).
 DIR_CACHE = 65536
@@ -602,6 +616,26 @@ class FileSystem:
                         "ENOENT", obj.key)
             self.metadata.invalidate(handle.node.parent_prefix)
             raise
+
+    def bind_later(self, fh: int, now: float) -> tuple[int, int]:
+        """For a handle served by the daemon since its open (its object was not cached
+        whole then): (backing id, object size) to bind it to the native loop with, once
+        its object is cached whole and registered (:meth:`BackingFiles.upgrade`), else
+        (0, 0). Tried at a READ at most every BIND_RETRY seconds, backing off to
+        BIND_RETRY_MAX while the object stays incomplete (each try looks every block up in
+        the index). Any thread (a request worker, at a READ of ``fh``: no release of it
+        runs meanwhile)."""
+        handle = self._handles.get(fh)
+        if (not isinstance(handle, FileHandle) or handle.backing_id or handle.adopted
+                or self.backing is None or now < handle.bind_at):
+            return 0, 0
+        backing_id = self.backing.upgrade(handle.node.ino, handle.obj)
+        if not backing_id:
+            handle.bind_wait = min(BIND_RETRY_MAX, max(BIND_RETRY, 2 * handle.bind_wait))
+            handle.bind_at = now + handle.bind_wait
+            return 0, 0
+        handle.backing_id = backing_id
+        return backing_id, handle.obj.size
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)

@@ -24,6 +24,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import trio
@@ -293,6 +294,13 @@ class Operations(Handlers):
 
     def read(self, req: Request) -> Reply:
         fh, offset, size, _ = abi.READ_IN.unpack_from(req.body)
+        native = self.native
+        if native is not None:
+            # A handle opened before its object was cached whole: once it is, the loop
+            # answers the handle's next reads (this one is answered here).
+            backing_id, object_size = self.fs.bind_later(fh, time.monotonic())
+            if backing_id:
+                native.bind(fh, backing_id, object_size)
         try:
             data = self.fs.read_now(fh, offset, size)
         except NeedsWait as wait:

@@ -316,6 +316,11 @@ PASSTHROUGH_OPENS = Counter(
     "cachefs_passthrough_opens", "Opens answered with passthrough to the cache file (or "
     "bound to it for the native loop's reads)",
     registry=REGISTRY)
+PASSTHROUGH_UPGRADED = Counter(
+    "cachefs_passthrough_upgraded", "Handles opened before their object was cached whole "
+    "that were bound to its file for the native loop's reads once it was (no passthrough: "
+    "the kernel decides that at the open)",
+    registry=REGISTRY)
 PASSTHROUGH_DECLINED = Counter(
     "cachefs_passthrough_declined", "Opens served by the daemon instead, by reason",
     ["reason"], registry=REGISTRY)

@@ -551,6 +551,54 @@ class Passthrough:
         with self._lock:
             return self._direct_open(ino, outcome, obj)
 
+    def upgrade(self, ino: int, obj: ObjectVersion) -> int:
+        """For the native loop's reads only (not the kernel's: it decides a handle's mode
+        at its open): the handle of ``ino`` that was opened while ``obj`` was not cached
+        whole, and so is served by the daemon, takes a registration now that the object is
+        cached whole -- when its file needs no reading back (written marks: this daemon
+        fetched it, as it did for this very handle) and that handle is the inode's only one
+        served by the daemon. Returns the backing id the handle now uses (its release must
+        give it, and the caller binds it to the loop), or 0 (nothing changed). A reader
+        that keeps one handle for a whole run (a memory-mapped Arrow or token file opened
+        once) would otherwise have every READ of it answered in Python, each reading and
+        verifying a whole block. Any thread; reads no file (LMDB lookups only)."""
+        if not (self.enabled and self.native):
+            return 0
+        oid = self.fetcher.object_id(obj)
+
+        def sole() -> bool:  # (under _lock) this handle alone is served by the daemon
+            return (self._direct.get(ino) == 1 and ino not in self._active
+                    and ino not in self._templates)
+
+        with self._lock:
+            if not sole():
+                return 0
+            backing = self._backings.get(oid)
+            if backing is not None:  # registered already (or being verified: not now)
+                if not (backing.ready.is_set() and backing.backing_id):
+                    return 0
+                return self._upgraded(ino, backing)
+        bids = self.fetcher.block_ids(obj)
+        if self._decline_reason(obj, bids) is not None:
+            return 0
+        with self._lock:
+            if oid in self._backings or not sole():
+                return 0
+            backing = _Backing(oid, obj.size, threading.Event())
+            self._backings[oid] = backing
+        self._register(backing, bids, idle=True, read_back=False)
+        with self._lock:
+            if not backing.backing_id or backing.oid not in self._backings or not sole():
+                return 0  # (left idle: the next open takes it)
+            return self._upgraded(ino, backing)
+
+    def _upgraded(self, ino: int, backing: _Backing) -> int:
+        """(Under _lock.) The inode's one handle served by the daemon uses ``backing`` now."""
+        del self._direct[ino]
+        self._fetched.pop(ino, None)
+        metrics.PASSTHROUGH_UPGRADED.inc()
+        return self._use(ino, backing)
+
     def release(self, ino: int, backing_id: int) -> None:
         """The handle opened with answer ``backing_id`` is closed (any thread)."""
         with self._lock:
@@ -819,17 +867,19 @@ class Passthrough:
             return "not_cached"
         return None
 
-    def _register(self, backing: _Backing, bids: list[bytes], *, idle: bool) -> str:
+    def _register(self, backing: _Backing, bids: list[bytes], *, idle: bool,
+                  read_back: bool = True) -> str:
         """Verify and register ``backing``'s file (this thread; waits on the disk; the
         caller has put ``backing`` in ``_backings``), then publish the outcome to the opens
         waiting on ``backing.ready``: registered (counted, and left idle when ``idle``
         unless a waiting open took it) or removed from ``_backings``. Returns
-        "registered" or why not ("not_cached", "unverified", or "refused" once passthrough
-        is switched off for the mount)."""
+        "registered" or why not ("not_cached", "unverified", "size", or "refused" once
+        passthrough is switched off for the mount). Without ``read_back`` only a file that
+        needs no reading back is registered (written marks)."""
         outcome: str | OSError = "unverified"
         try:
             backing.backing_id, outcome = self._attach(
-                backing.oid, bids, read_back=backing.size <= MAX_OBJECT_BYTES)
+                backing.oid, bids, read_back=read_back and backing.size <= MAX_OBJECT_BYTES)
         finally:
             with self._lock:
                 if backing.backing_id:

@@ -888,3 +888,42 @@ def test_the_lookup_table_has_twice_as_many_slots_as_registered_files() -> None:
     assert native.lookup_slots_for(native.LOOKUP_SLOTS // 2) == native.LOOKUP_SLOTS
     assert native.lookup_slots_for(65_536) == 131_072
     assert native.lookup_slots_for(100_000) == 262_144
+
+
+@pytest.mark.fuse
+def test_a_handle_opened_before_its_file_was_cached_is_read_in_c_once_it_is(
+        bucket: Any, mount_factory: Any) -> None:
+    """A reader that keeps one handle for a whole run (a memory-mapped Arrow or token file
+    opened once) got it while the file was not cached: every READ of it was answered in
+    Python for its whole life, each reading and verifying a whole block. Once the object
+    is cached whole (by this daemon: no read-back), that handle is bound to its file and
+    the native loop answers its READs; its bytes stay exact, before and after its close."""
+    client, name = bucket
+    data = random.Random(11).randbytes(4 * (1 << 20) + 777)
+    client.put_object(Bucket=name, Key="rows.arrow", Body=data)
+    m = mount_factory(f"s3://{name}", "--block-size", "1M", "--passthrough", "off")
+    path = m.path / "rows.arrow"
+    native_reads = 'cachefs_fuse_native_answers_total{op="read"}'
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(data) + 10, 0) == data  # cold: fetched through Python
+        deadline = time.monotonic() + 30  # (written to the disk cache after the reads)
+        while m.metric("cachefs_cache_blocks") < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = m.metric(native_reads)
+        for _ in range(3):  # (a try to bind is made at a READ at most every second)
+            time.sleep(1.1)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            offset = random.randrange(len(data) - 4096)
+            assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
+            if m.metric("cachefs_passthrough_upgraded_total") >= 1:
+                break
+        assert m.metric("cachefs_passthrough_upgraded_total") == 1
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for offset in (0, 1 << 20, len(data) - 5000):
+            assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
+        assert m.metric(native_reads) >= before + 3, "the handle's reads are still Python's"
+    finally:
+        os.close(fd)
+    drop_cached(path)
+    assert _read(path) == data

@@ -430,5 +430,9 @@ def test_a_walk_opens_the_new_version_of_a_file_its_lookahead_saw_replaced(  # t
         except OSError as exc:
             raise AssertionError(f"{key}: {errno.errorcode.get(exc.errno or 0)}") from exc
         assert got == files[key], key
-    assert m.metric('cachefs_fuse_errors_total{errno="ESTALE",op="open"}') >= 1  # (retried)
+    # The new version was reached one of two ways, by timing: the open of the outdated
+    # entry answered ESTALE inside the kernel (which looked the name up again), or the
+    # listing's refresh had ended first and the name was looked up afresh.
+    assert (m.metric('cachefs_fuse_errors_total{errno="ESTALE",op="open"}') >= 1
+            or m.metric('cachefs_s3_requests_total{op="list"}') > lists)
     assert "Traceback" not in m.log()
