@@ -78,7 +78,10 @@ Contracts:
   Python and registered at its close: its next open, in Python, gives it one.
 
 Concurrency: opens and releases run on the FUSE request workers, several at a
-time; a preparing thread calls ``on_prepared`` holding none of this class's locks (it
+time, and so does :meth:`Passthrough.upgrade` (at a READ of the handle it binds: the
+kernel sends no RELEASE of a handle while one of its READs runs; it registers outside
+``_lock`` like an open, and moves the handle from ``_direct`` to ``_active`` under it); a preparing thread calls
+``on_prepared`` holding none of this class's locks (it
 takes the file system's, then ``_lock`` in :meth:`Passthrough.add_template_ahead`);
 predictions and settled loads arrive on the trio thread (they only queue;
 ``_awaiting`` is touched on the trio thread only). ``_lock`` guards
