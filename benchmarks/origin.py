@@ -106,13 +106,14 @@ class SeaweedOrigin:
         for _attempt in range(3):
             ports = free_ports(len(_PORT_FLAGS))
             self.ports = dict(zip(_PORT_FLAGS, ports, strict=True))
+            data_dir = self.data_dir.resolve()
             args = [
                 weed_binary(),
                 # its glog files go with its data, not into the temp directory (where every
                 # start used to leave weed.INFO, weed.WARNING... behind)
-                f"-logdir={self.data_dir}",
+                f"-logdir={data_dir}",
                 "mini",
-                f"-dir={self.data_dir}",
+                f"-dir={data_dir}",
                 "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1",
                 "-admin.ui=false",
@@ -120,13 +121,16 @@ class SeaweedOrigin:
                 "-webdav=false",
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
-                f"-filer.localSocket={self.data_dir}/filer.sock",
-                f"-s3.localSocket={self.data_dir}/s3.sock",
+                # In its data directory (weed runs there): relative, since a unix socket's
+                # path has at most 107 bytes, which a deep data directory's path can pass.
+                "-filer.localSocket=filer.sock",
+                "-s3.localSocket=s3.sock",
             ] + [f"-{k}={v}" for k, v in self.ports.items()]
             env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
             log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                cwd=data_dir,
             )
             log.close()
             try:
