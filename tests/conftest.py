@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import shutil
@@ -117,10 +118,55 @@ def read_unbuffered(path: Path) -> bytes:
         return f.read()
 
 
-def drop_page_cache() -> None:
-    """Drop the page cache, dentries and inodes: the next reads go to the file systems."""
+# -- tests in parallel (pytest-xdist) and the machine's page cache --------------------------------
+# Under pytest-xdist (`-n 2`, the default in pyproject.toml) tests run two at a time in worker
+# processes. Dropping the page cache, dentries and inodes is the machine's, not a test's: a
+# drop in one test would turn another's "the kernel answers this from its cache" (a resident
+# page, a remembered name) into a request its daemon counts. So every test that drops them
+# (marked ``drops_caches``; the benchmarks' runs drop them too) runs while no other test
+# does: it holds a lock exclusively that every other test holds shared. A turnstile lock in
+# front keeps a waiting exclusive test from being passed by a stream of shared ones.
+# (ALONE, in the environment: the test modules import this file as tests.conftest, a second
+# copy of its globals.)
+ALONE = "CACHEFS_TESTS_RUN_ALONE"
+
+
+def _under_xdist() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+@pytest.fixture(autouse=True)
+def _page_cache_lock(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    if not _under_xdist():
+        yield
+        return
+    run_dir = tmp_path_factory.getbasetemp().parent  # the workers' basetemps are in it
+    exclusive = request.node.get_closest_marker("drops_caches") is not None
+    with open(run_dir / "page-cache.turnstile", "a") as turnstile, \
+            open(run_dir / "page-cache.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if exclusive:
+            os.environ[ALONE] = "1"
+        try:
+            yield
+        finally:
+            os.environ.pop(ALONE, None)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def drop_page_cache(what: int = 3) -> None:
+    """Drop the page cache, dentries and inodes (``what`` 3; 2: dentries and inodes only):
+    the next reads and lookups go to the file systems. The test must be marked
+    ``drops_caches`` (see above)."""
+    assert os.environ.get(ALONE) == "1" or not _under_xdist(), \
+        "a test that drops the page cache must be marked @pytest.mark.drops_caches"
     with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+        f.write(f"{what}\n")
 
 
 def drop_cached(path: Path) -> None:

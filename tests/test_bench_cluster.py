@@ -15,7 +15,7 @@ from tests.conftest import fuse_unusable_reason
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.fuse, pytest.mark.slow]
+pytestmark = [pytest.mark.fuse, pytest.mark.slow, pytest.mark.drops_caches]
 
 
 def test_cluster_benchmark_quick(tmp_path: Path) -> None:

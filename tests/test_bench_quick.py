@@ -112,6 +112,7 @@ def _check(summary: dict, series: dict, out: Path, systems: list[str],
 
 
 # ---------------------------------------------------------------- tests
+@pytest.mark.drops_caches
 @needs_fuse
 def test_quick_cachefs_and_local(tmp_path: Path) -> None:
     # One dataset of each kind: images-inorder is images in another order (the same code
@@ -120,6 +121,7 @@ def test_quick_cachefs_and_local(tmp_path: Path) -> None:
     _check(summary, series, out, ["cachefs", "local"], ("images", "shards"))
 
 
+@pytest.mark.drops_caches
 @pytest.mark.slow
 @needs_fuse
 def test_quick_all_peers(tmp_path: Path) -> None:
@@ -133,6 +135,7 @@ def test_quick_all_peers(tmp_path: Path) -> None:
     _check(summary, series, out, systems, ("images",))
 
 
+@pytest.mark.drops_caches
 @needs_fuse
 def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -215,6 +218,7 @@ def test_warmup_detection() -> None:
     assert report.warmup_time(reader, 1000.0) is None
 
 
+@pytest.mark.drops_caches
 @needs_fuse
 def test_smallfiles_quick_reports_cost_per_file_and_the_rigs_cores(tmp_path: Path) -> None:
     """``python -m benchmarks.smallfiles --quick`` (120 files): every pass read every file;
@@ -283,6 +287,7 @@ def _mounted_under(path: Path) -> bool:
         return str(path) in f.read()
 
 
+@pytest.mark.drops_caches
 @pytest.mark.parametrize("when", ["origin starting", "mounted"])
 def test_smallfiles_stopped_by_sigterm_leaves_no_server_or_mount(tmp_path: Path, when: str) -> None:
     """SIGTERM in the middle of a run (an operator's kill, a CI timeout) stops the origin,

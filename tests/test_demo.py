@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.fuse
+@pytest.mark.drops_caches
 def test_demo_reads_cold_then_warm_and_leaves_nothing_behind(tmp_path: Path) -> None:
     env = dict(os.environ, TMPDIR=str(tmp_path))  # (where its temporary directory goes)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.demo", "--files", "20",

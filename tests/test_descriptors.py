@@ -56,6 +56,7 @@ def _limit_open_files() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
                     reason="cachefs was built without its native loop")
+@pytest.mark.drops_caches
 @pytest.mark.parametrize("when", ["at-start", "while-mounted"])
 def test_a_walk_over_more_files_than_descriptors_reads_every_byte(bucket, mount_factory, when) -> None:  # type: ignore[no-untyped-def]
     """At start, the daemon bounds its registered files by the limit it was given; a limit

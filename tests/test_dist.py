@@ -22,6 +22,9 @@ def git_version() -> str:
 
 
 @pytest.mark.slow
+# make dist and make image (tests/test_image.py) build in the checkout (cachefs.egg-info):
+# under pytest-xdist they run in one worker, one after the other.
+@pytest.mark.xdist_group("make-dist")
 def test_make_dist_builds_a_wheel_that_installs_and_reports_the_git_version(
         tmp_path: Path) -> None:
     expected = git_version()

@@ -30,6 +30,7 @@ from cachefs import failpoints, metrics
 from cachefs.cache.blocks import BlockCache, block_id, object_id
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.passthrough import supported as passthrough_supported
+from tests.conftest import drop_page_cache as _drop_page_cache
 
 BLOCK = 4096
 
@@ -283,11 +284,6 @@ def holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonHol
         f.unlink()
 
 
-def _drop_page_cache() -> None:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def _wait(m: Any, what: Callable[[dict[str, float]], bool], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -340,6 +336,7 @@ needs_passthrough = pytest.mark.skipif(not passthrough_supported(),
                                        reason="FUSE passthrough needs Linux >= 6.9")
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @needs_passthrough
 @pytest.mark.parametrize("point", ["put.index", "evict.chosen"])
@@ -371,6 +368,7 @@ def test_an_eviction_never_punches_a_file_the_kernel_reads(bucket, mount_factory
         assert _read_file(m.path / "a.bin") == files["a.bin"]
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 def test_a_daemon_read_racing_an_eviction_is_a_miss_not_corruption(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
     files = _objects(bucket, {"a.bin": 2 * MNT_BLOCK, "b.bin": MNT_BLOCK})
@@ -419,6 +417,7 @@ def test_a_file_evicted_under_a_passthrough_open_is_a_miss_for_that_open(bucket,
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @needs_passthrough
 def test_a_file_gone_before_a_passthrough_open_is_a_miss_for_that_open(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
@@ -459,6 +458,7 @@ def _read_cold_then_hold(m: Any, path: Path, body: bytes, holds: DaemonHolds, po
     holds.wait(point)
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @needs_passthrough
 def test_opens_during_a_registration_ahead_share_its_backing(bucket, mount_factory, holds) -> None:  # type: ignore[no-untyped-def]
@@ -484,6 +484,7 @@ def test_opens_during_a_registration_ahead_share_its_backing(bucket, mount_facto
     assert s["cachefs_cache_hit_bytes_total"] == 3 * len(files["a.bin"])  # (three opens)
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @needs_passthrough
 @pytest.mark.parametrize("point", ["attach.start", "attach.verified"])
@@ -548,6 +549,7 @@ def test_an_opener_killed_while_a_registration_ahead_is_held(bucket, mount_facto
 
 
 # -- the load, bounded ----------------------------------------------------------------
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @pytest.mark.slow
 def test_eviction_under_passthrough_load_never_serves_a_wrong_byte(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]

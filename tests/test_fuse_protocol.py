@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.conftest import drop_page_cache
+
 pytestmark = pytest.mark.fuse
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -37,10 +39,10 @@ def _open_by_handle(mount_fd: int, handle: bytes) -> int:
 
 
 def _drop_dentries_and_inodes() -> None:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("2\n")
+    drop_page_cache(2)
 
 
+@pytest.mark.drops_caches
 def test_a_file_handle_opens_its_file_after_the_kernel_forgot_the_inode(bucket, mount_factory):  # type: ignore[no-untyped-def]
     """cachefs grants export support: for a file handle whose inode the kernel no
     longer holds, the kernel looks up "." in the handle's inode, a file or a directory

@@ -35,7 +35,9 @@ import yaml
 
 from tests.conftest import ACCESS_KEY, SECRET_KEY, free_port, fuse_unusable_reason
 
-pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.timeout(1200)]
+# (xdist_group: make image runs make dist, which tests/test_dist.py runs too)
+pytestmark = [pytest.mark.slow, pytest.mark.fuse, pytest.mark.timeout(1200),
+              pytest.mark.xdist_group("make-dist")]
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "kubernetes"

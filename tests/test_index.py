@@ -27,6 +27,7 @@ from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Origin
+from tests.conftest import drop_page_cache
 
 BS = 4096
 
@@ -191,6 +192,7 @@ def test_the_reader_slot_gauge(tmp_path: Path) -> None:
 MIB = 1 << 20
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 def test_many_readers_of_cached_files_hold_few_reader_slots(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """The issue's load, scaled down: many readers of files already on local disk, read
@@ -208,8 +210,7 @@ def test_many_readers_of_cached_files_hold_few_reader_slots(bucket, mount_factor
         assert time.monotonic() < deadline
         time.sleep(0.1)
     gets = m.gets()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+    drop_page_cache()
     outside = lmdb.open(str(m.cache_dir / "meta.lmdb"), readonly=True, max_dbs=8)
     peak = 0
     stop = threading.Event()

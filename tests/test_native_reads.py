@@ -514,6 +514,7 @@ def shard(bucket: Any) -> tuple[str, bytes]:
     return name, data
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 def test_without_passthrough_a_verified_file_is_read_by_the_native_loop(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     name, data = shard
@@ -543,6 +544,7 @@ def test_without_passthrough_a_verified_file_is_read_by_the_native_loop(shard, m
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 def test_native_reads_off_serves_every_read_in_python(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     name, data = shard
@@ -559,10 +561,10 @@ def test_native_reads_off_serves_every_read_in_python(shard, mount_factory) -> N
 
 
 def _drop_dentries() -> None:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("2\n")  # dentries and inodes: the next stat looks the name up again
+    _drop_page_cache(2)  # dentries and inodes: the next stat looks the name up again
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_a_name_looked_up_again_is_answered_by_the_native_loop_while_its_listing_is_fresh(
@@ -735,6 +737,7 @@ def _give_a_template(m: Any, key: str, body: bytes, *, cached_blocks: int) -> No
     _wait_metric(m, "cachefs_native_open_templates", 1)
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
@@ -787,6 +790,7 @@ def test_opens_answered_by_the_loop_keep_their_registration_until_closed(
     m.stop()
 
 
+@pytest.mark.drops_caches
 @pytest.mark.fuse
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_closes(

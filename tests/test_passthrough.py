@@ -59,6 +59,7 @@ def shard(bucket: Any) -> tuple[Any, str, bytes]:
     return client, name, data
 
 
+@pytest.mark.drops_caches
 def test_cached_file_is_read_by_the_kernel_with_exact_bytes(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     _, name, data = shard
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
@@ -84,6 +85,7 @@ def test_cached_file_is_read_by_the_kernel_with_exact_bytes(shard, mount_factory
     assert _counter(m, "cachefs_passthrough_opens_total") == 1 and m.gets() == 0
 
 
+@pytest.mark.drops_caches
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
     """Nor to the native loop (without passthrough: tests/test_native_reads.py), which
@@ -113,6 +115,7 @@ def test_corrupt_cache_file_is_never_handed_to_the_kernel(shard, mount_factory, 
     assert m.gets() == 0 and m.metric("cachefs_cache_corrupt_blocks_total") == 0
 
 
+@pytest.mark.drops_caches
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_concurrent_opens_share_one_backing(shard, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
     """Three handles of one file read at once: one registration, exact bytes. With the
@@ -175,6 +178,7 @@ def test_a_handle_served_by_the_daemon_keeps_the_inode_out_of_passthrough(shard,
     assert m.metric("cachefs_passthrough_opens_total") == 1
 
 
+@pytest.mark.drops_caches
 def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """A cold walk in directory order: the files the lookahead fetches are registered by
     the preparing threads when their fetch lands, without reading them back (this daemon
@@ -195,6 +199,7 @@ def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory
     assert _counter(m, "cachefs_passthrough_opens_total") == opens + len(files)
 
 
+@pytest.mark.drops_caches
 @pytest.mark.parametrize("reader", ["kernel", "native"])
 def test_a_cold_walk_is_looked_up_and_opened_without_python(bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
     """A cold walk in directory order: each file the lookahead fetched is registered with
@@ -252,6 +257,7 @@ def _walk_in_order(m: Any, files: dict[str, bytes], first: list[str], rest: list
             f"{op}s of the walk answered (by the loop, by Python): {answered}"
 
 
+@pytest.mark.drops_caches
 def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     _, name, data = shard
     m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off",
@@ -266,6 +272,7 @@ def test_passthrough_off(shard, mount_factory) -> None:  # type: ignore[no-untyp
     assert m.metric("cachefs_read_bytes_total") == before + len(data)
 
 
+@pytest.mark.drops_caches
 def test_a_walk_without_passthrough_finds_its_cached_files_in_the_page_cache(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """A new daemon without passthrough over a warm cache, page cache dropped: the files
     a directory walk will open next have their cache files read into the page cache
@@ -446,6 +453,7 @@ def test_o_direct_opens_of_a_passed_through_inode_read_unaligned(shard, mount_fa
     m.stop()
 
 
+@pytest.mark.drops_caches
 def test_a_file_read_before_it_was_cached_is_registered_once_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """The next epoch's open of a file read cold finds its backing ready: verified and
     registered by a preparing thread once the cold handle closed, not by that open."""
@@ -468,6 +476,7 @@ def test_a_file_read_before_it_was_cached_is_registered_once_closed(shard, mount
     assert m.metric("cachefs_read_bytes_total") == read_before, "reads reached the daemon"
 
 
+@pytest.mark.drops_caches
 def test_files_a_walk_will_open_are_registered_ahead(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """A new daemon over a warm cache: files the directory lookahead predicts are
     verified and registered before their open, and every byte read is the object's."""

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import fuse_unusable_reason
 
-pytestmark = [pytest.mark.fuse,
+pytestmark = [pytest.mark.fuse, pytest.mark.drops_caches,
               pytest.mark.skipif(fuse_unusable_reason() is not None,
                                  reason=fuse_unusable_reason() or "")]
 
