@@ -15,12 +15,16 @@ import random
 import resource
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
 from cachefs import descriptors
 from cachefs.fuse import native
-from tests.conftest import drop_page_cache, read_unbuffered, run_cachefs
+from tests.conftest import drop_page_cache, read_unbuffered, run_cachefs, s3_client
 
 #: The daemon's open-file limit in the mount test, hard and soft: given at start (room
 #: for 344 registered files), or set under a running daemon, whose bound (computed from
@@ -53,21 +57,36 @@ def _limit_open_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
 
 
+@pytest.fixture(scope="module")
+def walk_bucket(s3_endpoint: str) -> Iterator[tuple[str, dict[str, bytes], Any]]:
+    """(bucket, {key: body}, the random state after making them): 700 small files in 8
+    folders, read (never written) by both walks below. Uploaded once for the module, before
+    a walk's test holds the page cache for itself (tests/conftest.py)."""
+    rnd = random.Random(5)
+    files = {f"c{i % 8}/f{i:04d}.bin": rnd.randbytes(2000 + rnd.randrange(6000))
+             for i in range(700)}
+    client = s3_client(s3_endpoint)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=name)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda kv: client.put_object(Bucket=name, Key=kv[0], Body=kv[1]),
+                      files.items()))
+    yield name, files, rnd.getstate()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not native.AVAILABLE and not os.environ.get("CI"),
                     reason="cachefs was built without its native loop")
 @pytest.mark.drops_caches
+@pytest.mark.xdist_group("descriptors-walk")  # (one worker: one upload of walk_bucket)
 @pytest.mark.parametrize("when", ["at-start", "while-mounted"])
-def test_a_walk_over_more_files_than_descriptors_reads_every_byte(bucket, mount_factory, when) -> None:  # type: ignore[no-untyped-def]
+def test_a_walk_over_more_files_than_descriptors_reads_every_byte(walk_bucket, mount_factory, when) -> None:  # type: ignore[no-untyped-def]
     """At start, the daemon bounds its registered files by the limit it was given; a limit
     lowered under a running daemon (its bound then too high) is met with EMFILE, and the
     daemon shrinks its bound instead of failing the opens."""
-    client, name = bucket
-    rnd = random.Random(5)
-    files = {f"c{i % 8}/f{i:04d}.bin": rnd.randbytes(2000 + rnd.randrange(6000))
-             for i in range(700)}
-    for key, body in files.items():
-        client.put_object(Bucket=name, Key=key, Body=body)
+    name, files, state = walk_bucket
+    rnd = random.Random()
+    rnd.setstate(state)
     # Without passthrough: verified files are registered with the native loop, each
     # holding a descriptor while idle.
     m = mount_factory(f"s3://{name}", "--passthrough", "off",
