@@ -92,9 +92,9 @@ def test_thread_cpu_counts_what_each_group_of_threads_ran_by_the_scheduler() -> 
 #: Run in an interpreter of its own: the time of threads that ended between two looks goes
 #: to their group only when they were all in one, and the test process's other threads
 #: (trio's idle workers end 10 s after their last job, a pytest-xdist worker's) may end in
-#: the same window.
+#: the same window. The look after waits until the thread's task is gone from /proc.
 _ENDED_THREAD = """
-import json, threading, time
+import json, os, threading, time
 from cachefs import metrics
 
 def burn(seconds):
@@ -114,6 +114,10 @@ t.start()
 before = cpu.sample()  # sees the thread, idle
 go.set()
 t.join()
+# join() returns once the thread's Python code is done; the kernel's task can stay in
+# /proc a moment longer, still counted as a live thread (whose name is gone): wait it out.
+while os.path.exists(f"/proc/self/task/{t.native_id}"):
+    time.sleep(0.001)
 after = cpu.sample()
 print(json.dumps([before, after]))
 """
