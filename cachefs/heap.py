@@ -7,8 +7,8 @@ the first large buffer it frees, it raises its mmap threshold (up to 32 MiB), so
 blocks come from the arenas and their pages stay with the process once freed, unless
 they happen to sit at the top of an arena. A burst of reads therefore leaves the
 daemon's resident memory at its peak for good: 48 readers at random offsets of a
-512 MB object with 16 MiB blocks peaked at 400 MB and still held 350 MB once every
-read had ended, against 70 MB before the burst (benchmarks/RESULTS.md, twenty-third
+512 MB object with 16 MiB blocks peaked at 400-500 MB and still held 350 MB once every
+read had ended, where one reader needs 70 MB (benchmarks/RESULTS.md, twenty-third
 round); to an on-call engineer that is a leak.
 
 :func:`limit_arenas`, called before the daemon starts its threads, caps the arenas at
@@ -19,8 +19,9 @@ arenas' locks; the interpreter lock already serialises most of their allocations
 :func:`release_free_memory` calls glibc's ``malloc_trim(0)``, which returns the free
 pages of every arena (not only their tops) with ``madvise``. Nothing allocated moves and
 nothing is freed that is in use; the next allocation that needs those pages takes them
-again (a page fault each). The daemon calls it from its maintenance loop at most every
-:data:`TRIM_INTERVAL` seconds while the mount is in use (``cachefs.daemon``). A fixed
+again (a page fault each). The daemon's maintenance loop calls it once the mount goes
+quiet after use (a second without activity), and every :data:`TRIM_INTERVAL` seconds
+while it stays busy (``cachefs.daemon``). A fixed
 mmap threshold would return a block's memory at each free instead, at the cost of a
 fresh mapping and a page fault per 4 KiB for every block (about a millisecond of CPU
 for each 4 MiB one): far more than a trim every half minute.
@@ -37,7 +38,8 @@ from collections.abc import Callable
 #: malloc arenas at most (glibc's default: 8 per core).
 ARENAS = 2
 _M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
-#: Seconds between trims, at most (only while the mount was used since the last one).
+#: Seconds between trims while the mount stays busy (a quiet mount is trimmed at once,
+#: once after each use).
 TRIM_INTERVAL = 30.0
 
 
