@@ -285,7 +285,16 @@ def test_a_runtime_directory_another_user_made_first_is_refused_not_written_thro
         """)
         env = {k: v for k, v in os.environ.items()
                if k not in ("XDG_RUNTIME_DIR", "CACHEFS_RUNTIME_DIR")}
-        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        # (a copy of the package the victim can read: the checkout may be in a directory
+        # only root can enter, such as a private temporary directory)
+        src = home / "src"
+        shutil.copytree(Path(__file__).resolve().parents[1] / "cachefs", src / "cachefs",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        for d, _, names in os.walk(src):
+            os.chmod(d, 0o755)
+            for n in names:
+                os.chmod(os.path.join(d, n), 0o644)
+        env["PYTHONPATH"] = str(src)
         proc = subprocess.run(["setpriv", f"--reuid={VICTIM}", f"--regid={VICTIM}",
                                "--clear-groups", PY, "-c", register], capture_output=True,
                               text=True, env=env, cwd="/", timeout=60)

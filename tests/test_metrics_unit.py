@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -147,3 +149,21 @@ def test_threads_are_grouped_by_their_names() -> None:
     assert metrics.thread_group("cachefs-s3") == "s3"
     assert metrics.thread_group("cachefs-verify-1") == "verify"
     assert metrics.thread_group("Trio thread 12") == "other"
+
+
+def test_metadata_without_a_version_still_imports(tmp_path: Path) -> None:
+    """``make dist`` writes ``cachefs.egg-info`` in the checkout, which is on a daemon's
+    path when it runs from the source tree; caught half-written, its metadata names no
+    version, and ``importlib.metadata.version`` gives None: the metrics module's build
+    info then raised at import, and a mount started at that moment failed with a
+    traceback (seen with tests running two at a time)."""
+    egg = tmp_path / "cachefs.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: cachefs\n")
+    repo = Path(__file__).resolve().parent.parent
+    code = "import cachefs, cachefs.metrics; print(cachefs.__version__)"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0.0.0+unknown"
