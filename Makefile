@@ -14,7 +14,8 @@ IMAGE    ?= localhost/cachefs
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev python3-dev \
 	prometheus buildah debootstrap
 
-.PHONY: demo test check lint typecheck test-fast bench bench-quick bench-cluster deps dist image clean
+.PHONY: demo test check lint typecheck test-fast bench bench-quick bench-cluster deps dist image \
+	dist-now image-now clean
 
 ## demo: a local S3 server with a sample dataset, mounted and read cold then warm
 demo: deps
@@ -50,16 +51,26 @@ bench-quick: deps
 bench-cluster: deps
 	$(BIN)/python -m benchmarks.cluster
 
+# dist and image build in this checkout (cachefs.egg-info, the sdist's release tree, build/):
+# two at once would remove each other's files, so each holds build/.checkout.lock (flock).
+LOCKED := mkdir -p build && flock build/.checkout.lock $(MAKE) --no-print-directory
+
 ## dist: wheel and sdist in dist/, versioned from git (setuptools-scm); older ones removed
 dist: deps
+	@$(LOCKED) dist-now
+
+## image: the container image localhost/cachefs:VERSION with buildah, from the wheel of make dist
+## (base: a local debootstrap of Debian bookworm, or BASE=IMAGE); no registry needed
+image: deps
+	@$(LOCKED) dist-now image-now
+
+dist-now:
 	rm -f $(DIST_DIR)/cachefs-*
 	$(BIN)/python -m build --outdir $(DIST_DIR) .
 	@rm -rf cachefs.egg-info  # setuptools leaves it; a stale one would shadow the venv's metadata
 	@ls -1 $(DIST_DIR)/cachefs-*
 
-## image: the container image localhost/cachefs:VERSION with buildah, from the wheel of make dist
-## (base: a local debootstrap of Debian bookworm, or BASE=IMAGE); no registry needed
-image: dist
+image-now:
 	BASE="$(BASE)" scripts/build-image.sh $(DIST_DIR) $(IMAGE)
 
 deps: $(STAMP)

@@ -159,6 +159,19 @@ def _page_cache_lock(request: pytest.FixtureRequest,
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``--dist loadgroup`` pytest-xdist sends the tests of one ``xdist_group`` to one
+    worker by suffixing their ids with ``@group`` at collection. Tests share a group because
+    they must not run at once (``make dist`` and ``make image`` build in the checkout) or
+    share one costly setup: if the suffix did not take (a pytest that reads ids elsewhere),
+    they would run two at a time, so each fails here instead."""
+    if (_under_xdist() and item.config.getvalue("loadgroup")
+            and item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid):
+        pytest.fail("pytest-xdist did not group this test (--dist loadgroup): this pytest and "
+                    "pytest-xdist do not work together (see pyproject.toml); -n 0 runs serially",
+                    pytrace=False)
+
+
 def drop_page_cache(what: int = 3) -> None:
     """Drop the page cache, dentries and inodes (``what`` 3; 2: dentries and inodes only):
     the next reads and lookups go to the file systems. The test must be marked

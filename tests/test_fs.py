@@ -379,6 +379,10 @@ def test_an_open_after_a_load_ahead_saw_the_change_finds_the_new_version(world: 
         await fs.metadata.settled("ds/")
         held, _, _bk = await fs.open(b.ino)
         assert await fs.read(held, 0, BS) == bytes(range(BS))  # block 0 cached
+        # The read's readahead ends first: a GET of it seeing the change later would start
+        # the listing's refresh before the limiter below is held, and the lookup would
+        # find the new listing instead of waiting for it.
+        await fs.fetcher.drain()
         world.store.put("ds/b.bin", b"B" * 150)
         assert fs.metadata.is_fresh("ds/")
         # The listing's refresh cannot run yet: the lookup below must wait for it.
