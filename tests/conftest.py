@@ -165,7 +165,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     they must not run at once (``make dist`` and ``make image`` build in the checkout) or
     share one costly setup: if the suffix did not take (a pytest that reads ids elsewhere),
     they would run two at a time, so each fails here instead."""
-    if (_under_xdist() and item.config.getvalue("loadgroup")
+    if (_under_xdist() and item.config.getoption("loadgroup", default=False)
             and item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid):
         pytest.fail("pytest-xdist did not group this test (--dist loadgroup): this pytest and "
                     "pytest-xdist do not work together (see pyproject.toml); -n 0 runs serially",
