@@ -83,10 +83,22 @@ class BackingFiles(Protocol):
         """The handle opened with answer ``backing_id`` is closed."""
         ...
 
+    #: Whether files are registered with the native loop (its reads) instead of the kernel.
+    native: bool
+
+    def upgrade_due(self, obj: ObjectVersion) -> bool:
+        """Whether :meth:`upgrade` may succeed now (cheap: no index lookups)."""
+        ...
+
     def upgrade(self, ino: int, obj: ObjectVersion) -> int:
-        """A backing id for the native loop's reads of the one handle of ``ino`` opened
-        while ``obj`` was not cached whole, now that it is (that handle's release then gives
-        it), or 0."""
+        """An id for the native loop's reads of the one handle of ``ino`` opened while
+        ``obj`` was not cached whole, now that it is, or 0. With :attr:`native` a backing
+        id (that handle's release gives it); otherwise the file's registration with the
+        loop beside the kernel's (its release gives it to :meth:`release_beside`)."""
+        ...
+
+    def release_beside(self, ino: int, loop_id: int) -> None:
+        """The handle :meth:`upgrade` gave ``loop_id`` beside the kernel is closed."""
         ...
 
     def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
@@ -151,6 +163,9 @@ class FileHandle:
     backing_id: int = 0  # > 0: the kernel reads the cache file itself (passthrough)
     stream: ReadStream | None = None  # made at the first read through the trio thread
     adopted: bool = False  # opened by the native loop (its backing's use is counted there)
+    # > 0: served by the daemon since its open (the kernel set its mode), its reads answered
+    # by the native loop from the file registered there beside the kernel (bind_later)
+    beside: int = 0
     # Unbound handles: when the next try to bind it to the native loop is due (see
     # FileSystem.bind_later), and the wait after that one.
     bind_at: float = 0.0
@@ -168,9 +183,11 @@ class DirHandle:
 
 
 # Seconds between tries to bind a handle opened before its object was cached whole to the
-# native loop (FileSystem.bind_later): the first after this, doubling up to the second.
+# native loop (FileSystem.bind_later) once it may be (BackingFiles.upgrade_due): the first
+# after this, doubling up to the second. Until it may be, a cheap look every BIND_POLL.
 BIND_RETRY = 1.0
 BIND_RETRY_MAX = 60.0
+BIND_POLL = 0.1
 # Directory inodes whose prefix is remembered (a directory's prefix never changes for
 # its inode number, so this only saves index reads; one entry per directory).
 DIR_CACHE = 65536
@@ -619,28 +636,39 @@ class FileSystem:
 
     def bind_later(self, fh: int, now: float) -> tuple[int, int]:
         """For a handle served by the daemon since its open (its object was not cached
-        whole then): (backing id, object size) to bind it to the native loop with, once
-        its object is cached whole and registered (:meth:`BackingFiles.upgrade`), else
+        whole then): (id, object size) to bind it to the native loop with, once its
+        object is cached whole and registered (:meth:`BackingFiles.upgrade`: with the
+        kernel's passthrough, a registration with the loop beside the kernel's), else
         (0, 0). Tried at a READ at most every BIND_RETRY seconds, backing off to
         BIND_RETRY_MAX while the object stays incomplete (each try looks every block up in
         the index). Any thread (a request worker, at a READ of ``fh``: no release of it
         runs meanwhile)."""
         handle = self._handles.get(fh)
-        if (not isinstance(handle, FileHandle) or handle.backing_id or handle.adopted
-                or self.backing is None or now < handle.bind_at):
+        if (not isinstance(handle, FileHandle) or handle.backing_id or handle.beside
+                or handle.adopted or self.backing is None or now < handle.bind_at):
+            return 0, 0
+        if not self.backing.upgrade_due(handle.obj):
+            # (cheap: looked at again soon, so a reader's next epoch finds the handle bound
+            # from its start, however long the first one took)
+            handle.bind_at = now + BIND_POLL
             return 0, 0
         backing_id = self.backing.upgrade(handle.node.ino, handle.obj)
         if not backing_id:
             handle.bind_wait = min(BIND_RETRY_MAX, max(BIND_RETRY, 2 * handle.bind_wait))
             handle.bind_at = now + handle.bind_wait
             return 0, 0
-        handle.backing_id = backing_id
+        if self.backing.native:
+            handle.backing_id = backing_id
+        else:
+            handle.beside = backing_id
         return backing_id, handle.obj.size
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
         if isinstance(handle, FileHandle) and self.backing is not None and not handle.adopted:
             self.backing.release(handle.node.ino, handle.backing_id)
+            if handle.beside:
+                self.backing.release_beside(handle.node.ino, handle.beside)
 
     # -- opens answered by the native loop (cachefs.fuse.native) ------------------------
     def offer_template(self, fh: int, epoch: Callable[[str], int]) -> bool:

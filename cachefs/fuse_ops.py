@@ -294,13 +294,14 @@ class Operations(Handlers):
 
     def read(self, req: Request) -> Reply:
         fh, offset, size, _ = abi.READ_IN.unpack_from(req.body)
-        native = self.native
-        if native is not None:
+        loop = self.native_loop
+        if loop is not None:
             # A handle opened before its object was cached whole: once it is, the loop
-            # answers the handle's next reads (this one is answered here).
+            # answers the handle's next reads (this one is answered here), with or without
+            # the kernel's passthrough (which set this handle's mode at its open).
             backing_id, object_size = self.fs.bind_later(fh, time.monotonic())
             if backing_id:
-                native.bind(fh, backing_id, object_size)
+                loop.bind(fh, backing_id, object_size)
         try:
             data = self.fs.read_now(fh, offset, size)
         except NeedsWait as wait:

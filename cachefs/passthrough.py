@@ -44,6 +44,15 @@ Contracts:
   while it has passed-through handles, every new open shares their file. An
   inode is one object version (see :mod:`cachefs.fs`), so that file always
   holds the version the new handle opened.
+* A handle opened before its object was cached whole is served by the daemon for
+  its life (the kernel set its mode at the open). Once the object is cached whole
+  and registered, that handle -- when it is its inode's only one served by the
+  daemon -- is bound to the native loop (:meth:`Passthrough.upgrade`, tried at its
+  READs): with the loop's reads, it uses the registration as a handle opened on it
+  would; with the kernel's passthrough, the file is also registered with the loop,
+  beside the kernel, for that handle alone, which still counts as served by the
+  daemon for the one-mode rule and holds the registration (pinned) until its
+  release (:meth:`Passthrough.release_beside`).
 * Verification need not wait for the open: files the directory lookahead
   predicts (:meth:`Passthrough.predicted`; one still being fetched is queued
   once its load settles, :meth:`Passthrough.settled`), and files opened before they were
@@ -85,7 +94,7 @@ kernel sends no RELEASE of a handle while one of its READs runs; it registers ou
 takes the file system's, then ``_lock`` in :meth:`Passthrough.add_template_ahead`);
 predictions and settled loads arrive on the trio thread (they only queue;
 ``_awaiting`` is touched on the trio thread only). ``_lock`` guards
-``_backings``, ``_active``, ``_direct``, ``_fetched``, ``_idle`` and ``_evicted_idle``
+``_backings``, ``_active``, ``_direct``, ``_beside``, ``_fetched``, ``_idle`` and ``_evicted_idle``
 (held for dictionary work and the close ioctl only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
 ``_lock``); ``_templates`` and each backing's ``templates`` are under ``_lock`` too, and
@@ -258,6 +267,13 @@ class Passthrough:
         self._backings: dict[bytes, _Backing] = {}  # by object id
         self._active: dict[int, tuple[bytes, int]] = {}  # inode -> (object id, handles)
         self._direct: dict[int, int] = {}  # handles served by the daemon, per inode
+        # With the kernel's passthrough: inodes whose one handle served by the daemon reads
+        # its registered file through the native loop since (upgrade) -> (object id, the
+        # file's id with the loop). Still counted in _direct: the kernel set its mode.
+        self._beside: dict[int, tuple[bytes, int]] = {}
+        # The native loop as a second place to register files, beside the kernel (None
+        # without the kernel's passthrough, or without the loop).
+        self._loop_files: BackingDevice | None = None
         # Inodes among those whose object was not fully cached when opened (registered
         # ahead of the next open once their handles are closed; see release)
         self._fetched: dict[int, ObjectVersion] = {}
@@ -306,6 +322,7 @@ class Passthrough:
         when given, answers the opens of inodes given a template (:meth:`add_template`)."""
         kernel = self.wanted and device is not None
         self._device = device if kernel else native
+        self._loop_files = native if kernel else None
         self._loop = loop
         self.native = not kernel and native is not None
         if self.native and self.max_native_idle is not None:
@@ -554,24 +571,41 @@ class Passthrough:
         with self._lock:
             return self._direct_open(ino, outcome, obj)
 
+    def upgrade_due(self, obj: ObjectVersion) -> bool:
+        """Whether :meth:`upgrade` of a handle of ``obj`` may succeed now: the object is
+        registered, or every block of it carries written marks (any thread; no index
+        lookups: cheap enough to ask at every READ of a handle served by the daemon)."""
+        if not (self.enabled and (self.native or self._loop_files is not None)):
+            return False
+        oid = self.fetcher.object_id(obj)
+        backing = self._backings.get(oid)  # (a dictionary read: a stale answer only delays)
+        if backing is not None:
+            return backing.ready.is_set() and bool(backing.backing_id)
+        return self.cache.written_blocks(oid) >= self.fetcher.block_count(obj)
+
     def upgrade(self, ino: int, obj: ObjectVersion) -> int:
-        """For the native loop's reads only (not the kernel's: it decides a handle's mode
-        at its open): the handle of ``ino`` that was opened while ``obj`` was not cached
-        whole, and so is served by the daemon, takes a registration now that the object is
-        cached whole -- when its file needs no reading back (written marks: this daemon
-        fetched it, as it did for this very handle) and that handle is the inode's only one
-        served by the daemon. Returns the backing id the handle now uses (its release must
-        give it, and the caller binds it to the loop), or 0 (nothing changed). A reader
-        that keeps one handle for a whole run (a memory-mapped Arrow or token file opened
-        once) would otherwise have every READ of it answered in Python, each reading and
-        verifying a whole block. Any thread; reads no file (LMDB lookups only)."""
-        if not (self.enabled and self.native):
+        """The handle of ``ino`` that was opened while ``obj`` was not cached whole, and so
+        is served by the daemon, takes a registration now that the object is cached whole
+        -- when its file needs no reading back (written marks: this daemon fetched it, as
+        it did for this very handle) and that handle is the inode's only one served by the
+        daemon -- so that the native loop answers its reads. Returns the id the caller
+        binds the handle to the loop with, or 0 (nothing changed). With the native loop's
+        reads (:attr:`native`) that is the registration's own id, and the handle's
+        release must give it (:meth:`release`). With the kernel's passthrough, which set
+        the handle's mode at its open, the file is registered with the loop too, beside
+        the kernel, for this handle alone: it keeps counting as served by the daemon (the
+        one-mode rule), uses the registration (pinned) until its release, which must give
+        the id to :meth:`release_beside`. A reader that keeps one handle for a whole run
+        (a memory-mapped Arrow or token file opened once) would otherwise have every READ
+        of it answered in Python, each reading and verifying a whole block. Any thread;
+        reads no file (LMDB lookups; an open of the verified file beside the kernel)."""
+        if not (self.enabled and (self.native or self._loop_files is not None)):
             return 0
         oid = self.fetcher.object_id(obj)
 
         def sole() -> bool:  # (under _lock) this handle alone is served by the daemon
             return (self._direct.get(ino) == 1 and ino not in self._active
-                    and ino not in self._templates)
+                    and ino not in self._templates and ino not in self._beside)
 
         with self._lock:
             if not sole():
@@ -580,27 +614,91 @@ class Passthrough:
             if backing is not None:  # registered already (or being verified: not now)
                 if not (backing.ready.is_set() and backing.backing_id):
                     return 0
-                return self._upgraded(ino, backing)
-        bids = self.fetcher.block_ids(obj)
-        if self._decline_reason(obj, bids) is not None:
-            return 0
-        with self._lock:
-            if oid in self._backings or not sole():
+                if self.native:
+                    return self._upgraded(ino, backing)
+        if backing is None:
+            bids = self.fetcher.block_ids(obj)
+            if self._decline_reason(obj, bids) is not None:
                 return 0
-            backing = _Backing(oid, obj.size, threading.Event())
-            self._backings[oid] = backing
-        self._register(backing, bids, idle=True, read_back=False)
-        with self._lock:
-            if not backing.backing_id or backing.oid not in self._backings or not sole():
-                return 0  # (left idle: the next open takes it)
-            return self._upgraded(ino, backing)
+            with self._lock:
+                if oid in self._backings or not sole():
+                    return 0
+                backing = _Backing(oid, obj.size, threading.Event())
+                self._backings[oid] = backing
+            self._register(backing, bids, idle=True, read_back=False)
+            with self._lock:
+                if not backing.backing_id or backing.oid not in self._backings or not sole():
+                    return 0  # (left idle: the next open takes it)
+                if self.native:
+                    return self._upgraded(ino, backing)
+        return self._beside_kernel(ino, backing, sole)
 
     def _upgraded(self, ino: int, backing: _Backing) -> int:
-        """(Under _lock.) The inode's one handle served by the daemon uses ``backing`` now."""
+        """(Under _lock; the native loop's reads.) The inode's one handle served by the
+        daemon uses ``backing`` now."""
         del self._direct[ino]
         self._fetched.pop(ino, None)
         metrics.PASSTHROUGH_UPGRADED.inc()
         return self._use(ino, backing)
+
+    def _beside_kernel(self, ino: int, backing: _Backing, sole: Callable[[], bool]) -> int:
+        """(With the kernel's passthrough; holding no lock.) Register ``backing``'s file with
+        the native loop for the inode's one handle served by the daemon (``sole()`` says,
+        under _lock, that it still is); the loop's id, or 0. The use is taken first, as
+        an open of the registration (pinned, not yielding), so the file opened again by
+        its path holds the bytes that were verified; the loop keeps its own descriptor
+        of it (the one opened here is closed). ``_beside`` holds the inode meanwhile, so
+        no other try races this one (the kernel sends no RELEASE of the handle while its
+        READ, which called this, runs)."""
+        files = self._loop_files
+        if files is None:
+            return 0
+        with self._lock:
+            if (not sole() or backing.evicted or not backing.backing_id
+                    or self._backings.get(backing.oid) is not backing):
+                return 0
+            if backing.opens == 0 and backing.oid in self._idle:
+                del self._idle[backing.oid]
+                self._evicted_idle.discard(backing.oid)
+                self.cache.convert_pin(backing.oid, yielding=False)
+            backing.opens += 1
+            self._beside[ino] = (backing.oid, 0)
+        loop_id = 0
+        try:
+            fd = os.open(self.cache.object_path(backing.oid), os.O_RDONLY)
+            try:
+                loop_id = files.backing_open(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno in _OUT_OF_DESCRIPTORS:
+                self.out_of_descriptors()
+        with self._lock:
+            if loop_id:
+                self._beside[ino] = (backing.oid, loop_id)
+                self._fetched.pop(ino, None)
+                metrics.PASSTHROUGH_UPGRADED.inc()
+                return loop_id
+            del self._beside[ino]
+            backing.opens -= 1
+            self._idle_or_keep(backing)
+            return 0
+
+    def release_beside(self, ino: int, loop_id: int) -> None:
+        """The handle :meth:`upgrade` registered a file for beside the kernel, with the
+        loop's id ``loop_id``, is closed (any thread; after the loop unbound it): the
+        loop's registration is closed and the kernel's is let go of (idle)."""
+        with self._lock:
+            entry = self._beside.get(ino)
+            if entry is not None and entry[1] == loop_id:
+                del self._beside[ino]
+                backing = self._backings.get(entry[0])
+                if backing is not None:
+                    backing.opens -= 1
+                    self._idle_or_keep(backing)
+        files = self._loop_files
+        if files is not None:
+            files.backing_close(loop_id)
 
     def release(self, ino: int, backing_id: int) -> None:
         """The handle opened with answer ``backing_id`` is closed (any thread)."""

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import trio
 
+from cachefs import passthrough as passthrough_mod
 from cachefs.fuse import abi, native
 from tests.conftest import drop_cached, reread_cold, resident
 from tests.conftest import drop_page_cache as _drop_page_cache
@@ -895,17 +896,26 @@ def test_the_lookup_table_has_twice_as_many_slots_as_registered_files() -> None:
 
 
 @pytest.mark.fuse
+@pytest.mark.parametrize("passthrough", ["off", "kernel"])
 def test_a_handle_opened_before_its_file_was_cached_is_read_in_c_once_it_is(
-        bucket: Any, mount_factory: Any) -> None:
+        bucket: Any, mount_factory: Any, passthrough: str) -> None:
     """A reader that keeps one handle for a whole run (a memory-mapped Arrow or token file
     opened once) got it while the file was not cached: every READ of it was answered in
     Python for its whole life, each reading and verifying a whole block. Once the object
     is cached whole (by this daemon: no read-back), that handle is bound to its file and
-    the native loop answers its READs; its bytes stay exact, before and after its close."""
+    the native loop answers its READs; its bytes stay exact, before and after its close.
+    With the kernel's passthrough too, which fixed the handle's mode at its open: the file
+    is registered with the loop beside the kernel for that handle, and the next open of
+    the file after its close is passed through again (the one-mode rule held)."""
+    if passthrough == "kernel" and not passthrough_mod.supported():
+        pytest.skip("FUSE passthrough needs Linux >= 6.9")
     client, name = bucket
     data = random.Random(11).randbytes(4 * (1 << 20) + 777)
     client.put_object(Bucket=name, Key="rows.arrow", Body=data)
-    m = mount_factory(f"s3://{name}", "--block-size", "1M", "--passthrough", "off")
+    m = mount_factory(f"s3://{name}", "--block-size", "1M",
+                      *(["--passthrough", "off"] if passthrough == "off" else []))
+    if passthrough == "kernel":
+        assert m.metric("cachefs_passthrough_enabled") == 1
     path = m.path / "rows.arrow"
     native_reads = 'cachefs_fuse_native_answers_total{op="read"}'
     fd = os.open(path, os.O_RDONLY)
@@ -930,4 +940,7 @@ def test_a_handle_opened_before_its_file_was_cached_is_read_in_c_once_it_is(
     finally:
         os.close(fd)
     drop_cached(path)
+    opens = m.metric("cachefs_passthrough_opens_total")
     assert _read(path) == data
+    if passthrough == "kernel":
+        assert m.metric("cachefs_passthrough_opens_total") == opens + 1

@@ -453,6 +453,14 @@ class BlockCache:
             return all(written.get(split_block_id(bid)[1]) == entry
                        for bid, entry in zip(bids, entries, strict=True))
 
+    def written_blocks(self, oid: bytes) -> int:
+        """How many blocks of object ``oid`` carry written marks (any thread; one dictionary
+        look under the innermost lock): a cheap sign that the object may be whole and
+        trusted, to decide whether the full check (:meth:`verify_object`) is worth making."""
+        with self._lock:
+            marks = self._written.get(oid)
+            return 0 if marks is None else len(marks[1])
+
     def _mark_written(self, oid: bytes, inode: int, offset: int, entry: Entry) -> None:
         """Record a block written and indexed (the caller holds the object's lock)."""
         with self._lock:
