@@ -269,6 +269,30 @@ def test_randomreads_quick_reads_exact_pieces_and_counts_the_link(tmp_path: Path
     assert not mounts and not procs, f"left behind: {mounts} {procs}"
 
 
+@pytest.mark.drops_caches
+@needs_fuse
+@pytest.mark.parametrize("access", ["seq", "mmap"])
+def test_largefile_quick_reads_exact_bytes_every_epoch(tmp_path: Path, access: str) -> None:
+    """``python -m benchmarks.largefile --quick``: every epoch of every system (local disk,
+    cachefs with and without passthrough; cold, warm, after a restart over the same cache)
+    read exactly the object (a wrong byte fails the run), the cold epochs through the
+    daemon, and the table is printed."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.largefile", "--quick", "--access", access,
+           "--json", str(out), "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rows = {(row["system"], row["epoch"]): row for row in json.loads(out.read_text())["rows"]}
+    systems = ("local", "cachefs", "cachefs-nopt")
+    assert set(rows) == {(s, e) for s in systems for e in ("cold", "warm", "restarted")}
+    for system in ("cachefs", "cachefs-nopt"):
+        assert rows[(system, "cold")]["fuse_reads"] > 0, rows[(system, "cold")]
+        assert rows[(system, "cold")]["daemon_cpu_s"] >= 0
+    assert "| system | epoch | seconds | MB/s | vs local |" in r.stdout
+    mounts, procs = _leftovers(str(tmp_path))
+    assert not mounts and not procs, f"left behind: {mounts} {procs}"
+
+
 def _processes_naming(text: str) -> list[int]:
     """Pids whose command line contains ``text``."""
     found = []
