@@ -184,7 +184,8 @@ class DirHandle:
 
 # Seconds between tries to bind a handle opened before its object was cached whole to the
 # native loop (FileSystem.bind_later) once it may be (BackingFiles.upgrade_due): the first
-# after this, doubling up to the second. Until it may be, a cheap look every BIND_POLL.
+# this long after its first READ, then doubling up to the second. Until it may be, a cheap
+# look every BIND_POLL.
 BIND_RETRY = 1.0
 BIND_RETRY_MAX = 60.0
 BIND_POLL = 0.1
@@ -646,6 +647,11 @@ class FileSystem:
         handle = self._handles.get(fh)
         if (not isinstance(handle, FileHandle) or handle.backing_id or handle.beside
                 or handle.adopted or self.backing is None or now < handle.bind_at):
+            return 0, 0
+        if not handle.bind_at:
+            # Its first READ: a handle that lives less than this (a small file's, read once
+            # in a cold pass) is never bound: binding costs more than the loop saves it.
+            handle.bind_at = now + BIND_RETRY
             return 0, 0
         if not self.backing.upgrade_due(handle.obj):
             # (cheap: looked at again soon, so a reader's next epoch finds the handle bound
