@@ -14,6 +14,9 @@ An armed point in a daemon holds the thread that reaches it while the file
 knows), then waits until the test removes ``NAME.hold`` (at most
 :data:`HOLD_LIMIT` seconds). Points are only hit in worker threads, never on
 the trio thread (a held trio thread would stop the whole mount).
+
+A test may also lower a size bound of such a daemon (:func:`tuned`), so that what the
+bound is about happens with small objects: ``CACHEFS_TEST_<NAME>=<bytes>``.
 """
 
 from __future__ import annotations
@@ -73,3 +76,14 @@ def arm_from_environment() -> None:
 
 
 arm_from_environment()
+
+
+def tuned(name: str, default: int) -> int:
+    """The bound ``name`` (a module's constant), lowered by a test through
+    ``CACHEFS_TEST_<NAME>`` for a daemon in another process; else ``default``. Read once,
+    when the module defining the constant is imported."""
+    value = os.environ.get(f"CACHEFS_TEST_{name}", "")
+    if not value:
+        return default
+    log.warning("%s set to %s for tests", name, value)
+    return int(value)

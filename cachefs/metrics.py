@@ -328,6 +328,13 @@ PASSTHROUGH_PREPARED = Counter(
     "cachefs_passthrough_prepared", "Files predicted to be opened next, verified and "
     "registered ahead of their open (registered) or not, by outcome", ["outcome"],
     registry=REGISTRY)
+PASSTHROUGH_READ_BACKS = Counter(
+    "cachefs_passthrough_read_backs", "Cached objects an open (or a bind for the native "
+    "loop) could not register without reading their file back (cached by an earlier "
+    "daemon, too large to read at the open), read back once in the background, by outcome: "
+    "verified (its opens are registered from then on), failed (a block failed its check: "
+    "dropped, fetched again when read), gone (evicted or changed before or during it), "
+    "dropped (the queue was full)", ["outcome"], registry=REGISTRY)
 PASSTHROUGH_BACKINGS = Gauge(
     "cachefs_passthrough_backing_files", "Cache files the kernel (or the native loop) "
     "currently reads directly",
@@ -757,6 +764,8 @@ PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "o_direct", 
 #: cachefs.passthrough.Passthrough.prepare (and "dropped": the queue was full)
 PASSTHROUGH_PREPARE_OUTCOMES = ("registered", "known", "declined", "full", "not_cached",
                                 "unverified", "refused", "dropped")
+#: cachefs.passthrough.Passthrough.read_back (and "dropped": the queue was full)
+PASSTHROUGH_READ_BACK_OUTCOMES = ("verified", "failed", "gone", "dropped")
 #: cachefs.read.prefetcher.POLICIES
 PREFETCH_POLICIES = ("sequential", "directory", "hint", "warm", "sweep")
 #: cachefs.read.sweep
@@ -793,6 +802,8 @@ def create_known_series() -> None:
         PASSTHROUGH_DECLINED.labels(reason)
     for outcome in PASSTHROUGH_PREPARE_OUTCOMES:
         PASSTHROUGH_PREPARED.labels(outcome)
+    for outcome in PASSTHROUGH_READ_BACK_OUTCOMES:
+        PASSTHROUGH_READ_BACKS.labels(outcome)
     for policy in PREFETCH_POLICIES:
         PREFETCH_ISSUED_BYTES.labels(policy)
         PREFETCH_USED_BYTES.labels(policy)

@@ -23,7 +23,26 @@ Contracts:
   open-file limit binds, see :mod:`cachefs.descriptors`) or the cache evicts its blocks; reopening it
   meanwhile needs no verification. Objects larger than :data:`MAX_OBJECT_BYTES`
   are passed through only when no block of their file needs reading back (written
-  marks), and served by the daemon otherwise.
+  marks), and served by the daemon otherwise -- at that open: the open queues the object
+  for one read-back in the background (below), after which its opens are passed through.
+* Read-back in the background. An object cached whole whose file an open cannot register
+  without reading it back (over :data:`MAX_OBJECT_BYTES`, cached by an earlier daemon:
+  the marks of its life are gone), or that a bind of a handle found marked but not
+  trusted (:meth:`Passthrough.upgrade`, any size; rare: it is tried once every block is
+  marked), is queued
+  (:meth:`Passthrough.read_back_later`, at most :data:`READ_BACK_QUEUE`, each object
+  once) for one thread that reads it back (:meth:`Passthrough.read_back`): the check every
+  registration makes (:meth:`~cachefs.cache.blocks.BlockCache.verify_object` through a
+  descriptor of the file, under a yielding pin), one block at a time, resting after each
+  :data:`READ_BACK_CHUNK` bytes as long as they took to read (times
+  :data:`READ_BACK_REST`), and giving up as soon as a block is no longer indexed as when it
+  started (evicted, or stored anew) or the daemon stops. A block that fails is dropped as
+  corrupt, exactly as at an open (refetched when read; the object is read back again once
+  it is cached whole again and opened); when every block passes, the file holds marks as
+  if this daemon had written it, so the object's next open registers it without reading
+  it (and a handle of it opened before, served by the daemon, is bound to the native
+  loop at its next READ: :meth:`Passthrough.upgrade_due`). Nothing is
+  registered by the read-back itself: it only takes what an open would read off the open.
 * While registered, an object is pinned in the block cache: its bytes are never
   punched out of its file (an evicted block's hole would read as zeros; see
   :meth:`~cachefs.cache.blocks.BlockCache.pin` for how pins and evictions
@@ -97,14 +116,19 @@ predictions and settled loads arrive on the trio thread (they only queue;
 ``_backings``, ``_active``, ``_direct``, ``_beside``, ``_fetched``, ``_idle`` and ``_evicted_idle``
 (held for dictionary work and the close ioctl only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
-``_lock``); ``_templates`` and each backing's ``templates`` are under ``_lock`` too, and
+``_lock``); ``_read_back_cond`` guards the read-back queue ``_read_backs`` and
+``_reading_back`` (never held with another lock of this class: an open queues an object
+after its registration failed, outside ``_lock``); ``_templates`` and each backing's
+``templates`` are under ``_lock`` too, and
 the loop's calls made under it (adding and dropping templates) take only the loop's own
 locks. Verification and the backing ioctl run on the opening worker or a
 preparing thread (either may wait on the disk); whoever puts an object's entry
 in ``_backings`` first verifies it, and opens of that object meanwhile wait for
 its outcome (one registration per object at a time). The preparing threads
 belong to :meth:`Passthrough.run` (a task of the daemon's nursery), which
-joins them before it returns, so none outlives the cache index; its other task
+joins them before it returns, so none outlives the cache index; so does the read-back
+thread (the stop event ends its rests and makes its check give up at the next block); its
+other task
 looks at ``_evicted_idle`` every :data:`EVICTED_RECHECK_SECONDS` and, when not
 empty, trims in a worker thread (never on the trio thread: it takes ``_lock``). The
 cache calls :meth:`Passthrough.evicted` holding none of its locks; under ``_lock`` this class calls
@@ -141,8 +165,9 @@ log = logging.getLogger(__name__)
 #: written marks of cachefs.cache.blocks), as after a first epoch that fetched them;
 #: otherwise they are served by the daemon: reading one whole at its open would cost a
 #: random reader more than it reads. (Served by the daemon, warm reads of a 1.5 GiB shard
-#: ran at 0.1 of local disk; passed through, 0.7-0.8: benchmarks/RESULTS.md.)
-MAX_OBJECT_BYTES = 1 << 30
+#: ran at 0.1 of local disk; passed through, 0.7-0.8: benchmarks/RESULTS.md.) Such an open
+#: queues the object for the read-back in the background instead (read_back_later).
+MAX_OBJECT_BYTES = failpoints.tuned("MAX_OBJECT_BYTES", 1 << 30)
 #: Idle backings kept registered unless told otherwise (the least ``--registered-files
 #: auto`` gives, :data:`cachefs.config.REGISTERED_FILES_AUTO_MIN`, is the same number; this
 #: unit may not import config; each holds one open file in the kernel, about 1 KiB of kernel
@@ -165,6 +190,14 @@ AWAITING_LOADS = 512
 #: Only objects up to this size are verified ahead: a wrong prediction costs one read
 #: of the file.
 PREPARE_MAX_BYTES = 8 << 20
+#: Objects waiting for the read-back thread (see the module docstring); beyond this,
+#: further ones are dropped (counted): their next open queues them again.
+READ_BACK_QUEUE = 64
+#: The read-back reads one block at a time and, after each this many bytes, rests for
+#: READ_BACK_REST times as long as they took to read: with 1.0, readers find the disk
+#: (and a core, for the checksums) free of it at least half the time.
+READ_BACK_CHUNK = 64 << 20
+READ_BACK_REST = 1.0
 #: A file closed while some of its blocks were still being written to the cache
 #: (reads are answered before their blocks are on disk) is looked at again this many
 #: times, this many seconds apart, before its registration is given up.
@@ -309,6 +342,12 @@ class Passthrough:
         self.on_prepared: Callable[[int, ObjectVersion], None] | None = None
         self._queue_cond = threading.Condition(threading.Lock())
         self._stopping = False
+        # Objects to read back in the background, by object id, oldest first (bounded:
+        # READ_BACK_QUEUE), and the one being read back (see read_back_later).
+        self._read_backs: OrderedDict[bytes, ObjectVersion] = OrderedDict()
+        self._reading_back: bytes | None = None
+        self._read_back_cond = threading.Condition(threading.Lock())
+        self._read_back_stop = threading.Event()
         metrics.PASSTHROUGH_ENABLED.set(0)
 
     def attach_device(self, device: BackingDevice | None,
@@ -339,15 +378,19 @@ class Passthrough:
     async def run(self, *, threads: int = PREPARE_THREADS,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the threads that verify predicted files ahead of their open (see
-        :meth:`predicted`), and the task that closes evicted registrations once the
+        :meth:`predicted`), the thread that reads back large files in the background (see
+        :meth:`read_back_later`), and the task that closes evicted registrations once the
         native loop's handles of them are closed (:meth:`close_evicted`), until
         cancelled; the threads are stopped and joined before this returns (each finishes
-        the file it is verifying first), so none touches the cache index after its
-        owner's nursery ends."""
+        the file it is verifying first; a read-back gives up at its next block), so none
+        touches the cache index after its owner's nursery ends."""
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(
                 own_threads, self._prepare_loop, threads, "cachefs-verify",
                 stop=self._stop_preparing))
+            await nursery.start(functools.partial(
+                own_threads, self._read_back_loop, 1, "cachefs-readback",
+                stop=self._stop_reading_back))
             nursery.start_soon(self._recheck_evicted)
             task_status.started()
 
@@ -376,6 +419,102 @@ class Passthrough:
             self._landing.clear()
             self._queue_cond.notify_all()
         self._awaiting.clear()
+
+    def _stop_reading_back(self) -> None:
+        self._read_back_stop.set()
+        with self._read_back_cond:
+            self._read_backs.clear()
+            self._read_back_cond.notify_all()
+
+    # -- read-back in the background ---------------------------------------------------
+    def read_back_later(self, obj: ObjectVersion) -> None:
+        """Queue ``obj`` for the read-back thread (any thread; never waits): it is cached
+        whole, but its file cannot be registered without reading it back, which an open
+        (or a bind) does not do for it. Dropped (counted) when the queue is full; a no-op
+        for an object queued or being read back already."""
+        oid = self.fetcher.object_id(obj)
+        with self._read_back_cond:
+            if (self._read_back_stop.is_set() or oid == self._reading_back
+                    or oid in self._read_backs):
+                return
+            if len(self._read_backs) >= READ_BACK_QUEUE:
+                metrics.PASSTHROUGH_READ_BACKS.labels("dropped").inc()
+                return
+            self._read_backs[oid] = obj
+            self._read_back_cond.notify()
+
+    def _read_back_loop(self) -> None:
+        while True:
+            with self._read_back_cond:
+                while not self._read_backs and not self._read_back_stop.is_set():
+                    self._read_back_cond.wait()
+                if self._read_back_stop.is_set():
+                    return
+                oid, obj = self._read_backs.popitem(last=False)
+                self._reading_back = oid
+            try:
+                outcome = self.read_back(obj)
+                if outcome != "stopped":
+                    metrics.PASSTHROUGH_READ_BACKS.labels(outcome).inc()
+                if outcome == "verified":
+                    log.info("%s read back and verified: its opens are registered for "
+                             "reads without the daemon from now on", obj.key)
+            except Exception:  # a bug must not end the thread: the objects stay served
+                log.exception("reading back %s failed", obj.key)
+            finally:
+                with self._read_back_cond:
+                    self._reading_back = None
+
+    def read_back(self, obj: ObjectVersion) -> str:
+        """Read ``obj``'s file back and check every block (the read-back thread; waits on
+        the disk, paced: see the module docstring), so that its next registration trusts
+        it (written marks) instead of reading it. Returns "verified", "failed" (a block
+        failed its check and was dropped as corrupt, or the file verified was replaced),
+        "gone" (not cached whole, or a block evicted or stored anew meanwhile) or "stopped"
+        (the daemon is stopping)."""
+        bids = self.fetcher.block_ids(obj)
+        if self._decline_reason(obj, bids) is not None:
+            return "gone"  # (or passthrough was switched off: nothing to register)
+        oid = self.fetcher.object_id(obj)
+        gave_up = ""
+        rested_at = 0  # bytes checked at the last rest
+        since = time.monotonic()
+
+        def keep_going(bid: bytes, entry: tuple[int, int], done: int) -> bool:
+            nonlocal gave_up, rested_at, since
+            if self._read_back_stop.is_set():
+                gave_up = "stopped"
+                return False
+            if not self.cache.indexed_as(bid, entry):
+                gave_up = "gone"
+                return False
+            if done - rested_at >= READ_BACK_CHUNK:
+                if self._read_back_stop.wait((time.monotonic() - since) * READ_BACK_REST):
+                    gave_up = "stopped"
+                    return False
+                rested_at, since = done, time.monotonic()
+            return True
+
+        # Pinned first, as for a registration (a punch after this waits for the unpin, so
+        # the marks the check leaves are true), but yielding: eviction may still choose the
+        # object's blocks (the check then gives up at the next block).
+        self.cache.pin(oid, yielding=True)
+        try:
+            try:
+                fd = os.open(self.cache.object_path(oid), os.O_RDONLY)
+            except OSError:
+                return "gone"  # evicted since the index said it was cached
+            try:
+                verified = self.cache.verify_object(bids, fd, keep_going=keep_going)
+            finally:
+                os.close(fd)
+        finally:
+            self.cache.unpin(oid, yielding=True)
+        if verified is not None:
+            return "verified"
+        if gave_up == "gone":
+            self.cache.release_deferred()  # (bytes an eviction left for our pin)
+        return gave_up or "failed"
 
     def kernel_reads(self, obj: ObjectVersion) -> bool:
         """Whether ``obj``'s cache file is registered with the kernel (or being verified for
@@ -568,6 +707,10 @@ class Passthrough:
                     return self._use(ino, backing)
                 self._idle_or_keep(backing)  # the inode changed mode while we verified
             return self.open(ino, obj)
+        if outcome == "size":
+            # Too large to read back at its open (cached by an earlier daemon): read back
+            # in the background, so that its later opens are registered.
+            self.read_back_later(obj)
         with self._lock:
             return self._direct_open(ino, outcome, obj)
 
@@ -625,7 +768,8 @@ class Passthrough:
                     return 0
                 backing = _Backing(oid, obj.size, threading.Event())
                 self._backings[oid] = backing
-            self._register(backing, bids, idle=True, read_back=False)
+            if self._register(backing, bids, idle=True, read_back=False) == "size":
+                self.read_back_later(obj)  # (marks not all true: bound once read back)
             with self._lock:
                 if not backing.backing_id or backing.oid not in self._backings or not sole():
                     return 0  # (left idle: the next open takes it)

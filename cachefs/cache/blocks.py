@@ -284,6 +284,10 @@ class BlockCache:
         entry = self.index.entry(bid)
         return None if entry is None else entry[0]
 
+    def indexed_as(self, bid: bytes, entry: Entry) -> bool:
+        """Whether block ``bid`` is still indexed as ``entry`` (one lookup, any thread)."""
+        return self.index.entry(bid) == entry
+
     def contains_all(self, bids: list[bytes]) -> bool:
         """Whether every block is indexed (one read transaction)."""
         return self.index.contains_all(bids)
@@ -379,7 +383,9 @@ class BlockCache:
         return None
 
     def verify_object(self, bids: list[bytes], fd: int | None = None, *,
-                      read_back: bool = True) -> int | None:
+                      read_back: bool = True,
+                      keep_going: Callable[[bytes, Entry, int], bool] | None = None
+                      ) -> int | None:
         """Check every block of one object against the index (worker thread).
 
         Reads the object's file, or ``fd`` when given (an open descriptor of it, the
@@ -387,7 +393,11 @@ class BlockCache:
         caller holds a :meth:`pin` of the object). With ``fd``, blocks this cache wrote
         into that very file and has not released since are not read back (written
         marks, see the module docstring); without ``read_back``, only such a file is
-        verified (None for any other, nothing read).
+        verified (None for any other, nothing read). ``keep_going``, when given, is asked
+        before each block is read back (with its id, the index entry the check started
+        from, and the bytes checked so far): False gives the check up (None; nothing is
+        dropped). A read-back in the background paces itself with it, and gives up when
+        the block is no longer indexed as it was (:meth:`indexed_as`: evicted meanwhile).
         Returns the number of bytes verified, or None when a block is not indexed,
         is missing or fails its checksum (a failing block is dropped as corrupt,
         unless the failure was an eviction racing this check). Reading the file also
@@ -412,6 +422,8 @@ class BlockCache:
         total = 0
         try:
             for bid, entry in zip(bids, entries, strict=True):
+                if keep_going is not None and not keep_going(bid, entry, total):
+                    return None
                 try:
                     data: bytes | None = pread(fd, entry[0], split_block_id(bid)[1])
                 except OSError:
