@@ -293,6 +293,23 @@ def test_largefile_quick_reads_exact_bytes_every_epoch(tmp_path: Path, access: s
     assert not mounts and not procs, f"left behind: {mounts} {procs}"
 
 
+@pytest.mark.drops_caches
+@needs_fuse
+def test_restart_benchmark_runs_and_leaves_nothing(tmp_path: Path) -> None:
+    """``python -m benchmarks.restart`` on a small object: a cold read, a restart over the
+    same cache, and warm passes, each reported with its rate and the daemon's CPU, and
+    nothing left mounted or running."""
+    cmd = [sys.executable, "-m", "benchmarks.restart", "--size-mib", "8", "--passes", "2",
+           "--workdir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["passes"]) == 2
+    assert all(p["MBps"] > 0 and p["daemon_cpu_s"] >= 0 for p in out["passes"]), out
+    mounts, procs = _leftovers(str(tmp_path))
+    assert not mounts and not procs, f"left behind: {mounts} {procs}"
+
+
 def _processes_naming(text: str) -> list[int]:
     """Pids whose command line contains ``text``."""
     found = []
