@@ -50,7 +50,7 @@ import xxhash
 
 from benchmarks.origin import SeaweedOrigin
 from benchmarks.systems import Mounted, mount_cachefs
-from benchmarks.util import drop_caches, fuse_usable, proc_sample, stop_cleanly_on_signals
+from benchmarks.util import drop_caches, fuse_usable, proc_sample, scrape_labeled, stop_cleanly_on_signals
 
 BUCKET, PREFIX, KEY = "bench", "large", "big.bin"
 SYSTEMS = ("cachefs", "cachefs-nopt")
@@ -137,22 +137,14 @@ def read_mapped(mapped: mmap.mmap, size: int, workers: int, seed: int) -> bytes:
         _MAP.clear()
 
 
-def _metric(m: Mounted | None, name: str, **labels: str) -> float:
-    """Sample ``name`` of the daemon's metrics, summed over the samples with ``labels``."""
-    if m is None or not m.metrics_url:
-        return 0.0
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(m.metrics_url, timeout=10).read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+def _metric(m: Mounted | None, sample: str) -> float:
+    """A sample of the daemon's metrics, labels in its name (:func:`scrape_labeled`)."""
+    return scrape_labeled(m.metrics_url).get(sample, 0.0) if m is not None and m.metrics_url else 0.0
 
 
 def _fuse_reads(m: Mounted | None) -> float:
     # Every FUSE READ, whoever answered it (the native loop's are counted here too).
-    return _metric(m, "cachefs_fuse_requests_total", op="read")
+    return _metric(m, "cachefs_fuse_requests_total{op=read}")
 
 
 class Epochs:

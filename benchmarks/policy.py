@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.origin import SeaweedOrigin, s3_env
-from benchmarks.util import drop_caches, free_ports, is_mounted, scrape_metrics
+from benchmarks.util import drop_caches, free_ports, is_mounted, per_label, scrape_labeled, scrape_metrics
 
 BUCKET = "policy"
 
@@ -63,7 +63,7 @@ def run_policy(origin: SeaweedOrigin, work: Path, policy: str, keys: list[str], 
             order = keys[:]
             rnd.shuffle(order)
             drop_caches()
-            before = scrape_metrics(addr)
+            before, labeled = scrape_metrics(addr), scrape_labeled(f"http://{addr}/metrics")
             t0 = time.perf_counter()
             with ThreadPoolExecutor(workers) as pool:
                 total = sum(pool.map(lambda k: len((mnt / k).read_bytes()), order))
@@ -78,7 +78,11 @@ def run_policy(origin: SeaweedOrigin, work: Path, policy: str, keys: list[str], 
                          "prefetch_issued": (after.get("cachefs_prefetch_issued_bytes_total", 0)
                                              - before.get("cachefs_prefetch_issued_bytes_total", 0)),
                          "prefetch_used": (after.get("cachefs_prefetch_used_bytes_total", 0)
-                                           - before.get("cachefs_prefetch_used_bytes_total", 0))})
+                                           - before.get("cachefs_prefetch_used_bytes_total", 0)),
+                         # (by policy: which speculation fetched what, when it is not 0)
+                         "prefetch_issued_by_policy": per_label(
+                             labeled, scrape_labeled(f"http://{addr}/metrics"),
+                             "cachefs_prefetch_issued_bytes_total", 1)})
     finally:
         subprocess.run([sys.executable, "-m", "cachefs", "unmount", str(mnt)], env=env)
         if is_mounted(str(mnt)):
@@ -143,7 +147,8 @@ def _run(args: argparse.Namespace, work: Path, size: int, block: str, dataset: i
         print(f"{r['policy']:<8}{r['epoch']:>6}{r['hit_ratio']:>11.3f}{expect:>9.3f}"
               f"{r['s3_bytes'] / 1e6:>9.1f} MB{1 - r['s3_bytes'] / r['bytes']:>13.3f}"
               f"{r['prefetch_issued'] / 1e6:>9.1f} MB{r['prefetch_used'] / 1e6:>7.1f} MB"
-              f"{r['bytes'] / r['seconds'] / 1e6:>8.1f}")
+              f"{r['bytes'] / r['seconds'] / 1e6:>8.1f}  "
+              + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in r["prefetch_issued_by_policy"].items()))
     for policy in args.policies.split(","):
         later = [r["hit_ratio"] for r in rows if r["policy"] == policy and r["epoch"] > 1]
         if later:

@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,7 +61,9 @@ from benchmarks.util import (
     add_link_args,
     drop_caches,
     fuse_usable,
+    per_label,
     proc_sample,
+    scrape_labeled,
     stop_cleanly_on_signals,
     thread_samples,
 )
@@ -118,19 +119,6 @@ def prepare(origin: SeaweedOrigin, local: Path, items: list[tuple[str, int]],
 
 
 # -- measuring -----------------------------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a /metrics page, labels included in the name."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds per thread name of a process (threads of one name summed; the main
     thread is "main"), as the scheduler counts them (:class:`ThreadSample` says why not
@@ -206,17 +194,6 @@ def read_pass(root: Path, order: list[str], threads: int) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
-def per_file(before: dict[str, float], after: dict[str, float], prefix: str, n: int) -> dict[str, float]:
-    out = {}
-    for k, v in after.items():
-        if k.startswith(prefix):
-            d = v - before.get(k, 0.0)
-            if d:
-                label = k[len(prefix):].strip("{}").split("=", 1)[-1] or "all"
-                out[label] = round(d / n, 3)
-    return out
-
-
 @contextlib.contextmanager
 def py_spy(pid: int | None, out: Path | None, gil: bool = False) -> Iterator[None]:
     """Record the daemon with py-spy (if asked and installed) while the block runs; with
@@ -258,7 +235,7 @@ def inflight_sampler(url: str | None, every: float, out: dict[str, Any]) -> Iter
     def loop() -> None:
         while not stop.wait(every):
             with contextlib.suppress(OSError):
-                met = scrape(url)
+                met = scrape_labeled(url)
                 samples.append(met.get("cachefs_inflight_fetches", 0.0))
                 received.append((time.monotonic(), met.get("cachefs_s3_bytes_total", 0.0)))
 
@@ -290,7 +267,7 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
             spy: Path | None = None, before_read: Any = None,
             sample_every: float = 0.0, spy_gil: bool = False) -> dict[str, Any]:
     drop_caches()
-    met0 = scrape(m.metrics_url) if m.metrics_url else {}
+    met0 = scrape_labeled(m.metrics_url) if m.metrics_url else {}
     cpu0 = proc_sample(m.pid).cpu_s if m.pid else 0.0  # type: ignore[union-attr]
     thr0 = thread_cpu(m.pid) if m.pid else {}
     csw0 = context_switches(m.pid) if m.pid else 0
@@ -332,25 +309,25 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["voluntary_switches_per_file_by_group"] = {
             g: round((v - gsw0.get(g, 0)) / n, 2) for g, v in group_switches(m.pid).items()}
     if m.metrics_url:
-        met1 = scrape(m.metrics_url)
-        row["fuse_per_file"] = per_file(met0, met1, "cachefs_fuse_requests_total", n)
-        row["fuse_native_per_file"] = per_file(met0, met1, "cachefs_fuse_native_answers_total", n)
-        row["lmdb_txn_per_file"] = per_file(met0, met1, "cachefs_lmdb_transactions_total", n)
-        row["thread_hops_per_file"] = per_file(met0, met1, "cachefs_thread_hops_total", n)
-        row["fuse_handed_over_per_file"] = per_file(met0, met1, "cachefs_fuse_handed_over_total",
+        met1 = scrape_labeled(m.metrics_url)
+        row["fuse_per_file"] = per_label(met0, met1, "cachefs_fuse_requests_total", n)
+        row["fuse_native_per_file"] = per_label(met0, met1, "cachefs_fuse_native_answers_total", n)
+        row["lmdb_txn_per_file"] = per_label(met0, met1, "cachefs_lmdb_transactions_total", n)
+        row["thread_hops_per_file"] = per_label(met0, met1, "cachefs_thread_hops_total", n)
+        row["fuse_handed_over_per_file"] = per_label(met0, met1, "cachefs_fuse_handed_over_total",
                                                      n)
-        prepared = per_file(met0, met1, "cachefs_passthrough_prepared_total", n)
+        prepared = per_label(met0, met1, "cachefs_passthrough_prepared_total", n)
         if prepared:  # files verified ahead of their open, by outcome
             row["passthrough_prepared_per_file"] = prepared
         # mean time from a request's read off the device to its answer, per operation
-        counts = per_file(met0, met1, "cachefs_fuse_request_duration_seconds_count", 1)
-        sums = per_file(met0, met1, "cachefs_fuse_request_duration_seconds_sum", 1)
+        counts = per_label(met0, met1, "cachefs_fuse_request_duration_seconds_count", 1)
+        sums = per_label(met0, met1, "cachefs_fuse_request_duration_seconds_sum", 1)
         row["fuse_mean_us"] = {op: round(sums.get(op, 0.0) / c * 1e6, 1)
                                for op, c in counts.items() if c}
         gets = met1.get("cachefs_s3_requests_total{op=get}", 0) - met0.get("cachefs_s3_requests_total{op=get}", 0)
         row["s3_gets_per_file"] = round(gets / n, 3)
         # the check each received byte passed (etag_md5 costs ~50x a CRC: --origin-checksum)
-        checked = per_file(met0, met1, "cachefs_s3_verified_bytes_total", n)
+        checked = per_label(met0, met1, "cachefs_s3_verified_bytes_total", n)
         if checked:
             row["s3_checked_bytes_per_file"] = checked
         # One GET's time on the wire (connection, request, answer): with the GETs in flight
@@ -364,16 +341,16 @@ def measure(m: Mounted, name: str, order: list[str], nbytes: int, threads: int,
         row["s3_bytes_per_byte_read"] = round(s3b / nbytes, 3)
         read = met1.get("cachefs_read_bytes_total", 0) - met0.get("cachefs_read_bytes_total", 0)
         row["daemon_read_bytes_per_file"] = round(read / n)
-        issued = per_file(met0, met1, "cachefs_prefetch_issued_bytes_total", n)
-        used = per_file(met0, met1, "cachefs_prefetch_used_bytes_total", n)
+        issued = per_label(met0, met1, "cachefs_prefetch_issued_bytes_total", n)
+        used = per_label(met0, met1, "cachefs_prefetch_used_bytes_total", n)
         if issued:  # bytes per file fetched ahead, by policy, and the share of them read
             row["prefetch_bytes_per_file"] = {p: round(v) for p, v in issued.items()}
             row["prefetch_used_share"] = {p: round(used.get(p, 0.0) / v, 3)
                                           for p, v in issued.items()}
-        advised = per_file(met0, met1, "cachefs_disk_readahead_total", n)
+        advised = per_label(met0, met1, "cachefs_disk_readahead_total", n)
         if advised:  # cache files read into the page cache ahead, by outcome
             row["disk_readahead_per_file"] = advised
-        tiers = per_file(met0, met1, "cachefs_tier_read_bytes_total", n)
+        tiers = per_label(met0, met1, "cachefs_tier_read_bytes_total", n)
         if tiers:  # bytes per file the daemon served, by where they came from
             row["read_bytes_per_file_by_tier"] = {t: round(v) for t, v in tiers.items()}
         swept = met1.get("cachefs_sweep_files_total", 0) - met0.get("cachefs_sweep_files_total", 0)

@@ -270,3 +270,33 @@ def scrape_metrics(addr: str) -> dict[str, float]:
         for sample in fam.samples:
             out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+def scrape_labeled(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page (``url``), its labels in its name:
+    ``name{label=value,...}`` (sorted), or the bare name for a sample without labels."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def per_label(before: dict[str, float], after: dict[str, float], prefix: str,
+              n: float) -> dict[str, float]:
+    """The growth of every sample of ``prefix`` between two :func:`scrape_labeled` pages,
+    divided by ``n``, by its (last) label's value ("all" for a sample without labels)."""
+    out = {}
+    for k, v in after.items():
+        if k.startswith(prefix):
+            d = v - before.get(k, 0.0)
+            if d:
+                label = k[len(prefix):].strip("{}").split("=", 1)[-1] or "all"
+                out[label] = round(d / n, 3)
+    return out
