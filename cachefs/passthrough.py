@@ -65,13 +65,12 @@ Contracts:
   holds the version the new handle opened.
 * A handle opened before its object was cached whole is served by the daemon for
   its life (the kernel set its mode at the open). Once the object is cached whole
-  and registered, that handle -- when it is its inode's only one served by the
-  daemon -- is bound to the native loop (:meth:`Passthrough.upgrade`, tried at its
-  READs): with the loop's reads, it uses the registration as a handle opened on it
-  would; with the kernel's passthrough, the file is also registered with the loop,
-  beside the kernel, for that handle alone, which still counts as served by the
-  daemon for the one-mode rule and holds the registration (pinned) until its
-  release (:meth:`Passthrough.release_beside`).
+  and registered, such a handle is bound to the native loop (:meth:`Passthrough.upgrade`,
+  tried at its READs): with the loop's reads, it uses the registration as a handle
+  opened on it would; with the kernel's passthrough, the file is also registered with
+  the loop, beside the kernel, once for all such handles of the inode, each of which
+  still counts as served by the daemon for the one-mode rule and holds the registration
+  (pinned) until its release (:meth:`Passthrough.release_beside`).
 * Verification need not wait for the open: files the directory lookahead
   predicts (:meth:`Passthrough.predicted`; one still being fetched is queued
   once its load settles, :meth:`Passthrough.settled`), and files opened before they were
@@ -300,10 +299,11 @@ class Passthrough:
         self._backings: dict[bytes, _Backing] = {}  # by object id
         self._active: dict[int, tuple[bytes, int]] = {}  # inode -> (object id, handles)
         self._direct: dict[int, int] = {}  # handles served by the daemon, per inode
-        # With the kernel's passthrough: inodes whose one handle served by the daemon reads
-        # its registered file through the native loop since (upgrade) -> (object id, the
-        # file's id with the loop). Still counted in _direct: the kernel set its mode.
-        self._beside: dict[int, tuple[bytes, int]] = {}
+        # With the kernel's passthrough: inodes whose handles served by the daemon read its
+        # registered file through the native loop since (upgrade) -> (object id, the file's
+        # id with the loop, 0 while it is being registered; those handles). Still counted
+        # in _direct: the kernel set their mode.
+        self._beside: dict[int, tuple[bytes, int, int]] = {}
         # The native loop as a second place to register files, beside the kernel (None
         # without the kernel's passthrough, or without the loop).
         self._loop_files: BackingDevice | None = None
@@ -727,31 +727,37 @@ class Passthrough:
         return self.cache.written_blocks(oid) >= self.fetcher.block_count(obj)
 
     def upgrade(self, ino: int, obj: ObjectVersion) -> int:
-        """The handle of ``ino`` that was opened while ``obj`` was not cached whole, and so
-        is served by the daemon, takes a registration now that the object is cached whole
-        -- when its file needs no reading back (written marks: this daemon fetched it, as
-        it did for this very handle) and that handle is the inode's only one served by the
-        daemon -- so that the native loop answers its reads. Returns the id the caller
-        binds the handle to the loop with, or 0 (nothing changed). With the native loop's
-        reads (:attr:`native`) that is the registration's own id, and the handle's
-        release must give it (:meth:`release`). With the kernel's passthrough, which set
-        the handle's mode at its open, the file is registered with the loop too, beside
-        the kernel, for this handle alone: it keeps counting as served by the daemon (the
-        one-mode rule), uses the registration (pinned) until its release, which must give
-        the id to :meth:`release_beside`. A reader that keeps one handle for a whole run
-        (a memory-mapped Arrow or token file opened once) would otherwise have every READ
-        of it answered in Python, each reading and verifying a whole block. Any thread;
-        reads no file (LMDB lookups; an open of the verified file beside the kernel)."""
+        """A handle of ``ino`` that was opened while ``obj`` was not cached whole, and so is
+        served by the daemon, takes a registration now that the object is cached whole --
+        when its file needs no reading back (written marks: this daemon fetched it, as it
+        did for this very handle) -- so that the native loop answers its reads. Returns
+        the id the caller binds the handle to the loop with, or 0 (nothing changed). With
+        the native loop's reads (:attr:`native`) that is the registration's own id, and
+        the handle's release must give it (:meth:`release`). With the kernel's
+        passthrough, which set the handle's mode at its open, the file is registered with
+        the loop too, beside the kernel, once per inode for all such handles of it
+        (``_beside``): each keeps counting as served by the daemon (the one-mode rule),
+        uses the registration (pinned) until its release, which must give the id to
+        :meth:`release_beside`. Readers that keep a handle for a whole run (a memory-mapped
+        Arrow or token file opened once, by each of a node's training processes) would
+        otherwise have every READ of it answered in Python, each reading and verifying a
+        whole block. Any thread, at a READ of the handle (no release of it runs
+        meanwhile); reads no file (LMDB lookups; an open of the verified file beside the
+        kernel)."""
         if not (self.enabled and (self.native or self._loop_files is not None)):
             return 0
         oid = self.fetcher.object_id(obj)
 
-        def sole() -> bool:  # (under _lock) this handle alone is served by the daemon
-            return (self._direct.get(ino) == 1 and ino not in self._active
-                    and ino not in self._templates and ino not in self._beside)
+        def served() -> bool:  # (under _lock) the inode has handles served by the daemon
+            if not self._direct.get(ino):
+                return False
+            if self.native:  # (its other handles may use the registration already)
+                active = self._active.get(ino)
+                return active is None or active[0] == oid
+            return ino not in self._active and ino not in self._templates
 
         with self._lock:
-            if not sole():
+            if not served():
                 return 0
             backing = self._backings.get(oid)
             if backing is not None:  # registered already (or being verified: not now)
@@ -764,49 +770,67 @@ class Passthrough:
             if self._decline_reason(obj, bids) is not None:
                 return 0
             with self._lock:
-                if oid in self._backings or not sole():
+                if oid in self._backings or not served():
                     return 0
                 backing = _Backing(oid, obj.size, threading.Event())
                 self._backings[oid] = backing
             if self._register(backing, bids, idle=True, read_back=False) == "size":
                 self.read_back_later(obj)  # (marks not all true: bound once read back)
             with self._lock:
-                if not backing.backing_id or backing.oid not in self._backings or not sole():
+                if not backing.backing_id or backing.oid not in self._backings or not served():
                     return 0  # (left idle: the next open takes it)
                 if self.native:
                     return self._upgraded(ino, backing)
-        return self._beside_kernel(ino, backing, sole)
+        return self._beside_kernel(ino, backing, served)
 
     def _upgraded(self, ino: int, backing: _Backing) -> int:
-        """(Under _lock; the native loop's reads.) The inode's one handle served by the
+        """(Under _lock; the native loop's reads.) One of the inode's handles served by the
         daemon uses ``backing`` now."""
-        del self._direct[ino]
-        self._fetched.pop(ino, None)
+        n = self._direct[ino] - 1
+        if n:
+            self._direct[ino] = n
+        else:
+            del self._direct[ino]
+            self._fetched.pop(ino, None)
         metrics.PASSTHROUGH_UPGRADED.inc()
         return self._use(ino, backing)
 
-    def _beside_kernel(self, ino: int, backing: _Backing, sole: Callable[[], bool]) -> int:
-        """(With the kernel's passthrough; holding no lock.) Register ``backing``'s file with
-        the native loop for the inode's one handle served by the daemon (``sole()`` says,
-        under _lock, that it still is); the loop's id, or 0. The use is taken first, as
-        an open of the registration (pinned, not yielding), so the file opened again by
-        its path holds the bytes that were verified; the loop keeps its own descriptor
-        of it (the one opened here is closed). ``_beside`` holds the inode meanwhile, so
-        no other try races this one (the kernel sends no RELEASE of the handle while its
-        READ, which called this, runs)."""
+    def _take_use(self, backing: _Backing) -> None:
+        """(Under _lock.) A use of ``backing`` that is not one of the kernel's handles of
+        it: held like an open (its pin no longer yields)."""
+        if backing.opens == 0 and backing.oid in self._idle:
+            del self._idle[backing.oid]
+            self._evicted_idle.discard(backing.oid)
+            self.cache.convert_pin(backing.oid, yielding=False)
+        backing.opens += 1
+
+    def _beside_kernel(self, ino: int, backing: _Backing, served: Callable[[], bool]) -> int:
+        """(With the kernel's passthrough; holding no lock.) The loop's id of ``backing``'s
+        file registered beside the kernel for the inode's handles served by the daemon
+        (``served()`` says, under _lock, that it still has them), registered now if it is
+        not yet; 0 if it cannot be (or is being registered for another handle: tried
+        again later). Each handle's use is taken first, as an open of the registration
+        (pinned, not yielding), so the file opened again by its path holds the bytes that
+        were verified; the loop keeps its own descriptor of it (the one opened here is
+        closed). ``_beside`` holds the inode meanwhile (loop id 0), so no other try
+        registers it twice."""
         files = self._loop_files
         if files is None:
             return 0
         with self._lock:
-            if (not sole() or backing.evicted or not backing.backing_id
+            if (not served() or backing.evicted or not backing.backing_id
                     or self._backings.get(backing.oid) is not backing):
                 return 0
-            if backing.opens == 0 and backing.oid in self._idle:
-                del self._idle[backing.oid]
-                self._evicted_idle.discard(backing.oid)
-                self.cache.convert_pin(backing.oid, yielding=False)
-            backing.opens += 1
-            self._beside[ino] = (backing.oid, 0)
+            shared = self._beside.get(ino)
+            if shared is not None:
+                if shared[0] != backing.oid or not shared[1]:
+                    return 0  # (being registered: this handle tries again later)
+                self._take_use(backing)
+                self._beside[ino] = (shared[0], shared[1], shared[2] + 1)
+                metrics.PASSTHROUGH_UPGRADED.inc()
+                return shared[1]
+            self._take_use(backing)
+            self._beside[ino] = (backing.oid, 0, 1)
         loop_id = 0
         try:
             fd = os.open(self.cache.object_path(backing.oid), os.O_RDONLY)
@@ -819,7 +843,7 @@ class Passthrough:
                 self.out_of_descriptors()
         with self._lock:
             if loop_id:
-                self._beside[ino] = (backing.oid, loop_id)
+                self._beside[ino] = (backing.oid, loop_id, 1)
                 self._fetched.pop(ino, None)
                 metrics.PASSTHROUGH_UPGRADED.inc()
                 return loop_id
@@ -829,19 +853,25 @@ class Passthrough:
             return 0
 
     def release_beside(self, ino: int, loop_id: int) -> None:
-        """The handle :meth:`upgrade` registered a file for beside the kernel, with the
-        loop's id ``loop_id``, is closed (any thread; after the loop unbound it): the
-        loop's registration is closed and the kernel's is let go of (idle)."""
+        """A handle :meth:`upgrade` bound to the file registered beside the kernel, with the
+        loop's id ``loop_id``, is closed (any thread; after the loop unbound it): its use
+        of the kernel's registration is let go of (idle once none is left), and the loop's
+        registration is closed with the inode's last such handle."""
+        last = False
         with self._lock:
             entry = self._beside.get(ino)
             if entry is not None and entry[1] == loop_id:
-                del self._beside[ino]
                 backing = self._backings.get(entry[0])
                 if backing is not None:
                     backing.opens -= 1
                     self._idle_or_keep(backing)
+                if entry[2] > 1:
+                    self._beside[ino] = (entry[0], entry[1], entry[2] - 1)
+                else:
+                    del self._beside[ino]
+                    last = True
         files = self._loop_files
-        if files is not None:
+        if last and files is not None:
             files.backing_close(loop_id)
 
     def release(self, ino: int, backing_id: int) -> None:
