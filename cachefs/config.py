@@ -64,6 +64,8 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 def parse_duration(value: str | int | float) -> float:
     """Parse ``300``, ``300s``, ``5m``, ``1h``, ``inf`` into seconds (``inf`` never expires)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value != value:  # a TOML nan: no duration (and it passes every range check)
+            raise ConfigError(f"invalid duration {value!r}: expected e.g. 30s, 5m, 1h or inf")
         if value < 0:
             raise ConfigError(f"duration {value} is negative")
         return float(value)
@@ -94,6 +96,8 @@ def parse_mode(value: str | int) -> int:
 def parse_bool(value: str | bool) -> bool:
     if isinstance(value, bool):
         return value
+    if not isinstance(value, str):  # a TOML 1 or 0.0: say true or false
+        raise ConfigError(f"invalid boolean {value!r}: expected true or false")
     text = str(value).strip().lower()
     if text in ("1", "true", "yes", "on"):
         return True
@@ -201,8 +205,27 @@ class Option:
         return "CACHEFS_" + self.name.upper()
 
 
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+               dict: "a table"}
+
+
+def _text(value: Any, what: str) -> str:
+    """``value`` when it is a string: a TOML number, boolean, list, table or date where text
+    belongs (``cache_dir = 5``) is an error, not the text of its spelling in Python."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return str(os.fspath(value))
+    kind = _TOML_TYPES.get(type(value), f"a {type(value).__name__}")
+    raise ConfigError(f"invalid {what} {value!r}: expected {what} as a string "
+                      f"(in TOML, quoted), got {kind}")
+
+
 def _path(value: Any) -> Path:
-    return Path(str(value)).expanduser()
+    text = _text(value, "path")
+    if not text.strip():
+        raise ConfigError("empty path: give a directory or file name")
+    return Path(text).expanduser()
 
 
 def _mountpoint(value: Any) -> Path:
@@ -223,7 +246,7 @@ def _mountpoint(value: Any) -> Path:
 
 def _choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
-        text = str(value).strip().lower()
+        text = _text(value, "value").strip().lower()
         if text not in choices:
             raise ConfigError(f"invalid value {value!r}: expected one of {', '.join(choices)}")
         return text
@@ -231,7 +254,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 
 def _opt_str(value: Any) -> str | None:
-    return None if value is None or value == "" else str(value)
+    return None if value is None or value == "" else _text(value, "value")
 
 
 def _endpoint_url(value: Any) -> str | None:
@@ -459,10 +482,11 @@ def resolve(
         raise ConfigError("missing source: give s3://BUCKET[/PREFIX]")
     if "mountpoint" not in merged:
         raise ConfigError("missing mount point")
-    values: dict[str, Any] = {
-        "source": parse_s3_url(merged["source"]),
-        "mountpoint": _mountpoint(merged["mountpoint"]),
-    }
+    try:
+        mountpoint = _mountpoint(merged["mountpoint"])
+    except ConfigError as exc:
+        raise ConfigError(f"mount point: {exc}") from None
+    values: dict[str, Any] = {"source": parse_s3_url(merged["source"]), "mountpoint": mountpoint}
     for opt in OPTIONS:
         raw = merged.get(opt.name, opt.default)
         try:

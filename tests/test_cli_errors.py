@@ -211,6 +211,34 @@ def test_a_whole_number_option_given_a_fraction_or_a_boolean_is_refused(mp, tmp_
     assert_one_line_error(proc, f"invalid number {fragment}", code=2)
 
 
+@pytest.mark.parametrize("line, fragment", [
+    ("cache_dir = 5", "--cache-dir: invalid path 5"),  # was a directory named 5
+    ("cache_dir = [\"/var/cache/a\"]", "--cache-dir: invalid path"),
+    ("cache_dir = \"\"", "--cache-dir: empty path"),  # was the current directory
+    ("mountpoint = 7", "mount point: invalid path 7"),
+    ("log_file = 1", "--log-file: invalid value 1"),
+    ("manifest = true", "--manifest: invalid value True"),
+    ("region = 1", "--region: invalid value 1"),
+    ("metrics_addr = 9477", "--metrics-addr: invalid value 9477"),
+    ("shared_cache_profile = 2", "--shared-cache-profile: invalid value 2"),
+    ("allow_other = 1", "--allow-other: invalid boolean 1"),
+    ("retry_deadline = nan", "--retry-deadline: invalid duration nan"),  # was never
+    ("metadata_ttl = nan", "--metadata-ttl: invalid duration nan"),
+    ("log_level = 10", "--log-level: invalid value 10"),
+])
+def test_a_config_value_of_the_wrong_type_is_refused(mp, tmp_path, line, fragment):
+    """TOML has types: a number, a boolean or a list where a path or a name belongs was
+    taken as the text of its Python spelling (cache_dir = 5 made a cache directory '5')."""
+    cfg = tmp_path / "c.toml"
+    cache = "" if line.startswith("cache_dir") else f"cache_dir = {str(tmp_path / 'c')!r}\n"
+    place = "" if line.startswith("mountpoint") else f"mountpoint = {str(mp)!r}\n"
+    cfg.write_text(f"source = \"s3://bucket\"\n{place}{cache}{line}\n")
+    proc = run_cachefs("mount", "--config", str(cfg), preexec_fn=lambda: os.chdir(tmp_path))
+    assert_one_line_error(proc, fragment, code=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "mnt"]
+    assert not is_mounted(mp)
+
+
 def test_metrics_address_in_use(mp, tmp_path, s3_endpoint, bucket):
     _, name = bucket
     with socket.socket() as s:
