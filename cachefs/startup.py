@@ -74,7 +74,7 @@ def check_mountpoint(path: Path, *, clean_dead: bool = True) -> bool:
         pid = _registered_pid(path)
         state = _mount_state(path, pid)
         if state == "live":
-            owner = f" (daemon pid {pid})" if pid and registry.pid_alive(pid) else ""
+            owner = f" (daemon pid {pid})" if pid and registry.is_daemon(pid) else ""
             raise ConfigError(f"mount point {path} is already a live cachefs mount{owner}: "
                               f"unmount it first ('cachefs unmount {path}')")
         if state == "hung":
@@ -109,9 +109,16 @@ def _registered_pid(path: Path) -> int:
         return 0
 
 
+def mount_is_dead(path: Path, pid: int) -> bool:
+    """Whether the cachefs mount at ``path``, registered to ``pid``, is dead: it answers
+    ENOTCONN, or nothing while no cachefs daemon runs as ``pid`` (the pid of a killed
+    daemon may be another process's by now)."""
+    return _mount_state(path, pid) == "dead"
+
+
 def _mount_state(path: Path, pid: int) -> str:
     """"live", "dead" or "hung" for a cachefs mount at ``path`` registered to ``pid``."""
-    daemon_gone = not pid or not registry.pid_alive(pid)
+    daemon_gone = not pid or not registry.is_daemon(pid)
     answer = _probe(path, PROBE_TIMEOUT)
     if answer == "ok":
         return "live"

@@ -207,6 +207,53 @@ def test_status_names_a_dead_mount_and_fails(bucket, mount_factory):
     assert f"{dead.path} is a dead cachefs mount (daemon pid {pid} is gone)" in one.stderr
 
 
+def test_status_names_a_dead_mount_whose_pid_another_process_took(bucket, mount_factory):
+    """The pid of a daemon killed with SIGKILL is free for the next process (a busy node
+    recycles pids within minutes). 'cachefs status' took any process with that pid for
+    the daemon: the dead mount was shown as live, from its last snapshot, and never
+    named as dead. The pid must name a cachefs daemon. (A process that took the pid is
+    emulated by writing the pid of a 'sleep' into the dead mount's registry entry.) A live
+    mount whose pid names no cachefs daemon here (its daemon runs in another pid namespace,
+    a container's) still answers, and is not called dead."""
+    import os
+    import signal
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    live = mount_factory(f"s3://{name}")
+    dead = mount_factory(f"s3://{name}")
+    pid = int(registry.lookup(dead.path)["pid"])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while registry.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert is_mounted(dead.path)
+    entry = registry.control_socket(dead.path).with_suffix(".json")
+    live_entry = registry.control_socket(live.path).with_suffix(".json")
+    live_text = live_entry.read_text()
+    other = subprocess.Popen(["sleep", "300"])
+    try:
+        for path in (entry, live_entry):
+            info = json.loads(path.read_text())
+            info["pid"] = other.pid
+            path.write_text(json.dumps(info))
+
+        table = run_cachefs("status")
+        assert table.returncode == 1, (table.stdout, table.stderr)
+        assert str(dead.path) not in table.stdout
+        assert f"{dead.path} is a dead cachefs mount (daemon pid {other.pid} is gone)" \
+            in table.stderr, table.stderr
+        one = run_cachefs("status", "--json", str(dead.path))
+        assert one.returncode == 1 and one.stderr.count("\n") == 1, one.stderr
+        assert f"{dead.path} is a dead cachefs mount" in one.stderr
+        assert str(live.path) in table.stdout and f"{live.path} is a dead" not in table.stderr
+        assert run_cachefs("status", str(live.path)).returncode == 0
+    finally:
+        live_entry.write_text(live_text)
+        other.kill()
+        other.wait()
+
+
 def test_status_of_a_hung_daemon_says_its_figures_are_old_and_fails(bucket, mount_factory):
     """A daemon that stops (SIGSTOP here; a wedged one alike) stops publishing its snapshot,
     but 'cachefs status' went on showing the last one as current and exited 0, so the

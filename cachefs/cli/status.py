@@ -134,9 +134,16 @@ def _report_stale(rows: list[dict[str, Any]]) -> bool:
     return bool(stale)
 
 
+def _mount_is_dead(path: Path, pid: int) -> bool:
+    from cachefs.startup import mount_is_dead  # (its imports only when a pid is in doubt)
+
+    return mount_is_dead(path, pid)
+
+
 def _dead_mounts(mounted: dict[str, str]) -> dict[str, int]:
     """Mount point -> pid of each cachefs mount whose daemon is gone (killed: its registry
-    entry is left behind, and the mount answers 'Transport endpoint is not connected')."""
+    entry is left behind, and the mount answers 'Transport endpoint is not connected'), its
+    pid free or taken by now by another process."""
     dead = {}
     for mp in mounted:
         info = registry.entry(Path(mp))
@@ -146,7 +153,10 @@ def _dead_mounts(mounted: dict[str, str]) -> dict[str, int]:
             pid = int(info.get("pid", 0))
         except (TypeError, ValueError):
             continue
-        if not registry.pid_alive(pid):
+        # (a pid that names no cachefs daemon is a dead one's, taken by another process
+        # by now, or a daemon's in another pid namespace (a container's): the mount says
+        # which)
+        if not registry.is_daemon(pid) and _mount_is_dead(Path(mp), pid):
             dead[mp] = pid
     return dead
 
@@ -161,7 +171,8 @@ def _report_dead(dead: dict[str, int]) -> None:
 def status_main(mountpoint: str | None, *, as_json: bool) -> int:
     mounted = registry.cachefs_mounts()
     dead = _dead_mounts(mounted)
-    infos = [i for i in registry.all_mounts() if i.get("mountpoint") in mounted]
+    infos = [i for i in registry.all_mounts()
+             if i.get("mountpoint") in mounted and i.get("mountpoint") not in dead]
     if mountpoint is not None:
         want = str(registry.as_mounted(mountpoint))
         infos = [i for i in infos if i.get("mountpoint") == want]

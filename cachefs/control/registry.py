@@ -173,6 +173,8 @@ def lookup(mountpoint: Path) -> dict[str, Any] | None:
 
 
 def all_mounts() -> list[dict[str, Any]]:
+    """The entries whose daemon's pid is alive (it may name another process by now, or a
+    process of another pid namespace: ``cachefs status`` looks closer)."""
     result = []
     try:
         files = sorted(runtime_dir().glob("*.json"))
@@ -181,9 +183,10 @@ def all_mounts() -> list[dict[str, Any]]:
     for f in files:
         try:
             info = json.loads(f.read_text())
-        except (OSError, ValueError):
+            pid = int(info.get("pid", 0))
+        except (OSError, ValueError, TypeError, AttributeError):  # (junk: not an entry)
             continue
-        if pid_alive(int(info.get("pid", 0))):
+        if pid_alive(pid):
             result.append(info)
     return result
 
