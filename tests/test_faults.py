@@ -18,6 +18,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,13 @@ def proxied_mount(mount_factory: Any, proxy: FaultProxy, name: str, *extra: str)
 
 def sum_metric(m: Mount, prefix: str) -> float:
     return sum(v for k, v in m.metrics().items() if k.startswith(prefix))
+
+
+def wait_for(cond: Any, *, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} after {timeout:g} s"
+        time.sleep(0.1)
 
 
 def assert_daemon_healthy(m: Mount) -> None:
@@ -847,4 +855,44 @@ def test_credentials_rotated_in_the_credentials_file_are_used_without_a_restart(
         for i in range(2):
             assert (m.path / "d" / f"f{i}.bin").read_bytes() == bytes([i]) * 70_000
         assert proxy.faults["unknown_key"] == 0
+        assert "the AWS credentials file changed" in m.log()
+
+
+
+def test_credentials_rotated_in_the_credentials_file_reach_the_shared_tier(
+        bucket, s3_endpoint, mount_factory, tmp_path, monkeypatch):
+    """The same renewal as above, seen by the shared tier's client: it kept the credentials
+    it read at mount, so once the tier stopped taking them every tier request failed, the
+    breaker sent every read to the origin and no block was published again until a
+    restart. Its client now reads a changed file again as the origin's does."""
+    client, name = bucket
+    tier = f"tier-{uuid.uuid4().hex[:10]}"
+    client.create_bucket(Bucket=tier)
+    data = {f"d/f{i}.bin": bytes([i]) * 70_000 for i in range(2)}
+    for key, body in data.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = OLDKEY\naws_secret_access_key = s1\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+
+    def published() -> int:  # blocks in the tier (their names are hashes)
+        listed = client.list_objects_v2(Bucket=tier, Prefix="cache/").get("Contents", [])
+        return sum(1 for o in listed if not o["Key"].startswith("cache/leases/"))
+
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.accepted_keys = {"OLDKEY"}
+        m = mount_factory(f"s3://{name}", "--block-size", "64K", "--list-ahead", "0",
+                          "--shared-cache", f"s3://{tier}/cache",
+                          "--shared-cache-endpoint-url", proxy.url,
+                          "--shared-cache-timeout", "10s")
+        assert (m.path / "d/f0.bin").read_bytes() == data["d/f0.bin"]
+        wait_for(lambda: published() == 2, what="f0.bin's blocks in the tier")
+        creds.write_text("[default]\naws_access_key_id = NEWKEY\naws_secret_access_key = s2\n")
+        proxy.accepted_keys = {"NEWKEY"}
+        assert (m.path / "d/f1.bin").read_bytes() == data["d/f1.bin"]
+        # (a request of f0's signed before the change may still meet the new key: what
+        # counts is that f1's blocks, fetched after it, reach the tier)
+        wait_for(lambda: published() == 4, what="f1.bin's blocks in the tier", timeout=30)
         assert "the AWS credentials file changed" in m.log()

@@ -66,6 +66,7 @@ from cachefs.errors import (
 )
 from cachefs.s3 import express
 from cachefs.s3.connections import Connector
+from cachefs.s3.credentials import FileCredentials
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
@@ -325,6 +326,8 @@ def open_tier_client(bucket: str, *, endpoint_url: str | None, region: str | Non
                         if express.is_directory_bucket(bucket)
                         else f"https://s3.{region}.amazonaws.com")
     credentials = None if anonymous else session.get_credentials()
+    if credentials is not None:  # (renewed in their file, they are picked up, as the origin's)
+        credentials = FileCredentials(session._session, credentials)
     try:
         return ObjectClient(bucket, endpoint_url=endpoint_url, region=region,
                             credentials=credentials, anonymous=anonymous,
