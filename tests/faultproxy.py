@@ -181,7 +181,7 @@ class FaultProxy:
                     self.send_response(status)
                     for k, v in headers:
                         self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    self.send_header("Content-Length", self._length(data))
                     self.end_headers()
                     self.wfile.flush()
                     proxy._closing.wait(120)
@@ -191,7 +191,7 @@ class FaultProxy:
                     self.send_response(status)
                     for k, v in headers:
                         self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    self.send_header("Content-Length", self._length(data))
                     self.end_headers()
                     self.wfile.write(data[:len(data) // 2])
                     self.wfile.flush()
@@ -205,10 +205,15 @@ class FaultProxy:
                 self.send_response(status)
                 for k, v in headers:
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", self._length(data))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+
+            def _length(self, data: bytes) -> str:
+                """The Content-Length to send: the body's, or for a HEAD (no body) the
+                object's, as the upstream said."""
+                return self._head_length if self.command == "HEAD" else str(len(data))
 
             def _forward(self, body: bytes | None) -> tuple[int, list[tuple[str, str]], bytes]:
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=30)
@@ -218,6 +223,7 @@ class FaultProxy:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
+                    self._head_length = resp.getheader("Content-Length") or "0"
                     out = []
                     for k, v in resp.getheaders():
                         if k.lower() in ("transfer-encoding", "connection", "content-length"):
@@ -355,7 +361,9 @@ class ForwardProxy:
                     for k, v in resp.getheaders():
                         if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                             self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    # (a HEAD has no body: its length is the object's, as the upstream said)
+                    self.send_header("Content-Length", resp.getheader("Content-Length") or "0"
+                                     if self.command == "HEAD" else str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)

@@ -370,3 +370,20 @@ def test_checksums_as_seaweedfs_keeps_them(tmp_path) -> None:
             return combined
 
         assert trio.run(main) == stated.crc  # the blocks' CRCs combine to SeaweedFS's
+
+
+# -- the test proxies themselves ----------------------------------------------------------------
+def test_the_test_proxies_answer_head_with_the_objects_length(bucket, s3_endpoint) -> None:
+    """A HEAD through either proxy said Content-Length: 0 (the length of the body it
+    forwarded, which a HEAD never has): a test through them saw every object as empty."""
+    put(bucket, "h.bin", b"x" * 12_345)
+    with FaultProxy(s3_endpoint) as proxy:
+        assert S3Store(bucket[1], endpoint_url=proxy.url).head("h.bin").size == 12_345
+    with ForwardProxy() as fwd:
+        import boto3
+        import botocore.config
+
+        client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
+                              config=botocore.config.Config(proxies={"http": fwd.url}))
+        assert client.head_object(Bucket=bucket[1], Key="h.bin")["ContentLength"] == 12_345
+        assert fwd.seen and fwd.seen[-1][0] == "HEAD"
