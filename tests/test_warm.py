@@ -104,6 +104,26 @@ def test_warm_manifest_that_is_not_text_is_one_line(bucket, mount_factory, tmp_p
     assert "not UTF-8" in lines[0] and str(manifest) in lines[0]
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "# nothing to warm today\n"],
+                         ids=["empty", "blank-lines", "comment-only"])
+def test_warm_manifest_listing_nothing_warms_nothing(bucket, mount_factory, tmp_path, text):
+    """A manifest that lists no path (a selection that matched nothing, a file not written
+    yet) warmed the whole mount, as if no path had been given: every byte of the dataset
+    fetched into the cache. It is now one line and exit 2, and nothing is fetched."""
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds", "--list-ahead", "0")
+    gets = m.gets()
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text(text)
+    proc = run_cachefs("warm", str(m.path), "--manifest", str(manifest))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
+    assert "lists no path" in lines[0] and str(manifest) in lines[0]
+    assert m.gets() == gets
+
+
 def test_warm_rejects_paths_outside_the_mount(bucket, mount_factory, tmp_path):
     client, name = bucket
     _populate(client, name)

@@ -78,6 +78,8 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
         except UnicodeDecodeError:
             raise ConfigError(f"manifest {manifest!r} is not UTF-8 text (one path per "
                               "line)") from None
+        if not lines and not paths:  # (not the whole mount, as no path at all means)
+            raise ConfigError(f"manifest {manifest!r} lists no path to warm")
         wanted += [ln if os.path.isabs(ln) else os.path.join(mp, ln) for ln in lines]
     rel = relative_paths(mp, wanted) if wanted else [""]
     if not 1 <= parallel <= WARM_PARALLEL_MAX:
