@@ -19,8 +19,10 @@ from __future__ import annotations
 import bisect
 import errno
 import itertools
+import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +44,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from cachefs import __version__
 from cachefs.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -876,6 +880,15 @@ class _MetricsServer(ThreadingWSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that reset its connection, or sent nothing until it was cut off, is
+        its own business (socketserver printed a traceback to the log for each: any local
+        process could fill the log); anything else is one log line."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            return
+        log.warning("metrics: serving %s failed: %r", client_address[0], exc)
 
 
 def serve_metrics(addr: str) -> tuple[str, int]:

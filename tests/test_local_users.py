@@ -242,6 +242,33 @@ def test_idle_connections_to_the_metrics_port_do_not_pile_up_threads(bucket, mou
     assert b"cachefs_build_info" in page
 
 
+def test_metrics_clients_that_go_away_mid_request_leave_no_traceback(bucket, mount_factory):
+    """A client of the metrics port that reset its connection while sending its request
+    (or sent nothing until it was cut off) made the daemon write socketserver's traceback,
+    a dozen lines under 'Exception occurred during processing of request', into its log:
+    any local process could fill the log with them. Such a client is its own business
+    now: nothing is logged, and scrapes go on."""
+    import socket
+    import struct
+    import urllib.request
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    host, port = m.metrics_addr.rsplit(":", 1)
+    for i in range(8):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GET /met")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # (linger 0: a reset, not an orderly end)
+    for _ in range(8):  # (served after the connections above, METRICS_SCRAPERS at a time)
+        page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=120).read()
+        assert b"cachefs_build_info" in page
+    assert (m.path / "a.bin").read_bytes() == b"a"
+    log = m.log()
+    assert "Traceback" not in log and "Exception occurred" not in log, log
+
+
 VICTIM = 65531  # a user without XDG_RUNTIME_DIR: its runtime dir falls back to /tmp
 
 
