@@ -228,6 +228,15 @@ def _path(value: Any) -> Path:
     return Path(text).expanduser()
 
 
+def config_mountpoint(value: Any) -> Path:
+    """The ``mountpoint`` of a config file as ``cachefs mount --config`` reads it (for
+    ``cachefs unmount --config``)."""
+    try:
+        return _mountpoint(value)
+    except ConfigError as exc:
+        raise ConfigError(f"mount point: {exc}") from None
+
+
 def _mountpoint(value: Any) -> Path:
     """The mount point as the kernel will name it: absolute, with the symbolic links on the
     way resolved (the kernel mounts on their target, and the registry, the control socket
@@ -482,11 +491,8 @@ def resolve(
         raise ConfigError("missing source: give s3://BUCKET[/PREFIX]")
     if "mountpoint" not in merged:
         raise ConfigError("missing mount point")
-    try:
-        mountpoint = _mountpoint(merged["mountpoint"])
-    except ConfigError as exc:
-        raise ConfigError(f"mount point: {exc}") from None
-    values: dict[str, Any] = {"source": parse_s3_url(merged["source"]), "mountpoint": mountpoint}
+    values: dict[str, Any] = {"source": parse_s3_url(merged["source"]),
+                              "mountpoint": config_mountpoint(merged["mountpoint"])}
     for opt in OPTIONS:
         raw = merged.get(opt.name, opt.default)
         try:

@@ -239,6 +239,35 @@ def test_a_config_value_of_the_wrong_type_is_refused(mp, tmp_path, line, fragmen
     assert not is_mounted(mp)
 
 
+def test_unmount_reads_the_mount_point_of_a_config_file_as_mount_does(tmp_path, s3_endpoint,
+                                                                      bucket):
+    """'cachefs unmount --config FILE' (the systemd unit's ExecStop) took the file's
+    mountpoint as written: a '~/data' that 'cachefs mount --config FILE' had mounted at the
+    home directory's data was '<cwd>/~/data is not a cachefs mount' (exit 2), so stopping
+    the unit failed; and 'mountpoint = 5' was a directory named 5. Both read it alike now."""
+    _, name = bucket
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    env = {**os.environ, "HOME": str(home)}
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'source = "s3://{name}"\nmountpoint = "~/data"\n'
+                   f'cache_dir = {str(tmp_path / "cache")!r}\nendpoint_url = "{s3_endpoint}"\n')
+    up = run_cachefs("mount", "--config", str(cfg), env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        assert is_mounted(home / "data")
+        down = run_cachefs("unmount", "--config", str(cfg), env=env,
+                           preexec_fn=lambda: os.chdir(tmp_path))
+        assert down.returncode == 0, down.stderr
+        assert not is_mounted(home / "data")
+    finally:
+        if is_mounted(home / "data"):
+            run_cachefs("unmount", "--lazy", str(home / "data"))
+    cfg.write_text("mountpoint = 5\n")
+    proc = run_cachefs("unmount", "--config", str(cfg))
+    assert_one_line_error(proc, "mount point: invalid path 5", code=2)
+
+
 def test_metrics_address_in_use(mp, tmp_path, s3_endpoint, bucket):
     _, name = bucket
     with socket.socket() as s:

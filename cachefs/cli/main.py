@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import __version__
-from cachefs.config import OPTIONS, OPTIONS_BY_NAME, MountConfig, load_config_file, resolve, speculative_window
+from cachefs.config import (
+    OPTIONS,
+    OPTIONS_BY_NAME,
+    MountConfig,
+    config_mountpoint,
+    load_config_file,
+    resolve,
+    speculative_window,
+)
 from cachefs.errors import CachefsError, ConfigError
 
 log = logging.getLogger("cachefs")
@@ -300,7 +308,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         values = load_config_file(args.config)
         if "mountpoint" not in values:
             raise ConfigError(f"config file {args.config!r} names no mountpoint")
-        mp = registry.as_mounted(str(values["mountpoint"]))
+        mp = registry.as_mounted(config_mountpoint(values["mountpoint"]))
     else:
         raise ConfigError("give the mount point (or --config FILE)")
     if not 0 <= args.timeout < float("inf"):  # (nan too)
