@@ -379,7 +379,8 @@ OPTIONS: tuple[Option, ...] = (
            "Endpoint URL of the shared cache tier (default: AWS; the zonal endpoint for a "
            "directory bucket).", metavar="URL"),
     Option("shared_cache_region", _opt_str, None,
-           "Region of the shared cache tier (default: --region, else from the AWS config).",
+           "Region of the shared cache tier (default: the one S3 names for its bucket; "
+           "until it does, --region, else the AWS config's).",
            metavar="REGION"),
     Option("shared_cache_profile", _opt_str, None,
            "AWS profile with the shared cache tier's credentials (default: the same "

@@ -230,7 +230,8 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
     client = open_tier_client(
         url.bucket, endpoint_url=cfg.shared_cache_endpoint_url,
         region=cfg.shared_cache_region or cfg.region, profile=cfg.shared_cache_profile,
-        anonymous=cfg.no_sign_request and not cfg.shared_cache_profile, timeout=timeout)
+        anonymous=cfg.no_sign_request and not cfg.shared_cache_profile, timeout=timeout,
+        follow_region=cfg.shared_cache_region is None)
     settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),
                               queue_bytes=publish_queue_bytes)
     return SharedTier(client, SharedLayout(url.prefix, cfg.source.bucket, cfg.block_size),

@@ -672,6 +672,38 @@ def test_bucket_in_another_region_is_read_without_region(bucket, s3_endpoint, mo
         assert proxy.faults["wrong_region"] >= 1  # the lookup's first request was refused
 
 
+@pytest.mark.parametrize("redirect", [False, True], ids=["400-malformed", "301-redirect"])
+def test_a_shared_tier_in_another_region_than_the_source_is_used(bucket, s3_endpoint,
+                                                                  mount_factory, redirect):
+    """The tier is in the compute region, the source typically in another; the tier's
+    requests were signed for --region (the source's) or the AWS config's: S3 refused
+    every one (400 AuthorizationHeaderMalformed, or 301 PermanentRedirect), and the tier
+    never served or stored a block, with a log line naming only the error. Without
+    --shared-cache-region the tier's client now takes the region S3 names, as the
+    source's does."""
+    client, name = bucket
+    tier = f"tier-{uuid.uuid4().hex[:10]}"
+    client.create_bucket(Bucket=tier)
+    data = bytes(range(256)) * 500
+    client.put_object(Bucket=name, Key="a.bin", Body=data)
+
+    def published() -> int:
+        listed = client.list_objects_v2(Bucket=tier, Prefix="cache/").get("Contents", [])
+        return sum(1 for o in listed if not o["Key"].startswith("cache/leases/"))
+
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.bucket_region = "eu-west-1"
+        proxy.redirect = redirect
+        m = mount_factory(f"s3://{name}", "--region", "us-east-1", "--block-size", "64K",
+                          "--shared-cache", f"s3://{tier}/cache",
+                          "--shared-cache-endpoint-url", proxy.url,
+                          "--shared-cache-timeout", "10s")
+        assert (m.path / "a.bin").read_bytes() == data
+        wait_for(lambda: published() == 2, what="a.bin's blocks in the tier", timeout=30)
+        assert "eu-west-1" in m.log()
+        assert "refuses writes" not in m.log()
+
+
 def test_a_mount_opens_at_most_64_connections_ahead_of_its_reads(bucket, s3_endpoint,
                                                                   mount_factory):
     """At mount, half of --max-connections (256 by default) are opened ahead of the first

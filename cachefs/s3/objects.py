@@ -45,11 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import logging
 import queue
 import re
 import socket
+import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from botocore.auth import S3ExpressAuth, S3SigV4Auth
@@ -70,6 +73,7 @@ from cachefs.s3.credentials import FileCredentials
 from cachefs.s3.errors import NO_CREDENTIALS, error_for_response
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+_REGION_RE = re.compile(rb"<Region>([^<]+)</Region>")
 
 
 class _UnsignedPayload:
@@ -78,6 +82,8 @@ class _UnsignedPayload:
 
     s3 = {"payload_signing_enabled": False}
 _SESSION_ERRORS = ("ExpiredToken", "InvalidToken", "TokenRefreshRequired")
+
+log = logging.getLogger(__name__)
 
 
 class RequestTimeout(TransientStoreError):
@@ -103,8 +109,33 @@ class ObjectClient:
     def __init__(self, bucket: str, *, endpoint_url: str, region: str, credentials: Any,
                  anonymous: bool = False, express_sessions: bool | None = None,
                  max_connections: int = 32, connect_timeout: float = 1.0,
-                 read_timeout: float = 2.0, session_mode: str | None = None) -> None:
+                 read_timeout: float = 2.0, session_mode: str | None = None,
+                 follow_region: bool = False,
+                 endpoint_for: Callable[[str], str] | None = None) -> None:
         self.bucket = bucket
+        self._connect_timeout = connect_timeout
+        self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
+            maxsize=max_connections)
+        self._set_endpoint(endpoint_url)
+        self.region = region
+        # (``follow_region``: the region was not given, so the one S3 names when it refuses
+        # a request signed for another is taken; the endpoint too when ``endpoint_for``
+        # made it from the region)
+        self._follow_region = follow_region
+        self._endpoint_for = endpoint_for
+        self._generation = 0  # (of the endpoint: connections to an earlier one are closed)
+        self._moving = threading.Lock()
+        self._credentials = credentials
+        self._anonymous = anonymous
+        self._read_timeout = read_timeout
+        self._session_mode = session_mode
+        if express_sessions is None:
+            express_sessions = (express.is_directory_bucket(bucket)
+                                and not express.session_auth_disabled())
+        self.sessions = (express.ExpressSessions(self.create_session)
+                         if express_sessions and not anonymous else None)
+
+    def _set_endpoint(self, endpoint_url: str) -> None:
         url = urllib.parse.urlsplit(endpoint_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"bad endpoint URL {endpoint_url!r}")
@@ -112,30 +143,44 @@ class ObjectClient:
         host = url.hostname
         # AWS endpoints: virtual-hosted style (the only style directory buckets accept);
         # other S3-compatible servers: path style, as boto3 does with an endpoint URL.
-        virtual = host.endswith(".amazonaws.com") and "." not in bucket
-        self._host = f"{bucket}.{host}" if virtual else host
+        virtual = host.endswith(".amazonaws.com") and "." not in self.bucket
+        self._host = f"{self.bucket}.{host}" if virtual else host
         self._port = url.port or (443 if self._https else 80)
         netloc = self._host if url.port is None else f"{self._host}:{url.port}"
         self._base = f"{url.scheme}://{netloc}"
-        self._path_prefix = "" if virtual else "/" + urllib.parse.quote(bucket)
-        self.region = region
-        self._credentials = credentials
-        self._anonymous = anonymous
-        self._read_timeout = read_timeout
-        self._session_mode = session_mode
-        self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
-            maxsize=max_connections)
+        self._path_prefix = "" if virtual else "/" + urllib.parse.quote(self.bucket)
         self._connector = Connector(self._host, self._port, https=self._https,
-                                    connect_timeout=connect_timeout)
-        if express_sessions is None:
-            express_sessions = (express.is_directory_bucket(bucket)
-                                and not express.session_auth_disabled())
-        self.sessions = (express.ExpressSessions(self.create_session)
-                         if express_sessions and not anonymous else None)
+                                    connect_timeout=self._connect_timeout)
 
     @property
     def endpoint(self) -> str:
         return self._base
+
+    def _region_named(self, status: int, headers: dict[str, str], body: bytes) -> str | None:
+        """The bucket's region, when S3 refused a request for being signed for (or sent
+        to) another: 400 AuthorizationHeaderMalformed or 301 PermanentRedirect."""
+        if status not in (301, 400) or (status == 400 and self._code(body)
+                                        != "AuthorizationHeaderMalformed"):
+            return None
+        region = headers.get("x-amz-bucket-region")
+        if not region:
+            m = _REGION_RE.search(body)
+            region = m.group(1).decode(errors="replace") if m else None
+        return region or None
+
+    def _move_to(self, region: str) -> None:
+        """Sign for ``region`` from now on (and send to its endpoint, when the endpoint was
+        made from the region); one log line."""
+        with self._moving:
+            if region == self.region:
+                return
+            old, self.region = self.region, region
+            if self._endpoint_for is not None:
+                self._set_endpoint(self._endpoint_for(region))
+                self._generation += 1
+        self.close()
+        log.warning("s3://%s is in %s, not %s: signing for %s (--shared-cache-region %s says "
+                    "so at mount)", self.bucket, region, old, region, region)
 
     # -- connections ------------------------------------------------------------------
     def _connect(self) -> http.client.HTTPConnection:
@@ -156,7 +201,10 @@ class ObjectClient:
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _release(self, conn: http.client.HTTPConnection) -> None:
+    def _release(self, conn: http.client.HTTPConnection, generation: int) -> None:
+        if generation != self._generation:  # (to an endpoint no longer used)
+            conn.close()
+            return
         try:
             self._pool.put_nowait(conn)
         except queue.Full:
@@ -209,6 +257,7 @@ class ObjectClient:
         metrics.SHARED_REQUESTS.labels(op).inc()
         t0 = time.monotonic()
         conn: http.client.HTTPConnection | None = None
+        generation = self._generation
         try:
             conn = self._connect()
             assert conn.sock is not None
@@ -235,7 +284,7 @@ class ObjectClient:
         finally:
             metrics.SHARED_LATENCY.labels(op).observe(time.monotonic() - t0)
         if reusable:
-            self._release(conn)
+            self._release(conn, generation)
         else:
             conn.close()
         return status, got, data
@@ -252,6 +301,12 @@ class ObjectClient:
                     and self._code(data) in _SESSION_ERRORS):
                 assert self.sessions is not None
                 self.sessions.invalidate(session)
+                continue
+            region = (self._region_named(status, got, data)
+                      if self._follow_region and attempt == 0 else None)
+            if region is not None:  # (moved already by a request at the same time: again)
+                self._move_to(region)
+                path = self._path(key)  # (virtual-hosted or not, as the endpoint is)
                 continue
             return status, got, data
         raise AssertionError("unreachable")
@@ -306,13 +361,17 @@ class ObjectClient:
 
 
 def open_tier_client(bucket: str, *, endpoint_url: str | None, region: str | None,
-                     profile: str | None, anonymous: bool, timeout: float) -> ObjectClient:
+                     profile: str | None, anonymous: bool, timeout: float,
+                     follow_region: bool = False) -> ObjectClient:
     """The client of a shared tier in ``bucket``, credentials from the AWS profile
     ``profile`` (default chain if None) unless ``anonymous``; ``region`` defaults to the
     profile's (else us-east-1) and ``endpoint_url`` to the region's S3 endpoint, or the
-    zonal endpoint of an S3 Express directory bucket. Makes no request; a missing
-    credential fails each request later. Raises ConfigError for a profile that does not
-    exist or an unusable endpoint URL (the flags named, for the one-line error)."""
+    zonal endpoint of an S3 Express directory bucket. With ``follow_region`` (the tier's
+    region was not given) the region S3 names when it refuses a request signed for
+    another is taken instead (and its endpoint, unless ``endpoint_url`` was given). Makes
+    no request; a missing credential fails each request later. Raises ConfigError for a
+    profile that does not exist or an unusable endpoint URL (the flags named, for the
+    one-line error)."""
     import boto3
     import botocore.exceptions
 
@@ -321,16 +380,22 @@ def open_tier_client(bucket: str, *, endpoint_url: str | None, region: str | Non
     except botocore.exceptions.ProfileNotFound:
         raise ConfigError(f"--shared-cache-profile: AWS profile {profile!r} not found") from None
     region = region or session.region_name or "us-east-1"
+
+    def endpoint_for(region: str) -> str:
+        return (express.zonal_endpoint(bucket, region) if express.is_directory_bucket(bucket)
+                else f"https://s3.{region}.amazonaws.com")
+
+    made_from_region = endpoint_url is None
     if endpoint_url is None:
-        endpoint_url = (express.zonal_endpoint(bucket, region)
-                        if express.is_directory_bucket(bucket)
-                        else f"https://s3.{region}.amazonaws.com")
+        endpoint_url = endpoint_for(region)
     credentials = None if anonymous else session.get_credentials()
     if credentials is not None:  # (renewed in their file, they are picked up, as the origin's)
         credentials = FileCredentials(session._session, credentials)
     try:
         return ObjectClient(bucket, endpoint_url=endpoint_url, region=region,
                             credentials=credentials, anonymous=anonymous,
-                            connect_timeout=timeout, read_timeout=timeout)
+                            connect_timeout=timeout, read_timeout=timeout,
+                            follow_region=follow_region,
+                            endpoint_for=endpoint_for if made_from_region else None)
     except ValueError as exc:
         raise ConfigError(f"--shared-cache-endpoint-url: {exc}") from None
