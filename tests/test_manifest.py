@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,28 @@ def test_bad_manifest_is_one_clear_error(tmp_path: Path, text: str, message: str
     p = tmp_path / "bad.csv"
     p.write_text(text)
     with pytest.raises(ConfigError, match=message):
+        objs(p)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"key": "a", "size": true, "etag": "e"}\n', "line 1: invalid size True"),  # was 1 byte
+    ('{"key": "a", "size": 7.9, "etag": "e"}\n', "line 1: invalid size 7.9"),  # was 7
+    ('{"key": "a", "size": "12", "etag": 5}\n', "line 1: invalid ETag 5"),
+    ('{"key": "a", "size": 1, "etag": "e", "mtime": true}\n', "line 1: invalid mtime True"),
+    ("a,1e3,e\n", "line 1: invalid size '1e3'"),  # was int()'s own words
+    ("a, 12 ,e\n", None),
+], ids=["size-true", "size-fraction", "etag-number", "mtime-true", "size-1e3", "size-spaced"])
+def test_a_manifest_value_of_the_wrong_type_is_refused(tmp_path: Path, text: str,
+                                                       message: str | None) -> None:
+    """JSON has types: a size given as true was a file of 1 byte, 7.9 one of 7 (reads then
+    failed with ESTALE, the object being another size); a size CSV could not read was
+    told in int()'s words. A size is a whole number, an ETag a string."""
+    p = tmp_path / "m.csv"
+    p.write_text(text)
+    if message is None:
+        assert objs(p) == [ObjectInfo("a", 12, "e", 0.0)]
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
         objs(p)
 
 

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import urllib.parse
 import zlib
@@ -72,6 +73,8 @@ MAX_SIZE = (1 << 63) - 1
 def _mtime(value: Any) -> float:
     if value is None or value == "":
         return 0.0
+    if isinstance(value, bool):
+        raise ValueError(f"invalid mtime {value!r}")
     if isinstance(value, (int, float)):
         return _finite_mtime(float(value))
     text = str(value).strip()
@@ -93,11 +96,33 @@ def _finite_mtime(value: float) -> float:
     return value
 
 
+_DIGITS = re.compile(r"\s*[0-9]+\s*")
+
+
+def _size(value: Any) -> int:
+    """A size as JSON or CSV gives it: a whole number (not true, 7.9 or 1e3)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # (1234.0: a float column written out)
+    if isinstance(value, str) and _DIGITS.fullmatch(value):
+        return int(value)
+    raise ValueError(f"invalid size {value!r}: expected a whole number of bytes")
+
+
+def _etag(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"invalid ETag {value!r}: expected a string")
+    return value.strip('"')
+
+
 def _record(key: Any, size: Any, etag: Any, mtime: Any, where: str) -> ObjectInfo:
     if not isinstance(key, str) or not key:
         raise ConfigError(f"{where}: missing key")
     try:
-        obj = ObjectInfo(key, int(size), str(etag or "").strip('"'), _mtime(mtime))
+        obj = ObjectInfo(key, _size(size), _etag(etag), _mtime(mtime))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if not 0 <= obj.size <= MAX_SIZE:
