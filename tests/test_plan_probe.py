@@ -250,3 +250,20 @@ def test_probe_for_a_time_that_is_not_a_number_is_one_line(bucket, s3_endpoint, 
                        "--seconds", seconds, timeout=60)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("cachefs: error:") and "--seconds" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--parallel", "100000"), ("--samples", "100000000"),
+                                         ("--seconds", "1e9")])
+def test_probe_asked_for_more_than_it_can_do_is_one_line(bucket, s3_endpoint, flag, value):
+    """'--parallel 100000' started a thread per stream: the threads' tracebacks (no more
+    connections, no more threads) filled the terminal and the probe never ended;
+    '--samples 100000000' or '--seconds 1e9' ran for days. Each is bounded now, in one
+    line, before any request."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="p/obj", Body=b"z" * 1024)
+    proc = run_cachefs("probe", f"s3://{name}/p", "--endpoint-url", s3_endpoint, flag, value,
+                       timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("cachefs: error:") and proc.stderr.count("\n") == 1, \
+        proc.stderr
+    assert flag in proc.stderr and "Traceback" not in proc.stderr

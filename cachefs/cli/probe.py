@@ -42,6 +42,13 @@ def _objects(store: S3Store, prefix: str, want: int = 1000) -> tuple[list[Object
     return found, first_latency
 
 
+#: Bounds of the probe's flags: streams (each a thread and a connection, as the mount's
+#: --max-connections), latency samples (one GET after the other) and seconds per test.
+PARALLEL_MAX = 1024
+SAMPLES_MAX = 10_000
+SECONDS_MAX = 3600
+
+
 def probe(store: S3Store, prefix: str, *, samples: int, parallel: int,
           seconds: float) -> dict[str, Any]:
     objects, list_latency = _objects(store, prefix)
@@ -106,6 +113,12 @@ def probe_main(args: Any) -> int:
         raise ConfigError("--samples, --parallel and --seconds must be positive")
     if not math.isfinite(args.seconds):  # nan measures nothing; inf never ends
         raise ConfigError(f"--seconds must be a finite number, not {args.seconds}")
+    # (a thread and a connection per stream; the samples are taken one after the other)
+    for flag, value, most in (("--parallel", args.parallel, PARALLEL_MAX),
+                              ("--samples", args.samples, SAMPLES_MAX),
+                              ("--seconds", args.seconds, SECONDS_MAX)):
+        if value > most:
+            raise ConfigError(f"{flag} {value:g}: at most {most}")
     store = S3Store(url.bucket, endpoint_url=args.endpoint_url, region=args.region,
                     max_connections=max(args.parallel, 4), anonymous=args.no_sign_request)
     if args.region is None:
