@@ -268,6 +268,33 @@ def test_unmount_reads_the_mount_point_of_a_config_file_as_mount_does(tmp_path, 
     assert_one_line_error(proc, "mount point: invalid path 5", code=2)
 
 
+def test_a_daemon_started_inside_another_mount_does_not_keep_it_busy(tmp_path, s3_endpoint,
+                                                                     bucket, mount_factory):
+    """The daemon kept the working directory 'cachefs mount' was run from for its whole
+    life: mounted from inside another mount (or any file system), it kept that one busy,
+    and 'cachefs unmount' of it was refused ('in use by pid ... (python)'). The daemon
+    now works from /, its relative paths (a manifest, the AWS files) made absolute first."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/a.bin", Body=b"a" * 1000)
+    first = mount_factory(f"s3://{name}")
+    etag = client.head_object(Bucket=name, Key="d/a.bin")["ETag"].strip('"')
+    (tmp_path / "m.csv").write_text(f"d/a.bin,1000,{etag}\n")
+    second = tmp_path / "second"
+    second.mkdir()
+    proc = run_cachefs("mount", f"s3://{name}", str(second), "--cache-dir",
+                       str(tmp_path / "cache2"), "--endpoint-url", s3_endpoint,
+                       "--manifest", "../../m.csv",  # (from the working directory)
+                       preexec_fn=lambda: os.chdir(first.path / "d"))
+    assert proc.returncode == 0, proc.stderr
+    try:
+        assert (second / "d" / "a.bin").read_bytes() == b"a" * 1000
+        down = run_cachefs("unmount", str(first.path))
+        assert down.returncode == 0, down.stderr
+        assert (second / "d" / "a.bin").read_bytes() == b"a" * 1000
+    finally:
+        run_cachefs("unmount", "--lazy", str(second))
+
+
 def test_metrics_address_in_use(mp, tmp_path, s3_endpoint, bucket):
     _, name = bucket
     with socket.socket() as s:

@@ -8,6 +8,7 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage/configuration error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import select
@@ -211,11 +212,37 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+#: AWS settings that name files, which the SDK may read again later (credentials renewed
+#: in place, a new session's configuration).
+_AWS_FILE_VARIABLES = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_CA_BUNDLE",
+                       "AWS_WEB_IDENTITY_TOKEN_FILE")
+
+
+def _leave_working_directory(cfg: MountConfig) -> MountConfig:
+    """The daemon works from /: the directory it was started in, kept for its whole life,
+    would keep the file system holding it busy (another mount could not be unmounted).
+    Relative paths it reads later (the manifest, the AWS files) are made absolute first."""
+    for var in _AWS_FILE_VARIABLES:
+        value = os.environ.get(var)
+        if value and not os.path.isabs(os.path.expanduser(value)):
+            os.environ[var] = os.path.abspath(value)
+    for name in ("manifest", "log_file"):
+        value = getattr(cfg, name)
+        if value and not os.path.isabs(os.path.expanduser(value)):
+            cfg = dataclasses.replace(cfg, **{name: os.path.abspath(value)})
+    try:
+        os.chdir("/")
+    except OSError:  # (then it stays where it is, as before)
+        pass
+    return cfg
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     cfg = _mount_config(args)
     ready_fd = os.environ.pop(READY_FD_ENV, None)
     if not args.foreground:
         return _spawn_daemon(cfg, args.argv)
+    cfg = _leave_working_directory(cfg)
     _setup_logging(cfg.log_level)
 
     def report(message: str) -> None:
