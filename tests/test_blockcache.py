@@ -190,6 +190,24 @@ def test_missing_block_file_is_a_miss(make_cache) -> None:  # type: ignore[no-un
     assert c.cache.used == 0 and c.cache.block_count == 0
 
 
+def test_a_cache_whose_objects_directory_was_removed_stores_blocks_again(make_cache, cache_writes: str) -> None:  # type: ignore[no-untyped-def]
+    """The objects directory removed under a running daemon (an operator freeing space, a
+    cleaner of old files under /var/tmp once the cache was empty): every later block
+    failed to be written ('No such file or directory'), was served from memory and S3
+    only, and warm called the cache full, until a restart. The directory is made again."""
+    import shutil
+
+    c = make_cache()
+    assert c.put(bid(0), data(0))
+    shutil.rmtree(c.cache.objects_dir)
+    assert c.get(bid(0)) is None  # (a miss, fetched again)
+    assert c.put(bid(1), data(1))
+    assert c.get(bid(1)) == data(1)
+    assert c.put(bid(0), data(0))
+    assert c.get(bid(0)) == data(0)
+    assert (c.cache.objects_dir.stat().st_mode & 0o777) == 0o700
+
+
 def test_keep_policy_rejects_when_full_and_keeps_old_blocks(make_cache) -> None:  # type: ignore[no-untyped-def]
     c = make_cache(capacity=3 * BLOCK, policy="keep")
     rejects = metrics.REGISTRY.get_sample_value("cachefs_cache_admission_rejected_total") or 0.0

@@ -85,6 +85,16 @@ class ObjectFiles:
         except OSError as exc:
             raise CacheError(f"cannot create cache directories in {root}: {exc.strerror}") from exc
 
+    def _make_objects_dir(self) -> None:
+        """Make the objects directory again: removed under a running daemon (an operator
+        freeing space, a cleaner of old files once the cache was empty), every later
+        block would fail to be written until a restart. Its blocks in the index are
+        misses, found as such when read."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.objects_dir, 0o700)
+            log.warning("the cache's objects directory %s was removed; made it again",
+                        self.objects_dir)
+
     def path(self, oid: bytes) -> str:
         """The object's file: ``objects/<first two hex digits>/<hex id>``. A plain string,
         built on every cache write, read and passthrough open (``pathlib`` costs ~12 us a
@@ -102,12 +112,22 @@ class ObjectFiles:
         a contended lock costs the thread a sleep and a wake-up."""
         path = self.path(oid)
         if _cachefile is not None:
-            return _cachefile.write_at(path, data, offset)
+            try:
+                return _cachefile.write_at(path, data, offset)
+            except FileNotFoundError:  # (the objects directory itself is gone: see below)
+                self._make_objects_dir()
+                return _cachefile.write_at(path, data, offset)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.mkdir(os.path.dirname(path), 0o700)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                self._make_objects_dir()
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.dirname(path), 0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(data)
