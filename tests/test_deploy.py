@@ -83,7 +83,7 @@ def test_unit_runs_the_configured_instance_under_the_contract() -> None:
     # A dead mount left by a killed daemon is the daemon's to detach (tests/test_crash.py);
     # a lazy unmount before start would also detach a live mount someone else made.
     assert "Service.ExecStartPre" not in s
-    assert s["Service.ExecStop"] == [f"{CACHEFS} unmount --config {CONFIG}"]
+    assert s["Service.ExecStop"] == [f"{CACHEFS} unmount --config {CONFIG} --quiet"]
     assert s["Service.Restart"] == ["on-failure"]
     assert s["Service.KillMode"] == ["mixed"]
     assert int(s["Service.TimeoutStartSec"][0]) >= 90
@@ -95,6 +95,52 @@ def test_unit_runs_the_configured_instance_under_the_contract() -> None:
     namespacing = {"PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateMounts",
                    "PrivateDevices", "ReadOnlyPaths", "TemporaryFileSystem"}
     assert not {key.split(".", 1)[1] for key in s} & namespacing
+
+
+def _stop_command(config: Path) -> list[str]:
+    """The unit's ExecStop for an instance whose config is ``config``, run with this
+    interpreter's cachefs."""
+    import shlex
+    import sys
+
+    (line,) = unit_settings(UNIT.read_text())["Service.ExecStop"]
+    argv = shlex.split(line.replace(CONFIG, str(config)))
+    assert argv[0] == CACHEFS
+    return [sys.executable, "-m", "cachefs", *argv[1:]]
+
+
+@pytest.mark.fuse
+def test_the_units_stop_succeeds_whether_or_not_the_mount_is_still_there(
+        tmp_path: Path, bucket: tuple[object, str], s3_endpoint: str) -> None:
+    """systemd runs ExecStop whenever a unit that started is stopped, also when the daemon
+    has ended on its own: unmounted by hand ('cachefs unmount /mnt/data'), or killed and
+    its dead mount detached. ExecStop then said '... is not a cachefs mount' and exited
+    2, so stopping the unit failed and it was left 'failed'. It unmounts a live mount,
+    and succeeds when there is none."""
+    from tests.conftest import fuse_unusable_reason, is_mounted, run_cachefs
+
+    reason = fuse_unusable_reason()
+    if reason:
+        pytest.skip(reason)
+    _, name = bucket
+    mp = tmp_path / "data"
+    mp.mkdir()
+    config = tmp_path / "data.toml"
+    config.write_text(f'source = "s3://{name}"\nmountpoint = "{mp}"\n'
+                      f'cache_dir = "{tmp_path / "cache"}"\nendpoint_url = "{s3_endpoint}"\n')
+    try:
+        for by_hand in (False, True):
+            up = run_cachefs("mount", "--config", str(config))
+            assert up.returncode == 0, up.stderr
+            if by_hand:
+                assert run_cachefs("unmount", str(mp)).returncode == 0
+            stop = subprocess.run(_stop_command(config), capture_output=True, text=True,
+                                  timeout=120)
+            assert stop.returncode == 0, stop.stderr
+            assert not is_mounted(mp)
+    finally:
+        if is_mounted(mp):
+            run_cachefs("unmount", "--lazy", str(mp))
 
 
 def test_install_script_uses_the_repository_unit_and_config_keys() -> None:
