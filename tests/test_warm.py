@@ -124,6 +124,24 @@ def test_warm_manifest_listing_nothing_warms_nothing(bucket, mount_factory, tmp_
     assert m.gets() == gets
 
 
+def test_warm_of_an_empty_directory_warms_nothing_and_succeeds(bucket, mount_factory):
+    """A directory the mount shows with nothing in it (a folder marker, a folder whose
+    keys cannot be file names) was 'failed: empty: no such file or directory' and exit 1,
+    though 'ls' lists it: it is now 0 objects warmed, exit 0. A path that is not there is
+    still a failure."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="ds/empty/", Body=b"")
+    client.put_object(Bucket=name, Key="ds/a.bin", Body=b"a" * 1000)
+    m = mount_factory(f"s3://{name}/ds")
+    assert (m.path / "empty").is_dir() and list((m.path / "empty").iterdir()) == []
+    proc = run_cachefs("warm", str(m.path), "empty")
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "warmed 0 of 0 objects" in proc.stdout
+    missing = run_cachefs("warm", str(m.path), "nosuch")
+    assert missing.returncode == 1
+    assert "failed: nosuch: no such file or directory" in missing.stderr
+
+
 def test_warm_rejects_paths_outside_the_mount(bucket, mount_factory, tmp_path):
     client, name = bucket
     _populate(client, name)

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from cachefs import metrics
+from cachefs.cache.index import enc
 from cachefs.cache.metadata import Metadata
 from cachefs.errors import CachefsError
 from cachefs.read.fetcher import Fetcher, ObjectVersion
@@ -91,8 +92,11 @@ async def _walk(metadata: Metadata, root: str, rel_paths: Sequence[str],
             prefix = key + "/" if rel else root
             await metadata.ensure(prefix)
             if rel and metadata.count(prefix) == 0:
-                await send.send((rel, None))
-                continue
+                parent = key[:key.rfind("/") + 1]
+                found = await metadata.lookup(parent, enc(key[len(parent):]))
+                if found is None or not found.is_dir:
+                    await send.send((rel, None))
+                continue  # (a directory with nothing in it: nothing to warm)
             stack = [prefix]
             while stack:
                 d = stack.pop()
