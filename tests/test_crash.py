@@ -298,3 +298,46 @@ def test_sighup_and_the_user_signals_leave_the_mount_serving(bucket, mount_facto
     client.put_object(Bucket=name, Key="b.txt", Body=b"beta")
     assert (m.path / "a.txt").read_bytes() == b"alpha"
     assert daemon_pid(m.path) == pid
+
+
+def test_sighup_and_the_user_signals_during_start_up_are_ignored_too(bucket, tmp_path):
+    """The daemon took these signals only once it served: one arriving while it started
+    (checking the bucket, reading a large index; a foreground daemon whose terminal
+    closed, a log rotation's "kill -USR1" meeting a restart) ended it at once, by the
+    signal's default action, with not a line said. They are ignored from the start. (S3
+    is a socket that never answers here, so the start-up waits on it.)"""
+    import socket
+    import sys
+
+    _, name = bucket
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # (connections are made, never answered)
+    port = silent.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
+         str(tmp_path / "cache"), "--endpoint-url", f"http://127.0.0.1:{port}",
+         "--foreground"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # (the daemon has started its start-up checks)
+            lines.append(line)
+            if "open-file limit" in line:
+                break
+        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            proc.send_signal(sig)
+        silent.close()  # (sent already: S3 now refuses, and the start-up fails at once)
+        rest = proc.stderr.read()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        silent.close()
+    assert code > 0, f"ended by signal {-code}: {''.join(lines)}{rest}"
+    assert rest.strip().splitlines()[-1].startswith("cachefs: error: "), rest
+    assert "Traceback" not in rest
+    assert not is_mounted(mp)

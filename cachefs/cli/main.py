@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -243,6 +244,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not args.foreground:
         return _spawn_daemon(cfg, args.argv)
     cfg = _leave_working_directory(cfg)
+    # Ignored from the start, not only once the daemon serves (it then logs them): their
+    # default action would end it while it starts, without a word.
+    for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
     _setup_logging(cfg.log_level)
 
     def report(message: str) -> None:
