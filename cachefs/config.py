@@ -550,3 +550,12 @@ def _check_ranges(cfg: MountConfig) -> None:
                                      or cfg.shared_cache_region):
         raise ConfigError("--shared-cache-endpoint-url, --shared-cache-region and "
                           "--shared-cache-profile need --shared-cache s3://BUCKET[/PREFIX]")
+    tier = cfg.shared_cache
+    same_store = (cfg.shared_cache_endpoint_url is None or (
+        cfg.endpoint_url is not None
+        and cfg.shared_cache_endpoint_url.rstrip("/") == cfg.endpoint_url.rstrip("/")))
+    if (tier is not None and same_store and tier.bucket == cfg.source.bucket
+            and tier.prefix.startswith(cfg.source.prefix)):
+        raise ConfigError(f"--shared-cache {tier} is inside the source {cfg.source}: the "
+                          "blocks it holds would appear in the mount among the dataset's "
+                          "files; give a prefix outside the source, or another bucket")

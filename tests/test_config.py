@@ -380,6 +380,30 @@ def test_shared_cache_bad_values(cli: dict[str, Any], needle: str) -> None:
         make(cli)
 
 
+@pytest.mark.parametrize(("cli", "refused"), [
+    ({"shared_cache": "s3://bucket/data/cache"}, True),
+    ({"shared_cache": "s3://bucket/data"}, True),
+    ({"shared_cache": "s3://bucket/data/cache", "endpoint_url": "http://10.0.0.1:9000",
+      "shared_cache_endpoint_url": "http://10.0.0.1:9000/"}, True),
+    ({"source": "s3://bucket", "shared_cache": "s3://bucket/cache"}, True),
+    ({"shared_cache": "s3://bucket/cache"}, False),
+    ({"shared_cache": "s3://bucket/datasets"}, False),
+    ({"shared_cache": "s3://other/data/cache"}, False),
+    ({"shared_cache": "s3://bucket/data/cache",
+      "shared_cache_endpoint_url": "http://127.0.0.1:8333"}, False),  # (another store)
+], ids=["under-the-source", "the-source", "same-endpoint", "under-the-bucket-root",
+        "beside", "beside-similar-name", "other-bucket", "other-store"])
+def test_a_shared_tier_inside_the_source_is_refused(cli: dict[str, Any], refused: bool) -> None:
+    """A tier in the source's own bucket, under the mounted prefix: the blocks it
+    published appeared in the mount as files (cache/v1/<hash>/0000000000...) among the
+    dataset's, and a training script walking the folder read them as samples."""
+    if refused:
+        with pytest.raises(ConfigError, match=re.escape("inside the source")):
+            make(cli)
+    else:
+        assert make(cli).shared_cache is not None
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com",
                                  "http://[::1]:8333/", "HTTPS://minio.internal"])
 def test_endpoint_urls_accepted(url: str) -> None:
