@@ -124,6 +124,21 @@ def test_warm_manifest_listing_nothing_warms_nothing(bucket, mount_factory, tmp_
     assert m.gets() == gets
 
 
+def test_warm_of_an_empty_path_is_refused_not_the_whole_mount(bucket, mount_factory):
+    """'cachefs warm /mnt/data "$DIR"' with DIR unset or empty warmed the whole mount (the
+    empty path joined to the mount point is the mount point): every byte of the dataset
+    fetched. An empty path is one line and exit 2, as an empty path is to ls or cp."""
+    client, name = bucket
+    _populate(client, name)
+    m = mount_factory(f"s3://{name}/ds", "--list-ahead", "0")
+    gets = m.gets()
+    proc = run_cachefs("warm", str(m.path), "val", "")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: ") and "empty" in lines[0]
+    assert m.gets() == gets
+
+
 def test_warm_of_an_empty_directory_warms_nothing_and_succeeds(bucket, mount_factory):
     """A directory the mount shows with nothing in it (a folder marker, a folder whose
     keys cannot be file names) was 'failed: empty: no such file or directory' and exit 1,

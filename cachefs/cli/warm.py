@@ -68,6 +68,9 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
     mp, sock = find_mount(mountpoint)
     if mount_path(mountpoint, mp) != mp:
         raise ConfigError(f"{mountpoint} is not a cachefs mount point (it is inside {mp})")
+    if any(not p for p in paths):  # ("$DIR" unset: not the whole mount, as it would join)
+        raise ConfigError("an empty path: give a path inside the mount (the mount point "
+                          "itself for all of it)")
     wanted = [p if os.path.isabs(p) else os.path.join(mp, p) for p in paths]
     if manifest:
         try:
