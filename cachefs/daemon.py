@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -176,32 +177,54 @@ def make_store(cfg: MountConfig) -> S3Store:
     return store if cfg.region is not None else store.in_bucket_region()
 
 
+#: Tries of the start-up probe while S3 answers it with throttling or a 5xx (which S3
+#: sends now and then, and more under load: not a reason to fail a mount), waiting a
+#: quarter of a second, doubling, between them (about 8 s in all).
+PROBE_ATTEMPTS = 6
+
+
 def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> None:
     """One request proving the source can be read; a clear StoreError when it cannot.
-    With ``cached`` (the cache directory holds listings of this source: a remount, after a
+    Throttling and 5xx answers are tried again (:data:`PROBE_ATTEMPTS`) first. With
+    ``cached`` (the cache directory holds listings of this source: a remount, after a
     crash say), S3 not answering (a timeout, a refused connection, 5xx) does not stop the
     mount: it serves what is cached, and what is not waits for S3 as any read does (a
     daemon killed by the OOM killer and restarted during a blip of S3 left the node
     without its mount). Wrong credentials, a missing bucket or a refusal still stop it."""
-    try:
-        if cfg.manifest:
-            store.probe_bucket()  # no LIST at all with a manifest
-        else:
-            store.probe(cfg.source.prefix)
-    except TransientStoreError as exc:
-        if cached:
-            log.warning("S3 does not answer (%s); mounting from the cache: what is not cached "
-                        "waits for S3 (retried until --retry-deadline)", exc)
+    delay = 0.25
+    for attempt in range(1, PROBE_ATTEMPTS + 1):
+        try:
+            if cfg.manifest:
+                store.probe_bucket()  # no LIST at all with a manifest
+            else:
+                store.probe(cfg.source.prefix)
             return
-        if isinstance(exc, EndpointUnreachable):
-            where = cfg.endpoint_url or "the AWS S3 endpoint"
-            raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and "
-                             "the server running?)") from None
-        raise StoreError(f"cannot read {cfg.source}: {exc}") from None
-    except CredentialsError:
-        raise
-    except StoreError as exc:
-        raise StoreError(f"cannot read {cfg.source}: {exc}") from None
+        except TransientStoreError as exc:
+            if (cached or exc.reason not in ("throttled", "server_error")
+                    or attempt == PROBE_ATTEMPTS):
+                _probe_failed(exc, cfg, cached=cached)
+                return
+            log.info("S3 answered the start-up check with %s; trying again", exc)
+            time.sleep(delay * random.uniform(0.5, 1.0))  # (jittered: many nodes at once)
+            delay *= 2
+        except CredentialsError:
+            raise
+        except StoreError as exc:
+            raise StoreError(f"cannot read {cfg.source}: {exc}") from None
+
+
+def _probe_failed(exc: TransientStoreError, cfg: MountConfig, *, cached: bool) -> None:
+    """The start-up probe's last transient failure: a remount goes on from its cache,
+    a first mount fails in one line."""
+    if cached:
+        log.warning("S3 does not answer (%s); mounting from the cache: what is not cached "
+                    "waits for S3 (retried until --retry-deadline)", exc)
+        return
+    if isinstance(exc, EndpointUnreachable):
+        where = cfg.endpoint_url or "the AWS S3 endpoint"
+        raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and "
+                         "the server running?)") from None
+    raise StoreError(f"cannot read {cfg.source}: {exc}") from None
 
 
 def index_reserve(cfg: MountConfig) -> int:

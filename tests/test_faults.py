@@ -262,6 +262,22 @@ def test_a_remount_while_s3_is_down_serves_the_cache(proxied):
         assert (m.path / key).read_bytes() == expected
 
 
+@pytest.mark.parametrize("code", ["503", "500"], ids=["slowdown", "internal-error"])
+def test_a_first_mount_rides_out_a_few_throttled_or_failed_answers(bucket, s3_endpoint,
+                                                                   mount_factory, code):
+    """S3 answers 503 SlowDown and 500 InternalError now and then, more under load (a
+    cluster's nodes all mounting at boot): the first such answer to the start-up check
+    failed the mount ('cannot read s3://...: throttled (SlowDown)'), though every read
+    rides them out. The check now tries again a few times first."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a" * 1000)
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.plan = lambda method, path, n: code if n <= 3 else "pass"
+        m = proxied_mount(mount_factory, proxy, name)
+        assert proxy.faults[code] == 3
+        assert (m.path / "a.bin").read_bytes() == b"a" * 1000
+
+
 def test_a_first_mount_while_s3_is_down_fails_with_one_clear_line(bucket, s3_endpoint,
                                                                   mount_factory):
     """Without a cache of the source there is nothing to serve: the mount fails, saying why."""
