@@ -14,6 +14,7 @@ action:
 * ``short``       send half the body with a Content-Length saying so
 * ``flip``        forward an object GET's body with 8 bytes flipped (same length)
 
+``path_prefix`` ("/s3") serves the upstream under that path, as some gateways do.
 ``accepted_keys`` (a set of access key ids) refuses requests signed with any other key
 as S3 does (403 InvalidAccessKeyId). ``set_down(True)`` takes the endpoint away altogether (the listening socket is
 closed, so connections are refused, and open connections are reset);
@@ -99,6 +100,7 @@ class FaultProxy:
         # When set, only requests signed with one of these access keys are forwarded; the
         # others get S3's answer to a key it does not know (403 InvalidAccessKeyId).
         self.accepted_keys: set[str] | None = None
+        self.path_prefix = ""
         self._tls = tls
         self._n = 0
         self._lock = threading.Lock()
@@ -156,6 +158,11 @@ class FaultProxy:
                     n = proxy._n
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if proxy.path_prefix:  # (served under a path, as some gateways are)
+                    if not self.path.startswith(proxy.path_prefix + "/"):
+                        self._answer(404, {}, b"not under " + proxy.path_prefix.encode())
+                        return
+                    self.path = self.path[len(proxy.path_prefix):]
                 if proxy.bucket_region and self._wrong_region():
                     return
                 if proxy.accepted_keys is not None and self._unknown_key():

@@ -720,6 +720,35 @@ def test_a_shared_tier_in_another_region_than_the_source_is_used(bucket, s3_endp
         assert "refuses writes" not in m.log()
 
 
+def test_an_endpoint_under_a_path_is_used_whole(bucket, s3_endpoint, mount_factory):
+    """An S3-compatible gateway served under a path (--endpoint-url http://gw:9000/s3):
+    boto3 (the start-up checks, HEAD) sent to /s3/BUCKET, the lean clients (listings,
+    GETs, the shared tier's requests) to /BUCKET, outside the gateway: the mount failed,
+    or listed nothing. Every client now keeps the endpoint's path."""
+    client, name = bucket
+    tier = f"tier-{uuid.uuid4().hex[:10]}"
+    client.create_bucket(Bucket=tier)
+    data = {f"d/f{i}.bin": bytes([i]) * 100_000 for i in range(3)}
+    for key, body in data.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+
+    def published() -> int:
+        listed = client.list_objects_v2(Bucket=tier, Prefix="cache/").get("Contents", [])
+        return sum(1 for o in listed if not o["Key"].startswith("cache/leases/"))
+
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.path_prefix = "/s3"
+        m = mount_factory(f"s3://{name}", "--block-size", "64K", "--shared-cache",
+                          f"s3://{tier}/cache", "--shared-cache-endpoint-url",
+                          proxy.url + "/s3/", "--shared-cache-timeout", "10s", start=False)
+        m.endpoint = proxy.url + "/s3"
+        m.start()
+        assert sorted(os.listdir(m.path / "d")) == sorted(k[2:] for k in data)
+        for key, body in data.items():
+            assert (m.path / key).read_bytes() == body
+        wait_for(lambda: published() == 6, what="the blocks in the tier", timeout=30)
+
+
 def test_a_mount_opens_at_most_64_connections_ahead_of_its_reads(bucket, s3_endpoint,
                                                                   mount_factory):
     """At mount, half of --max-connections (256 by default) are opened ahead of the first

@@ -148,7 +148,9 @@ class ObjectClient:
         self._port = url.port or (443 if self._https else 80)
         netloc = self._host if url.port is None else f"{self._host}:{url.port}"
         self._base = f"{url.scheme}://{netloc}"
-        self._path_prefix = "" if virtual else "/" + urllib.parse.quote(self.bucket)
+        # (an endpoint under a path, a gateway's /s3, keeps it before the bucket or key)
+        self._path_prefix = url.path.rstrip("/") + (
+            "" if virtual else "/" + urllib.parse.quote(self.bucket))
         self._connector = Connector(self._host, self._port, https=self._https,
                                     connect_timeout=self._connect_timeout)
 

@@ -144,7 +144,9 @@ class RangeClient:
         self._base = f"{url.scheme}://{netloc}"
         # The Host header as the signer computes it (no default port).
         self._host_header = self._host if url.port in (None, 443 if https else 80) else netloc
-        self._path_prefix = "" if virtual else "/" + urllib.parse.quote(bucket)
+        # (an endpoint under a path, a gateway's /s3, keeps it before the bucket or key)
+        self._path_prefix = url.path.rstrip("/") + (
+            "" if virtual else "/" + urllib.parse.quote(bucket))
         self.region = region
         self._signer = SigV4Signer(self._host_header, region)
         self._credentials = credentials
