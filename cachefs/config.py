@@ -283,6 +283,16 @@ def _endpoint_url(value: Any) -> str | None:
     return text
 
 
+def without_password(url: str) -> str:
+    """``url`` with the password of its user part (``http://user:password@host``) left
+    out, for logs and reports."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def _opt_int(value: Any) -> int | None:
     return None if value is None or value == "" else parse_int(value)
 

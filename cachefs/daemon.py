@@ -51,7 +51,7 @@ from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Metadata
 from cachefs.cache.readahead import DiskReadahead
-from cachefs.config import MountConfig, speculative_window
+from cachefs.config import MountConfig, speculative_window, without_password
 from cachefs.control import registry
 from cachefs.control.server import ControlServer
 from cachefs.control.warm import Warmer
@@ -221,7 +221,7 @@ def _probe_failed(exc: TransientStoreError, cfg: MountConfig, *, cached: bool) -
                     "waits for S3 (retried until --retry-deadline)", exc)
         return
     if isinstance(exc, EndpointUnreachable):
-        where = cfg.endpoint_url or "the AWS S3 endpoint"
+        where = without_password(cfg.endpoint_url) if cfg.endpoint_url else "the AWS S3 endpoint"
         raise StoreError(f"cannot reach {where}: no answer (is the endpoint URL right and "
                          "the server running?)") from None
     raise StoreError(f"cannot read {cfg.source}: {exc}") from None
@@ -313,7 +313,7 @@ class Daemon:
         env.keep_reserve(index_reserve(cfg))
         s3 = make_store(cfg)
         probe_store(s3, cfg, cached=_has_listings(env))
-        log.info("S3 endpoint %s, region %s", s3.endpoint, s3.region)
+        log.info("S3 endpoint %s, region %s", without_password(s3.endpoint), s3.region)
         metrics.S3_REGION.labels(s3.region, s3.endpoint).set(1)
         origin = Origin(s3, max_connections=cfg.max_connections, deadline=cfg.retry_deadline)
         metrics.START_TIME.set(self.started_at)

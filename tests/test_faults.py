@@ -800,6 +800,21 @@ def test_credentials_never_reach_the_log(bucket, mount_factory):
     assert SECRET_KEY not in log and ACCESS_KEY not in log
 
 
+def test_a_password_in_the_endpoint_url_never_reaches_the_log(bucket, s3_endpoint,
+                                                              mount_factory):
+    """An endpoint URL with a user and password (a gateway behind basic auth) was logged
+    whole at every mount ('S3 endpoint http://user:password@host')."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="k.bin", Body=b"k" * 1000)
+    m = mount_factory(f"s3://{name}", start=False)
+    m.endpoint = s3_endpoint.replace("http://", "http://gateway-user:hunter2-pw@")
+    m.start()
+    assert (m.path / "k.bin").read_bytes() == b"k" * 1000
+    log = m.log()
+    assert "mounted" in log and "gateway-user" in log
+    assert "hunter2-pw" not in log
+
+
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``path`` (made here) for the block: a small disk to
