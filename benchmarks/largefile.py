@@ -20,9 +20,12 @@ is asked of the file system):
 
 ``--access seq`` reads the file in 1 MiB ``read()`` calls, as ``dd`` or a shard reader does;
 ``--access mmap`` maps it once and has ``--workers`` forked processes fault every 4 KiB page
-in a shuffled order (every page once per epoch). Every byte read is compared with the
-object. The baseline, measured in the same run, is ``local``: the same reads of a copy of
-the object on this machine's disk, with its page cache dropped the same way.
+in a shuffled order (every page once per epoch); ``--access mmap-each`` has ``--workers``
+processes each open and map the file themselves, their maps kept across epochs as well (a
+node's training processes each mapping the same token file), and fault the pages the same
+way. Every byte read is compared with the object. The baseline, measured in the same run, is
+``local``: the same reads of a copy of the object on this machine's disk, with its page cache
+dropped the same way.
 
 Reported per epoch: seconds, MB/s, the ratio to local, the daemon's CPU seconds, and (from
 its metrics) the FUSE READs it answered and the handles it bound to its own read loop late
@@ -94,13 +97,7 @@ def _fault_pages(job: tuple[int, int]) -> bytes:
     is hashed with its index, and the digests XORed (the parent combines the workers' the
     same way: independent of the order)."""
     start, stop = job
-    mapped, order = _MAP["map"], _MAP["order"]
-    acc = 0
-    for i in order[start:stop]:
-        page = mapped[i * PAGE:(i + 1) * PAGE]
-        acc ^= int.from_bytes(xxhash.xxh3_128_digest(page, seed=i),
-                              "little")
-    return acc.to_bytes(16, "little")
+    return _digest_pages(_MAP["map"], _MAP["order"][start:stop]).to_bytes(16, "little")
 
 
 def page_digest(data_path: Path, size: int) -> bytes:
@@ -114,15 +111,88 @@ def page_digest(data_path: Path, size: int) -> bytes:
     return acc.to_bytes(16, "little")
 
 
+def _shuffled_pages(size: int, seed: int) -> list[int]:
+    order = list(range((size + PAGE - 1) // PAGE))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _digest_pages(mapped: mmap.mmap, pages: list[int]) -> int:
+    acc = 0
+    for i in pages:
+        acc ^= int.from_bytes(xxhash.xxh3_128_digest(mapped[i * PAGE:(i + 1) * PAGE], seed=i),
+                              "little")
+    return acc
+
+
+def _map_and_serve(path: str, conn: Any) -> None:
+    """(a reader process of :class:`OwnMaps`) Map ``path`` once, then fault the pages each
+    job names, answering their combined digest, until told None."""
+    fd = os.open(path, os.O_RDONLY)
+    mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    conn.send("mapped")
+    while (job := conn.recv()) is not None:
+        if job == "forget":  # (pages this process maps are not dropped with the page cache)
+            mapped.madvise(mmap.MADV_DONTNEED)
+            conn.send("forgot")
+        else:
+            conn.send(_digest_pages(mapped, job))
+    mapped.close()
+    os.close(fd)
+
+
+class OwnMaps:
+    """``workers`` processes that each open and map the file once, their own handle, and keep
+    it across epochs: each training process of a node (torchrun's ranks) mapping the same
+    token file in its Dataset's ``__init__``."""
+
+    def __init__(self, path: Path, workers: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self._readers: list[tuple[Any, Any]] = []
+        for _ in range(workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_map_and_serve, args=(str(path), child), daemon=True)
+            proc.start()
+            self._readers.append((proc, parent))
+        for _, conn in self._readers:
+            if conn.recv() != "mapped":
+                raise SystemExit("largefile: a reader could not map the file")
+
+    def fault(self, order: list[int]) -> bytes:
+        """Fault every page of ``order``, split among the readers; the combined digest."""
+        step = (len(order) + len(self._readers) - 1) // len(self._readers)
+        for k, (_, conn) in enumerate(self._readers):
+            conn.send(order[k * step:(k + 1) * step])
+        acc = 0
+        for _, conn in self._readers:
+            acc ^= conn.recv()
+        return acc.to_bytes(16, "little")
+
+    def forget(self) -> None:
+        """Unmap every page the readers faulted (their maps stay), so that dropping the page
+        cache drops them too."""
+        for _, conn in self._readers:
+            conn.send("forget")
+        for _, conn in self._readers:
+            conn.recv()
+
+    def close(self) -> None:
+        for proc, conn in self._readers:
+            conn.send(None)
+            proc.join(60)
+        self._readers = []
+
+
 def read_mapped(mapped: mmap.mmap, size: int, workers: int, seed: int) -> bytes:
     """Fault every page of ``mapped`` once, in a shuffled order split among ``workers``
     forked processes (a DataLoader's workers); the combined page digest."""
     import concurrent.futures
     import multiprocessing
 
-    pages = (size + PAGE - 1) // PAGE
-    order = list(range(pages))
-    random.Random(seed).shuffle(order)
+    order = _shuffled_pages(size, seed)
+    pages = len(order)
     _MAP.update(map=mapped, order=order)
     try:
         step = (pages + workers - 1) // workers
@@ -156,6 +226,7 @@ class Epochs:
         self.access, self.workers, self.seed = access, workers, seed
         self.rows: list[dict[str, Any]] = []
         self._map: tuple[int, mmap.mmap] | None = None
+        self._own: OwnMaps | None = None
 
     def _open_map(self, path: Path) -> mmap.mmap:
         self.close_map()
@@ -164,6 +235,9 @@ class Epochs:
         return self._map[1]
 
     def close_map(self) -> None:
+        if self._own is not None:
+            self._own.close()
+            self._own = None
         if self._map is not None:
             fd, mapped = self._map
             mapped.close()
@@ -171,16 +245,25 @@ class Epochs:
             self._map = None
 
     def epoch(self, name: str, path: Path, m: Mounted | None, *, remap: bool) -> None:
+        if self._own is not None:
+            self._own.forget()
         if not drop_caches():
             raise SystemExit("largefile: dropping the page cache needs root")
         mapped = None
         if self.access == "mmap":
             mapped = self._open_map(path) if remap or self._map is None else self._map[1]
+        elif self.access == "mmap-each" and (remap or self._own is None):
+            self.close_map()
+            self._own = OwnMaps(path, self.workers)
         cpu0 = proc_sample(m.pid) if m is not None and m.pid else None
         reads0, upgraded0 = _fuse_reads(m), _metric(m, "cachefs_passthrough_upgraded_total")
         t0 = time.perf_counter()
-        got = (read_sequential(path) if mapped is None
-               else read_mapped(mapped, self.size, self.workers, self.seed))
+        if self._own is not None:
+            got: Any = self._own.fault(_shuffled_pages(self.size, self.seed))
+        elif mapped is not None:
+            got = read_mapped(mapped, self.size, self.workers, self.seed)
+        else:
+            got = read_sequential(path)
         seconds = time.perf_counter() - t0
         if got != self.expect:
             raise SystemExit(f"largefile: {self.system} {name}: wrong bytes")
@@ -236,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma list of {', '.join(SYSTEMS)} (local is always measured)")
     ap.add_argument("--size-mb", type=int, default=1536)
-    ap.add_argument("--access", choices=("seq", "mmap"), default="seq")
-    ap.add_argument("--workers", type=int, default=4, help="forked readers of --access mmap")
+    ap.add_argument("--access", choices=("seq", "mmap", "mmap-each"), default="seq",
+                    help="seq: read() calls; mmap: one map faulted by --workers forked readers; "
+                         "mmap-each: --workers processes that each map the file themselves")
+    ap.add_argument("--workers", type=int, default=4, help="reader processes of the mmap accesses")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cachefs-arg", action="append", default=[],
                     help="extra argument for cachefs mount (repeatable)")
@@ -280,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_cachefs(system, f"http://127.0.0.1:{origin.s3_port}", work, size,
                                     expect, args)
         local = {r["epoch"]: r["MB_per_s"] for r in rows if r["system"] == "local"}
-        how = ("1 MiB read() calls" if args.access == "seq" else
-               f"every page of one map faulted by {args.workers} forked readers, shuffled")
+        how = {"seq": "1 MiB read() calls",
+               "mmap": f"every page of one map faulted by {args.workers} forked readers, shuffled",
+               "mmap-each": f"every page faulted, shuffled, by {args.workers} processes that each "
+                            "map the file"}[args.access]
         print(f"\n{args.size_mb} MiB object, {how}; page cache dropped before each epoch; "
               f"SeaweedFS on loopback")
         print("| system | epoch | seconds | MB/s | vs local | daemon CPU s | FUSE READs | bound late |")

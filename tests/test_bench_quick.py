@@ -271,7 +271,7 @@ def test_randomreads_quick_reads_exact_pieces_and_counts_the_link(tmp_path: Path
 
 @pytest.mark.drops_caches
 @needs_fuse
-@pytest.mark.parametrize("access", ["seq", "mmap"])
+@pytest.mark.parametrize("access", ["seq", "mmap", "mmap-each"])
 def test_largefile_quick_reads_exact_bytes_every_epoch(tmp_path: Path, access: str) -> None:
     """``python -m benchmarks.largefile --quick``: every epoch of every system (local disk,
     cachefs with and without passthrough; cold, warm, after a restart over the same cache)
