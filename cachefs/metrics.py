@@ -842,13 +842,32 @@ def parse_metrics_addr(value: str) -> tuple[str, int]:
 
 #: Scrapes served at once; further connections wait to be accepted.
 METRICS_SCRAPERS = 4
-#: Seconds a metrics client may take to send its request (or read the page) before it is
-#: cut off, so idle connections hold no scrape slot for long.
-METRICS_CLIENT_TIMEOUT = 10.0
+#: Seconds a metrics connection may last in all, from its accept to the end of the page
+#: (its request sent, however slowly, and the page read), before it is cut off: a slot is
+#: never held longer, so a scrape waiting behind clients that trickle their requests a
+#: byte at a time is served within this, inside Prometheus's default 10 s scrape timeout.
+METRICS_CLIENT_DEADLINE = 5.0
 
 
 class _MetricsHandler(WSGIRequestHandler):
-    timeout = METRICS_CLIENT_TIMEOUT
+    timeout = METRICS_CLIENT_DEADLINE  # (each read and write; the deadline bounds them all)
+
+    def handle(self) -> None:
+        """Serve the connection, cut off (both directions shut down, which ends a read or
+        write blocked in this thread) once :data:`METRICS_CLIENT_DEADLINE` has passed."""
+        timer = threading.Timer(METRICS_CLIENT_DEADLINE, self._cut_off)
+        timer.daemon = True
+        timer.start()
+        try:
+            super().handle()
+        finally:
+            timer.cancel()
+
+    def _cut_off(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # (gone already)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Log nothing (a line per scrape)."""

@@ -269,6 +269,52 @@ def test_metrics_clients_that_go_away_mid_request_leave_no_traceback(bucket, mou
     assert "Traceback" not in log and "Exception occurred" not in log, log
 
 
+def test_clients_that_trickle_their_request_cannot_starve_scrapes(bucket, mount_factory):
+    """The metrics port serves METRICS_SCRAPERS connections at once, and its timeout was
+    per socket read: a client that sent its request a byte every second or so was never
+    cut off, so a few of them held every slot for as long as they liked and Prometheus
+    could not scrape the node at all. A connection now has a total deadline, however the
+    bytes trickle in, so a scrape behind such clients is served."""
+    import socket
+    import threading
+    import urllib.request
+
+    from cachefs import metrics
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    host, port = m.metrics_addr.rsplit(":", 1)
+    stop = threading.Event()
+    slow = [socket.create_connection((host, int(port)), timeout=30)
+            for _ in range(metrics.METRICS_SCRAPERS)]
+
+    def trickle(s: socket.socket) -> None:
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 1000
+        for byte in request:
+            if stop.wait(1.0):
+                return
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                return  # (cut off)
+
+    workers = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in slow]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(2)  # (every slot is taken by a trickling client by now)
+        page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=60).read()
+        assert b"cachefs_build_info" in page
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        for s in slow:
+            s.close()
+    assert (m.path / "a.bin").read_bytes() == b"a"
+
+
 VICTIM = 65531  # a user without XDG_RUNTIME_DIR: its runtime dir falls back to /tmp
 
 
