@@ -21,9 +21,11 @@ the fetcher's flights, the listings (background refreshes, listing ahead),
 the maintenance loop (last-use batches, LMDB sync), the orphan scan, the trim of a
 cache over its capacity (once at start, one worker thread: :meth:`BlockCache.trim_to_capacity`,
 under the cache's own lock order), the control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
-unmount cleanly. No background task ends the daemon on an error: each unit of
-work runs in :func:`cachefs.background.contained` (logged, counted, goes on);
-only cancellation ends them.
+unmount cleanly, from the moment the mount is made: one that arrives before the signal
+watcher runs is held (:class:`_EarlyStop`), and the watcher stops the mount once it is
+ready. No background task ends the daemon on an error: each unit of work runs in
+:func:`cachefs.background.contained` (logged, counted, goes on); only cancellation
+ends them.
 When the request loop ends (unmounted), S3 requests in flight and retry
 waits are stopped at once (:meth:`Origin.close`), pending cache writes are
 drained (bounded wait), then the rest is cancelled and the index synced and
@@ -41,10 +43,11 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from cachefs import descriptors, gcpolicy, heap, metrics
+from cachefs import descriptors, failpoints, gcpolicy, heap, metrics
 from cachefs.background import contained
 from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
@@ -261,6 +264,32 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
                       label=str(url), settings=settings)
 
 
+class _EarlyStop:
+    """SIGTERM and SIGINT held between the mount and the signal watcher: the first one
+    that arrives is remembered (nothing else is done in the handler), and the watcher
+    acts on it once it runs. Replaced by the watcher's own handlers, and the previous
+    handlers put back when the daemon ends."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+
 class Daemon:
     """One mount: owns every component and their lifetimes."""
 
@@ -274,6 +303,8 @@ class Daemon:
         self.shared: SharedTier | None = None
         self.open_files_limit = 1024  # raised in run() (cachefs.descriptors)
         self.metrics_addr: str | None = None  # HOST:PORT served, once serving
+        self._early_stop = _EarlyStop()
+        self._serving = trio.Event()  # (set once the mount is ready: it can be stopped)
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -460,11 +491,20 @@ class Daemon:
         options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}
         if cfg.allow_other:
             options.add("allow_other")
+        # From here until the signal watcher takes them, SIGTERM and SIGINT are held:
+        # their default actions would end the process with the mount made (a dead mount).
+        early_stop = self._early_stop
+        early_stop.install()
         try:
             self.device = device = Device.mount(cfg.mountpoint, options)
         except RuntimeError as exc:
+            early_stop.restore()
             raise ConfigError(f"cannot mount {cfg.mountpoint}: {exc}") from None
+        except BaseException:
+            early_stop.restore()
+            raise
         self._dev = registry.mount_device(cfg.mountpoint) or ""
+        failpoints.hit("mount.made")  # (the main thread, before trio runs: tests hold it here)
         self.server = server = RequestServer(device.dup, ops, workers=cfg.fuse_workers,
                                              want_passthrough=passthrough.wanted,
                                              native=native)
@@ -483,6 +523,7 @@ class Daemon:
             sd_notify("STOPPING=1")
             device.close(
                 unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
+            early_stop.restore()
             cache.flush_touches(cache.take_touches())
 
     async def _serve(self, server: RequestServer, origin: Origin, fetcher: Fetcher,
@@ -491,6 +532,7 @@ class Daemon:
                      env: LmdbEnv, shared: SharedTier | None,
                      on_ready: Callable[[], None]) -> None:
         cfg = self.cfg
+        self._serving = trio.Event()  # (one per trio run)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._open_connections, origin)
             await nursery.start(fetcher.run)
@@ -526,6 +568,7 @@ class Daemon:
                          passthrough.max_idle,
                          f", shared tier {shared.label}" if shared is not None else "")
                 nursery.start_soon(self._watch_unmount, origin)
+                self._serving.set()
             log.info("unmounted; finishing cache writes")
             origin.close()  # S3 requests and retry waits end now, even in an outage
             with trio.move_on_after(DRAIN_TIMEOUT):
@@ -584,17 +627,25 @@ class Daemon:
         # log is appended to, so logrotate's copytruncate rotates it).
         ignored = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *ignored) as sigs:
-            async for signum in sigs:
-                if signum in ignored:
+            held = self._early_stop.received  # (arrived while the mount came up)
+            if held is None:
+                async for signum in sigs:
+                    if signum not in ignored:
+                        break
                     log.info("received %s; ignored (SIGTERM unmounts)",
                              signal.Signals(signum).name)
-                    continue
-                log.info("received %s; unmounting", signal.Signals(signum).name)
-                # Reads waiting on S3 (an outage) fail now instead of at their retry
-                # deadline, so their files are closed and the connection can end.
-                origin.close()
-                await self._stop_serving()
-                return
+                else:
+                    return
+            stop = held or signal.Signals(signum)
+            log.info("received %s%s; unmounting", stop.name,
+                     "" if self._serving.is_set() else " while starting")
+            # The request server is stopped once it serves (a mount that is still coming
+            # up becomes ready first: what stops it is the path every other stop takes).
+            await self._serving.wait()
+            # Reads waiting on S3 (an outage) fail now instead of at their retry
+            # deadline, so their files are closed and the connection can end.
+            origin.close()
+            await self._stop_serving()
 
     async def _stop_serving(self) -> None:
         """Unmount (lazily: files still open keep the connection for STOP_GRACE seconds),

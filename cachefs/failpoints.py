@@ -12,8 +12,9 @@ environment::
 An armed point in a daemon holds the thread that reaches it while the file
 ``DIR/NAME.hold`` exists: it first creates ``DIR/NAME.reached`` (so the test
 knows), then waits until the test removes ``NAME.hold`` (at most
-:data:`HOLD_LIMIT` seconds). Points are only hit in worker threads, never on
-the trio thread (a held trio thread would stop the whole mount).
+:data:`HOLD_LIMIT` seconds). Points are only hit in worker threads (or in the
+main thread before trio runs: ``mount.made``, just after the mount is made), never
+on the trio thread (a held trio thread would stop the whole mount).
 
 A test may also lower a size bound of such a daemon (:func:`tuned`), so that what the
 bound is about happens with small objects: ``CACHEFS_TEST_<NAME>=<bytes>``.

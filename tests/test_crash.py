@@ -300,6 +300,56 @@ def test_sighup_and_the_user_signals_leave_the_mount_serving(bucket, mount_facto
     assert daemon_pid(m.path) == pid
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_stop_signal_just_after_the_mount_is_made_unmounts_cleanly(bucket, tmp_path,
+                                                                      s3_endpoint, sig):
+    """The daemon took SIGTERM and SIGINT only once its signal watcher ran, a moment
+    after the mount was made: one arriving in between (a service manager stopping a
+    unit that was just starting) ended it by the signal's default action (or a
+    KeyboardInterrupt somewhere in the start-up), leaving a dead mount behind. The
+    signal is now held from just before the mount until the watcher takes it, then
+    acted on: the daemon unmounts and exits 0. (A failpoint holds the daemon in the
+    window while the signal is sent.)"""
+    import sys
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.txt", Body=b"alpha")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    holds = tmp_path / "failpoints"
+    holds.mkdir()
+    (holds / "mount.made.hold").touch()
+    env = {**os.environ, "CACHEFS_FAILPOINTS": "mount.made",
+           "CACHEFS_FAILPOINT_DIR": str(holds)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
+         str(tmp_path / "cache"), "--endpoint-url", s3_endpoint, "--foreground"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (holds / "mount.made.reached").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "not held"
+            time.sleep(0.01)
+        assert is_mounted(mp)
+        proc.send_signal(sig)
+        time.sleep(0.5)  # (the signal is delivered while the daemon is held)
+        (holds / "mount.made.hold").unlink()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+            unmounted_by_test = True
+        else:
+            unmounted_by_test = False
+    assert proc.returncode == 0, f"ended with {proc.returncode}: {err}"
+    assert not unmounted_by_test, "the daemon left its mount behind"
+    assert "Traceback" not in err, err
+    assert f"received {signal.Signals(sig).name}" in err, err
+
+
 def test_sighup_and_the_user_signals_during_start_up_are_ignored_too(bucket, tmp_path):
     """The daemon took these signals only once it served: one arriving while it started
     (checking the bucket, reading a large index; a foreground daemon whose terminal
