@@ -124,6 +124,32 @@ def test_warm_manifest_listing_nothing_warms_nothing(bucket, mount_factory, tmp_
     assert m.gets() == gets
 
 
+def test_warm_manifest_lines_are_paths_exactly_as_written(bucket, mount_factory, tmp_path):
+    """'cachefs warm --manifest' stripped the whitespace around every line, so a key with
+    a leading or trailing space (S3 allows any) could not be warmed through a manifest:
+    it was reported missing, or a neighbour without the spaces warmed instead. A line is
+    now the path exactly as written, without its line ending (LF or CRLF); only empty
+    lines and lines starting with '#' are skipped (a path starting with '#' is written
+    './#...')."""
+    client, name = bucket
+    files = {" lead.bin": b"L" * 70_000, "trail.bin ": b"T" * 80_000, "#hash.bin": b"H" * 5,
+             "dir/ both .bin": b"B" * 90_000, "crlf.bin": b"C" * 1000}
+    for key, body in files.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    client.put_object(Bucket=name, Key="trail.bin", Body=b"not this one")
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--list-ahead", "0")
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_bytes(b"# exact paths\n lead.bin\ntrail.bin \n\n./#hash.bin\n"
+                         b"dir/ both .bin\ncrlf.bin\r\n")
+    proc = run_cachefs("warm", str(m.path), "--manifest", str(manifest))
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "warmed 5 of 5 objects" in proc.stdout, proc.stdout
+    gets = m.gets()
+    for key, body in files.items():
+        assert (m.path / key).read_bytes() == body
+    assert m.gets() == gets  # (each of them warmed: no GET to read them)
+
+
 def test_warm_of_an_empty_path_is_refused_not_the_whole_mount(bucket, mount_factory):
     """'cachefs warm /mnt/data "$DIR"' with DIR unset or empty warmed the whole mount (the
     empty path joined to the mount point is the mount point): every byte of the dataset

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("paths", nargs="*", help="files or directories under the mount "
                       "(relative to it or absolute; default: everything)")
     warm.add_argument("--manifest", metavar="FILE", help="a file listing one path per line "
-                      "(relative to the mount, or absolute)")
+                      "(relative to the mount, or absolute), exactly as written: spaces "
+                      "count; empty lines and lines starting with '#' are skipped")
     warm.add_argument("--parallel", type=int, default=16, metavar="N",
                       help="objects warmed at once (default 16)")
     warm.add_argument("--check", action="store_true",

@@ -49,6 +49,13 @@ def _line(p: dict[str, Any], elapsed: float, check: bool) -> str:
             f"ETA {_eta(eta)}")
 
 
+def _without_line_ending(line: str) -> str:
+    """A manifest line less its ending: CRLF or LF (a lone CR is part of the path)."""
+    if line.endswith("\r\n"):
+        return line[:-2]
+    return line[:-1] if line.endswith("\n") else line
+
+
 def parse_shard(value: str) -> tuple[int, int]:
     """``I/N`` -> (I, N) with 0 <= I < N."""
     i_text, sep, n_text = value.partition("/")
@@ -74,8 +81,11 @@ def warm_main(mountpoint: str, paths: list[str], *, manifest: str | None, parall
     wanted = [p if os.path.isabs(p) else os.path.join(mp, p) for p in paths]
     if manifest:
         try:
-            with open(manifest) as f:
-                lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+            # A line is a path exactly as written (a key may start or end with spaces),
+            # less its line ending (LF or CRLF); empty lines and '#' comments are skipped.
+            with open(manifest, encoding="utf-8", newline="") as f:
+                lines = [ln for ln in map(_without_line_ending, f)
+                         if ln and not ln.startswith("#")]
         except OSError as exc:
             raise ConfigError(f"cannot read manifest {manifest!r}: {exc.strerror}") from None
         except UnicodeDecodeError:
