@@ -357,3 +357,24 @@ def test_status_names_the_metrics_port_the_kernel_chose(bucket, mount_factory):
     host, port = addr.rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0, addr
     assert "cachefs_cache_capacity_bytes" in scrape(addr)
+
+
+@pytest.mark.parametrize("args", [["status", ""], ["status", "--json", ""]],
+                         ids=["text", "json"])
+def test_status_of_an_empty_path_is_refused_not_the_current_directory(bucket, mount_factory,
+                                                                      args):
+    """'cachefs status "$MNT"' with MNT unset or empty reported the mount the shell was
+    in (the empty path taken as the current directory), or said the current directory was
+    not a live cachefs mount. An empty path is one line and exit 2, as 'cachefs warm' does."""
+    import sys
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    proc = subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True,
+                          text=True, timeout=120, cwd=m.path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
+    assert "empty path" in lines[0]
+    assert proc.stdout == ""

@@ -15,6 +15,7 @@ from typing import Any
 
 from cachefs.config import format_size
 from cachefs.control import registry
+from cachefs.errors import ConfigError
 
 
 def _duration(seconds: float) -> str:
@@ -169,6 +170,9 @@ def _report_dead(dead: dict[str, int]) -> None:
 
 
 def status_main(mountpoint: str | None, *, as_json: bool) -> int:
+    if mountpoint == "":  # ("$MNT" unset: not the current directory, as it would resolve)
+        raise ConfigError("an empty path: give a cachefs mount point (or none for every "
+                          "mount)")
     mounted = registry.cachefs_mounts()
     dead = _dead_mounts(mounted)
     infos = [i for i in registry.all_mounts()
