@@ -187,8 +187,10 @@ def test_load_builds_the_tree_and_nothing_is_listed(tmp_path: Path) -> None:
                 await nursery.start(md.run)
                 names = [(e.name, e.is_dir) for e in md.iter_entries("ds/")]
                 # "ds/b" (also a directory) is shadowed, "ds/bad//name" is not a path
-                assert names == [(b"a.jpg", False), (b"b", True), (b"deep", True),
-                                 (b"marker", True)]
+                # (its folder shows, empty, as a listing shows it)
+                assert names == [(b"a.jpg", False), (b"b", True), (b"bad", True),
+                                 (b"deep", True), (b"marker", True)]
+                assert list(md.iter_entries("ds/bad/")) == []
                 assert [e.name for e in md.iter_entries("ds/b/")] == [b"x.jpg", b"y.jpg"]
                 x = await md.lookup("ds/b/", b"x.jpg")
                 assert x is not None and (x.size, x.etag, x.mtime) == (3, E1, 5.0)
@@ -402,3 +404,35 @@ def test_a_manifest_without_etags_reads_its_files(bucket: Any, mount_factory: An
                       "--block-size", "64K")
     for key, body in bodies.items():
         assert (m.path / key).read_bytes() == body, key
+
+
+@pytest.mark.fuse
+def test_folders_of_unusable_keys_show_alike_listed_or_from_a_manifest(
+        bucket: Any, mount_factory: Any, tmp_path: Path) -> None:
+    """A folder whose only keys cannot be file names (a name over 255 bytes, an empty or
+    dot component) showed as an empty directory in a listed mount, as S3 lists the folder,
+    but not at all in a mount from a manifest of the same keys: the same dataset had two
+    trees. A manifest mount now shows the same empty folders, down to the first name that
+    cannot be one."""
+    from tests.test_mount import tree
+
+    client, name = bucket
+    keys = {"ds/ok/a.bin": b"a", "ds/long/" + "n" * 300: b"x", "ds/deep/er/" + "m" * 256: b"y",
+            "ds/bad//double": b"z", "ds/dots/./here": b"w", "ds/up/../escape": b"v",
+            "ds/" + "d" * 256 + "/inner": b"u", "ds/mixed/" + "o" * 300: b"t",
+            "ds/mixed/fine.bin": b"s"}
+    for key, body in keys.items():
+        client.put_object(Bucket=name, Key=key, Body=body)
+    rows = ["key,size,etag"]
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=name, Prefix="ds/"):
+        for obj in page.get("Contents", []):
+            rows.append(f"{obj['Key']},{obj['Size']},{obj['ETag'].strip(chr(34))}")
+    assert len(rows) == len(keys) + 1
+    (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
+    listed = mount_factory(f"s3://{name}/ds")
+    from_manifest = mount_factory(f"s3://{name}/ds", "--manifest", str(tmp_path / "m.csv"))
+    dirs, files = tree(listed.path)
+    assert dirs == {"ok", "long", "deep", "deep/er", "bad", "dots", "up", "mixed"}, dirs
+    assert files == {"ok/a.bin", "mixed/fine.bin"}, files
+    assert tree(from_manifest.path) == (dirs, files)
+    assert from_manifest.metric('cachefs_s3_requests_total{op="list"}') == 0

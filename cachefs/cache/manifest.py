@@ -334,12 +334,16 @@ def load(env: LmdbEnv, path: Path, *, bucket: str, root_prefix: str) -> int:
         parent = key[:key.rfind("/") + 1]
         name = key[len(parent):]
         parts = key[len(root_prefix):].split("/")
-        bad = next((r for r in map(invalid_name_reason, parts[:-1] if name == "" else parts)
-                    if r), None)
-        if bad:
-            skipped[bad] += 1
-            continue
-        if name:  # (a key ending in "/" is a directory marker: only its directories)
+        checked = parts[:-1] if name == "" else parts
+        bad = next(((i, r) for i, r in enumerate(map(invalid_name_reason, checked)) if r),
+                   None)
+        if bad is not None:
+            at, reason = bad
+            skipped[reason] += 1
+            # Its folders down to the first name that cannot be one still show (empty
+            # when it is all they hold), as a listing shows them: S3 lists the folder.
+            parent = root_prefix + "".join(f"{p}/" for p in parts[:min(at, len(parts) - 1)])
+        elif name:  # (a key ending in "/" is a directory marker: only its directories)
             batch.append((prefix_id(parent) + enc(name),
                           pack_entry(0, obj.size, obj.mtime, 0, obj.etag), False))
             objects += 1
