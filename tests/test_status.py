@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from typing import Any
 
 import pytest
 
@@ -175,11 +176,9 @@ def test_status_says_which_reads_the_hit_ratio_counts(capsys, monkeypatch):
                            "the kernel to read from the cache; byte hit ratio 99.3%"), line
 
 
-def test_status_names_a_dead_mount_and_fails(bucket, mount_factory):
-    """A daemon killed with SIGKILL (the OOM killer) leaves its mount dead ('Transport
-    endpoint is not connected'). 'cachefs status' left it out and exited 0, so a node's
-    health check saw nothing wrong; 'cachefs status MP' said only 'not a live cachefs
-    mount'. Now both name it as dead, with the dead pid and what recovers it, and exit 1."""
+def _a_live_and_a_dead_mount(bucket: Any, mount_factory: Any) -> tuple[Any, Any, int]:
+    """Two mounts of one bucket, the second's daemon killed with SIGKILL (its mount left
+    behind): (live mount, dead mount, the dead daemon's pid)."""
     import os
     import signal
 
@@ -193,6 +192,15 @@ def test_status_names_a_dead_mount_and_fails(bucket, mount_factory):
     while registry.pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert is_mounted(dead.path)
+    return live, dead, pid
+
+
+def test_status_names_a_dead_mount_and_fails(bucket, mount_factory):
+    """A daemon killed with SIGKILL (the OOM killer) leaves its mount dead ('Transport
+    endpoint is not connected'). 'cachefs status' left it out and exited 0, so a node's
+    health check saw nothing wrong; 'cachefs status MP' said only 'not a live cachefs
+    mount'. Now both name it as dead, with the dead pid and what recovers it, and exit 1."""
+    live, dead, pid = _a_live_and_a_dead_mount(bucket, mount_factory)
 
     table = run_cachefs("status")
     assert table.returncode == 1, (table.stdout, table.stderr)
@@ -215,19 +223,7 @@ def test_status_names_a_dead_mount_whose_pid_another_process_took(bucket, mount_
     emulated by writing the pid of a 'sleep' into the dead mount's registry entry.) A live
     mount whose pid names no cachefs daemon here (its daemon runs in another pid namespace,
     a container's) still answers, and is not called dead."""
-    import os
-    import signal
-
-    client, name = bucket
-    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
-    live = mount_factory(f"s3://{name}")
-    dead = mount_factory(f"s3://{name}")
-    pid = int(registry.lookup(dead.path)["pid"])
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while registry.pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert is_mounted(dead.path)
+    live, dead, _ = _a_live_and_a_dead_mount(bucket, mount_factory)
     entry = registry.control_socket(dead.path).with_suffix(".json")
     live_entry = registry.control_socket(live.path).with_suffix(".json")
     live_text = live_entry.read_text()
