@@ -25,7 +25,10 @@ made, fetches, prefetch state): work for it is handed over with :attr:`post`
 (in order, soon), and a request that must wait for it raises :class:`NeedsWait`,
 after which the async method of the same name answers it on the trio thread.
 ``_handles`` is only changed by single dictionary operations (atomic under the
-GIL) and handle numbers come from one counter; ``_changed`` (versions a GET found
+GIL) and handle numbers come from one counter; a try to bind a handle to the native
+loop (:meth:`FileSystem.bind_later`, at any of its READs, several of which may run at
+once) is claimed under ``_bind_lock`` (its ``bind_at`` set to infinity until the try
+ends), so one READ at a time tries; ``_changed`` (versions a GET found
 replaced) is read on any thread with one dictionary lookup and changed under
 ``_changed_lock``; ``_waited_in_vain`` (versions whose lookup gave up waiting for
 their listing) is the trio thread's only; ``_dirs`` is guarded by
@@ -45,6 +48,7 @@ import errno
 import functools
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
@@ -167,7 +171,8 @@ class FileHandle:
     # by the native loop from the file registered there beside the kernel (bind_later)
     beside: int = 0
     # Unbound handles: when the next try to bind it to the native loop is due (see
-    # FileSystem.bind_later), and the wait after that one.
+    # FileSystem.bind_later; infinity while one READ tries, claimed under _bind_lock),
+    # and the wait after that one.
     bind_at: float = 0.0
     bind_wait: float = 0.0
 
@@ -239,6 +244,8 @@ class FileSystem:
         self.post: Callable[..., None] = _call
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
+        # A handle's try to be bound is claimed under it (see bind_later).
+        self._bind_lock = threading.Lock()
         # inode -> (node, object) of files given an open template (see offer_template);
         # oldest first, bounded by ADOPTABLE; any thread, under _adoptable_lock
         self._adoptable: collections.OrderedDict[int, tuple[Node, ObjectVersion]] = (
@@ -643,22 +650,37 @@ class FileSystem:
         (0, 0). Tried at a READ at most every BIND_RETRY seconds, backing off to
         BIND_RETRY_MAX while the object stays incomplete (each try looks every block up in
         the index). Any thread (a request worker, at a READ of ``fh``: no release of it
-        runs meanwhile)."""
+        runs meanwhile; other READs of it may, and one of them at a time tries: the try
+        is claimed under ``_bind_lock``)."""
         handle = self._handles.get(fh)
         if (not isinstance(handle, FileHandle) or handle.backing_id or handle.beside
                 or handle.adopted or self.backing is None or now < handle.bind_at):
             return 0, 0
-        if not handle.bind_at:
+        with self._bind_lock:
+            # The kernel sends READs of one handle at once (threads sharing a descriptor,
+            # its readahead), to several workers: one of them tries, the others are
+            # answered as before. A second bind would take a second use of the
+            # registration, which the handle's one release never lets go of.
+            bind_at = handle.bind_at
+            if now < bind_at or handle.backing_id or handle.beside:
+                return 0, 0
+            handle.bind_at = math.inf  # (until this try has ended)
+        if not bind_at:
             # Its first READ: a handle that lives less than this (a small file's, read once
             # in a cold pass) is never bound: binding costs more than the loop saves it.
             handle.bind_at = now + BIND_RETRY
             return 0, 0
-        if not self.backing.upgrade_due(handle.obj):
+        try:
+            due = self.backing.upgrade_due(handle.obj)
+            backing_id = self.backing.upgrade(handle.node.ino, handle.obj) if due else 0
+        except BaseException:
+            handle.bind_at = now + BIND_RETRY
+            raise
+        if not due:
             # (cheap: looked at again soon, so a reader's next epoch finds the handle bound
             # from its start, however long the first one took)
             handle.bind_at = now + BIND_POLL
             return 0, 0
-        backing_id = self.backing.upgrade(handle.node.ino, handle.obj)
         if not backing_id:
             handle.bind_wait = min(BIND_RETRY_MAX, max(BIND_RETRY, 2 * handle.bind_wait))
             handle.bind_at = now + handle.bind_wait

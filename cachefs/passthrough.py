@@ -106,7 +106,9 @@ Contracts:
 
 Concurrency: opens and releases run on the FUSE request workers, several at a
 time, and so does :meth:`Passthrough.upgrade` (at a READ of the handle it binds: the
-kernel sends no RELEASE of a handle while one of its READs runs; it registers outside
+kernel sends no RELEASE of a handle while one of its READs runs, but may send several
+READs of it at once, so the caller lets one at a time try, and each handle takes its
+use once (:meth:`cachefs.fs.FileSystem.bind_later`); it registers outside
 ``_lock`` like an open, and moves the handle from ``_direct`` to ``_active`` under it); a preparing thread calls
 ``on_prepared`` holding none of this class's locks (it
 takes the file system's, then ``_lock`` in :meth:`Passthrough.add_template_ahead`);
@@ -742,8 +744,15 @@ class Passthrough:
         Arrow or token file opened once, by each of a node's training processes) would
         otherwise have every READ of it answered in Python, each reading and verifying a
         whole block. Any thread, at a READ of the handle (no release of it runs
-        meanwhile); reads no file (LMDB lookups; an open of the verified file beside the
-        kernel)."""
+        meanwhile; one try per handle at a time, the caller's rule: each call that returns
+        an id takes a use); reads no file (LMDB lookups; an open of the verified file
+        beside the kernel)."""
+        bound = self._upgrade(ino, obj)
+        if bound:
+            failpoints.hit("upgrade.bound")  # (a test holds the handle's bind here)
+        return bound
+
+    def _upgrade(self, ino: int, obj: ObjectVersion) -> int:
         if not (self.enabled and (self.native or self._loop_files is not None)):
             return 0
         oid = self.fetcher.object_id(obj)

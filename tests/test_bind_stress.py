@@ -272,3 +272,55 @@ def test_handles_opened_read_and_closed_while_files_are_cached_and_evicted(
     _no_registration_left(m, filler)
     _unmount_cleanly(m)
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_read_of_a_handle_being_bound_does_not_bind_it_again(
+        bucket: Any, mount_factory: Any, mode: str, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """The race the test above hopes for, held open: a READ of a handle is held (a
+    failpoint) after its bind took a use of the registration and before the handle
+    records it; another READ of the same handle, on another request worker, meanwhile
+    must not bind it again (a second use, which its one release never lets go of: the
+    registration stays used and pinned for good, and with the kernel's passthrough the
+    file stays registered with the loop too). It is answered, by Python."""
+    holds = tmp_path / "failpoints"
+    holds.mkdir()
+    monkeypatch.setenv("CACHEFS_FAILPOINTS", "upgrade.bound")
+    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(holds))
+    client, name = bucket
+    data = _data(8, 4 * MiB + 55)
+    client.put_object(Bucket=name, Key="rows.arrow", Body=data)
+    filler = _put_filler(client, name, 12 * MiB)
+    m = _mount(mount_factory, name, mode, "--cache-size", "12M", "--cache-policy", "lru")
+    path = m.path / "rows.arrow"
+    fds = [os.open(path, os.O_RDONLY) for _ in range(2)]  # (two served by the daemon)
+    try:
+        assert os.pread(fds[0], len(data) + 1, 0) == data  # cold: its first READs
+        assert _wait_for(lambda: m.metric("cachefs_cache_blocks") >= 5)
+        time.sleep(1.2)  # (a handle is bound at a READ a second after its first at least)
+        (holds / "upgrade.bound.hold").touch()
+        results: dict[str, bytes] = {}
+
+        def read(label: str, offset: int) -> None:
+            os.posix_fadvise(fds[0], 0, 0, os.POSIX_FADV_DONTNEED)
+            results[label] = os.pread(fds[0], 4096, offset)
+
+        first = threading.Thread(target=read, args=("first", 0))
+        first.start()
+        assert _wait_for(lambda: (holds / "upgrade.bound.reached").exists())
+        (holds / "upgrade.bound.reached").unlink()
+        second = threading.Thread(target=read, args=("second", 2 * MiB + 1))
+        second.start()
+        second.join(5)
+        (holds / "upgrade.bound.hold").unlink()
+        first.join()
+        second.join()
+        assert results["first"] == data[:4096]
+        assert results["second"] == data[2 * MiB + 1:2 * MiB + 4097]
+        assert m.metric("cachefs_passthrough_upgraded_total") == 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+    _no_registration_left(m, filler)
+    _unmount_cleanly(m)
+
