@@ -11,13 +11,18 @@ close handles of a few files while they are being cached and evicted (a cache sm
 the files), in both modes. Every byte read is checked against the object; at the end no
 handle and no registration is left (a registration still used cannot be evicted: reading
 other data through the small cache must close every one), the daemon unmounts cleanly, and
-its log holds no traceback.
+its log holds no traceback. So does a daemon whose mount is detached, or that is stopped,
+while bound handles are read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -324,3 +329,123 @@ def test_a_read_of_a_handle_being_bound_does_not_bind_it_again(
     _no_registration_left(m, filler)
     _unmount_cleanly(m)
 
+
+def _daemon_pid(m: Any) -> int:
+    proc = run_cachefs("status", "--json", str(m.path))
+    assert proc.returncode == 0, proc.stderr
+    return int(json.loads(proc.stdout)["pid"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_daemon_detached_while_bound_handles_read_ends_cleanly(
+        bucket: Any, mount_factory: Any, mode: str) -> None:
+    """Handles bound late are read by threads when the mount is detached (``cachefs
+    unmount --lazy``, the way out of a busy mount): their reads go on from the cache
+    files, with the object's bytes (or fail; never other bytes), and once they are closed
+    the daemon ends by itself, without a traceback."""
+    client, name = bucket
+    data = _data(9, 5 * MiB + 99)
+    client.put_object(Bucket=name, Key="shard.bin", Body=data)
+    m = _mount(mount_factory, name, mode, "--cache-size", "32M")
+    pid = _daemon_pid(m)
+    path = m.path / "shard.bin"
+    fds = [os.open(path, os.O_RDONLY) for _ in range(2)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    reads = [0]
+
+    def reader(fd: int, seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                try:
+                    _check_pread(fd, data, rng, drop=rng.random() < 0.5)
+                    reads[0] += 1
+                except OSError:  # (detached: reads that reach the daemon may fail)
+                    time.sleep(0.01)
+        except BaseException as exc:  # (reported by the test's thread)
+            errors.append(exc)
+            stop.set()
+
+    threads: list[threading.Thread] = []
+    try:
+        assert os.pread(fds[0], len(data) + 1, 0) == data
+        assert _wait_for(lambda: m.metric("cachefs_cache_blocks") >= 6)
+        threads = [threading.Thread(target=reader, args=(fd, 40 + i + 2 * j))
+                   for i, fd in enumerate(fds) for j in range(2)]
+        for t in threads:
+            t.start()
+        assert _wait_for(lambda: m.metric("cachefs_passthrough_upgraded_total") >= 2
+                         or stop.is_set())
+        # (what 'cachefs unmount --lazy' does, without waiting for the daemon to end)
+        subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)
+        assert not is_mounted(m.path)
+        before = reads[0]
+        # (the bound handles are read from their files after the detach)
+        assert _wait_for(lambda: reads[0] >= before + 100 or stop.is_set())
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for fd in fds:
+            os.close(fd)
+    assert _wait_for(lambda: not _alive(pid), 30), "the daemon did not end"
+    log = m.log()
+    assert "Traceback" not in log, log[-6000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_daemon_stopped_while_a_bound_handle_is_open_ends_cleanly(
+        bucket: Any, mount_factory: Any, mode: str) -> None:
+    """SIGTERM while a handle bound late is open (a training process still holding its
+    file): the daemon unmounts, waits for the handle, then aborts its connection (the
+    kernel's /dev/fuse then answers ECONNABORTED, not ENODEV) and ends -- the end of its
+    connection, not a request worker's failure: no traceback in its log."""
+    client, name = bucket
+    data = _data(10, 3 * MiB + 5)
+    client.put_object(Bucket=name, Key="held.bin", Body=data)
+    m = _mount(mount_factory, name, mode)
+    pid = _daemon_pid(m)
+    path = m.path / "held.bin"
+    fds = [os.open(path, os.O_RDONLY) for _ in range(2)]
+    try:
+        assert os.pread(fds[0], len(data) + 1, 0) == data
+        assert _wait_for(lambda: m.metric("cachefs_cache_blocks") >= 4)
+        rng = random.Random(3)
+        assert _wait_for(lambda: _check_pread(fds[0], data, rng) is None
+                         and m.metric("cachefs_passthrough_upgraded_total") >= 1)
+        os.kill(pid, signal.SIGTERM)
+        assert _wait_for(lambda: not _alive(pid), 30), "the daemon did not end"
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):  # (ENOTCONN: the connection is gone)
+                os.close(fd)
+    log = m.log()
+    assert "Traceback" not in log, log[-6000:]
+
+
+def test_a_read_of_the_device_that_finds_the_connection_ended_ends_the_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of /dev/fuse that was taking a request when the connection ended (the last
+    file of a detached mount closed) fails with ECONNABORTED, not ENODEV: the end of the
+    connection (the C loop alike, see test_a_daemon_detached_while_bound_handles_read_ends_
+    cleanly), not a failure logged with a traceback."""
+    from cachefs.fuse import server
+
+    def ended(fd: int, bufs: Any) -> int:
+        raise OSError(errno.ECONNABORTED, os.strerror(errno.ECONNABORTED))
+
+    monkeypatch.setattr(server.os, "readv", ended)
+    assert server._read(0, bytearray(16)) is None

@@ -1298,7 +1298,9 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
                 continue;  /* ENOENT: the request was interrupted before we read it */
-            if (errno == ENODEV) {
+            /* ECONNABORTED: the connection ended (the last file of a detached mount
+             * closed, or an abort) while this read was taking a request: an end too */
+            if (errno == ENODEV || errno == ECONNABORTED) {
                 PyEval_RestoreThread(ts);
                 result = Py_None;  /* unmounted (or aborted) */
                 Py_INCREF(result);

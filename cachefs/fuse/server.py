@@ -37,7 +37,8 @@ mount).
 
 Lifetime: :meth:`RequestServer.run` answers INIT, starts the workers and
 returns when all of them have stopped: the connection ended (unmounted: reads
-fail with ENODEV) or DESTROY arrived. Deferred requests still running then are
+fail with ENODEV, or ECONNABORTED when it ends while a read takes a request) or
+DESTROY arrived. Deferred requests still running then are
 cancelled (nobody is left to answer). Workers are daemon threads; a worker in
 a handler holds :attr:`RequestServer.active` above zero (the daemon waits for
 it before closing the index).
@@ -359,7 +360,7 @@ class RequestServer:
                 except OSError as exc:
                     if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                         continue  # ENOENT: the request was interrupted before we read it
-                    if exc.errno == errno.ENODEV:
+                    if exc.errno in _ENDED:
                         return  # unmounted (or aborted)
                     raise
                 if n <= 0 or handle(n):
@@ -487,6 +488,12 @@ class RequestServer:
         _write(req.fd, req.unique, -code, None)
 
 
+#: Errors of a read of the FUSE device that mean the connection has ended: unmounted or
+#: aborted (ENODEV), or ended -- the last file of a detached mount closed, or an abort --
+#: while the read was taking a request (ECONNABORTED).
+_ENDED = (errno.ENODEV, errno.ECONNABORTED)
+
+
 def _read(fd: int, buf: bytearray) -> int | None:
     """One request into ``buf``; None when the connection has ended."""
     while True:
@@ -495,7 +502,7 @@ def _read(fd: int, buf: bytearray) -> int | None:
         except OSError as exc:
             if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                 continue  # ENOENT: the request was interrupted before we read it
-            if exc.errno == errno.ENODEV:
+            if exc.errno in _ENDED:
                 return None  # unmounted (or aborted)
             raise
         return n if n > 0 else None
