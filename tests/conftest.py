@@ -279,21 +279,36 @@ class Mount:
         self.cache_dir = cache_dir
         self.endpoint = endpoint
         self.extra = extra
-        self.metrics_addr = f"127.0.0.1:{free_port()}"
+        self.metrics_addr = ""  # HOST:PORT the daemon serves its metrics on, once started
         # Run in the mount command's process before it starts (the daemon inherits it).
         self.preexec_fn: Callable[[], None] | None = None
 
     def start(self) -> None:
-        self.metrics_addr = f"127.0.0.1:{free_port()}"
+        # Port 0: the daemon binds a free port itself and registers which (a port found
+        # free here may be taken by the other test worker's process before it binds).
         proc = run_cachefs("mount", self.source, str(self.path), "--cache-dir",
                            str(self.cache_dir), "--endpoint-url", self.endpoint,
-                           "--metrics-addr", self.metrics_addr, *self.extra,
+                           "--metrics-addr", "127.0.0.1:0", *self.extra,
                            preexec_fn=self.preexec_fn)
         if proc.returncode != 0:
             log = self.cache_dir / "cachefs.log"
             tail = log.read_text()[-4000:] if log.exists() else ""
             raise AssertionError(f"mount failed ({proc.returncode}): {proc.stderr}\n{tail}")
         assert is_mounted(self.path)
+        self.metrics_addr = self._served_metrics_addr()
+
+    def _served_metrics_addr(self) -> str:
+        """The metrics address the daemon registered (its status snapshot, written before
+        the mount is ready, or by its maintenance loop within a second)."""
+        from cachefs.control import registry
+
+        deadline = time.monotonic() + 30
+        while True:
+            entry = registry.lookup(self.path) or {}
+            if entry.get("metrics_addr"):
+                return str(entry["metrics_addr"])
+            assert time.monotonic() < deadline, f"no metrics address registered: {entry}"
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if is_mounted(self.path):
