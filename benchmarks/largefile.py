@@ -53,7 +53,7 @@ import xxhash
 
 from benchmarks.origin import SeaweedOrigin
 from benchmarks.systems import Mounted, mount_cachefs
-from benchmarks.util import drop_caches, fuse_usable, proc_sample, scrape_labeled, stop_cleanly_on_signals
+from benchmarks.util import drop_caches, fuse_usable, proc_sample, scrape_labeled, stop_cleanly_on_signals, write_rows
 
 BUCKET, PREFIX, KEY = "bench", "large", "big.bin"
 SYSTEMS = ("cachefs", "cachefs-nopt")
@@ -378,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['MB_per_s'] / local[r['epoch']]:.2f} | {r.get('daemon_cpu_s', '-')} | "
                   f"{r.get('fuse_reads', '-')} | {r.get('upgraded', '-')} |")
         if args.json:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                             "rows": rows}, indent=2))
+            write_rows(args.json, args, rows)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

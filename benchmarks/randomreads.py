@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import mmap
 import os
 import random
@@ -45,6 +44,7 @@ from benchmarks.util import (
     proc_sample,
     scrape_metrics,
     stop_cleanly_on_signals,
+    write_rows,
 )
 from benchmarks.wan import WanLink
 
@@ -216,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['link_bytes'] / (args.reads * piece):.2f} | {r.get('daemon_cpu_s', '-')} | "
                   f"{r.get('piece_reads', '-')} |")
         if args.json:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                             "rows": rows}, indent=2))
+            write_rows(args.json, args, rows)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -23,6 +23,7 @@ average at the start and the end goes with it (others may share the machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,14 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from benchmarks.origin import SeaweedOrigin, s3_env
-from benchmarks.util import drop_caches, free_ports, pids_with_arg, proc_sample, scrape_metrics
+from benchmarks.origin import SeaweedOrigin
+from benchmarks.systems import Mounted, mount_cachefs
+from benchmarks.util import drop_caches, proc_sample, scrape_metrics
 
 BUCKET = "restart"
-KEY = "shards/big.bin"
+PREFIX, NAME = "shards", "big.bin"
 READ_BACKS = "cachefs_passthrough_read_backs_total"
 
 
@@ -49,13 +52,6 @@ def _dd(path: Path) -> float:
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], check=True,
                    capture_output=True)
     return time.monotonic() - start
-
-
-def _cachefs(*args: str, env: dict[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "cachefs", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"cachefs {args[0]} failed: {proc.stderr.strip()}")
 
 
 def _make_object(path: Path, size: int) -> None:
@@ -71,27 +67,25 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     size = args.size_mib << 20
     local = work / "big.bin"
     _make_object(local, size)
-    env = dict(os.environ, **s3_env())
     out: dict[str, Any] = {"size_mib": args.size_mib, "passthrough": args.passthrough,
                            "load_start": os.getloadavg()}
     ref = _dd(local)
     out["local_disk_MBps"] = round(size / ref / 1e6)
     with SeaweedOrigin(work / "origin", bucket=BUCKET) as origin:
-        origin.client().upload_file(str(local), BUCKET, KEY)
-        mnt, cache = work / "mnt", work / "cache"
-        mnt.mkdir()
-        (port,) = free_ports(1)
-        addr = f"127.0.0.1:{port}"
-        mount = ["mount", f"s3://{BUCKET}", str(mnt), "--cache-dir", str(cache),
-                 "--endpoint-url", origin.endpoint, "--cache-size", "8G",
-                 "--metrics-addr", addr, "--passthrough", args.passthrough]
-        path = mnt / KEY
-        try:
-            _cachefs(*mount, env=env)
-            out["cold_s"] = round(_dd(path), 2)
-            _cachefs("unmount", str(mnt), env=env)
-            _cachefs(*mount, env=env)  # the restart: a new daemon on the same cache
-            (pid,) = pids_with_arg(str(mnt))
+        origin.client().upload_file(str(local), BUCKET, f"{PREFIX}/{NAME}")
+
+        def mounted() -> contextlib.AbstractContextManager[Mounted]:
+            # (the same cache directory each time: the second mount is the restart)
+            return mount_cachefs(origin.endpoint, BUCKET, PREFIX, work / "run", cache_size="8G",
+                                 extra=["--passthrough", args.passthrough],
+                                 keep_cache=work / "cache")
+
+        with mounted() as m:
+            out["cold_s"] = round(_dd(m.root / NAME), 2)
+        with mounted() as m:  # the restart: a new daemon on the same cache
+            assert m.pid is not None and m.metrics_url is not None
+            pid, addr = m.pid, urllib.parse.urlsplit(m.metrics_url).netloc
+            path = m.root / NAME
             passes = []
             if args.first == "open":
                 drop_caches()
@@ -106,12 +100,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if i == 0 and size > 1 << 30 and args.first == "read":  # (MAX_OBJECT_BYTES: smaller ones need none)
                     out["read_back"] = _settle(pid, addr, args.settle)
             out["passes"] = passes
-            m = scrape_metrics(addr)
-            out["passthrough_opens"] = m.get("cachefs_passthrough_opens_total", 0)
-            out["read_backs"] = m.get(READ_BACKS)
-        finally:
-            subprocess.run([sys.executable, "-m", "cachefs", "unmount", str(mnt)], env=env,
-                           capture_output=True, timeout=120)
+            metrics = scrape_metrics(addr)
+            out["passthrough_opens"] = metrics.get("cachefs_passthrough_opens_total", 0)
+            out["read_backs"] = metrics.get(READ_BACKS)
     out["load_end"] = os.getloadavg()
     return out
 

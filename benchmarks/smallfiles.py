@@ -66,6 +66,7 @@ from benchmarks.util import (
     scrape_labeled,
     stop_cleanly_on_signals,
     thread_samples,
+    write_rows,
 )
 from benchmarks.wan import WanLink
 
@@ -520,8 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                                        args.py_spy_gil)
         print(summary(rows, args.bandwidth_MBps))
         if args.json:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                             "rows": rows}, indent=2))
+            write_rows(args.json, args, rows)
     finally:  # (also when interrupted: SIGTERM ends it like Ctrl-C)
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -300,3 +300,12 @@ def per_label(before: dict[str, float], after: dict[str, float], prefix: str,
                 label = k[len(prefix):].strip("{}").split("=", 1)[-1] or "all"
                 out[label] = round(d / n, 3)
     return out
+
+
+def write_rows(path: Path, args: Any, rows: list[dict[str, Any]]) -> None:
+    """A benchmark's rows, with the arguments that made them, as JSON at ``path``
+    (``--json``)."""
+    import json
+
+    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                "rows": rows}, indent=2))

@@ -805,8 +805,8 @@ class Passthrough:
         return self._use(ino, backing)
 
     def _take_use(self, backing: _Backing) -> None:
-        """(Under _lock.) A use of ``backing`` that is not one of the kernel's handles of
-        it: held like an open (its pin no longer yields)."""
+        """(Under _lock.) A use of ``backing`` (a handle's): no longer idle, and its pin no
+        longer yields, since eviction must not choose blocks that are being read."""
         if backing.opens == 0 and backing.oid in self._idle:
             del self._idle[backing.oid]
             self._evicted_idle.discard(backing.oid)
@@ -1028,12 +1028,8 @@ class Passthrough:
         self._idle_or_keep(backing)
 
     def _use(self, ino: int, backing: _Backing) -> int:
-        if backing.opens == 0 and backing.oid in self._idle:
-            del self._idle[backing.oid]
-            self._evicted_idle.discard(backing.oid)
-            # In use: eviction must not choose its blocks (the kernel reads them).
-            self.cache.convert_pin(backing.oid, yielding=False)
-        backing.opens += 1
+        """(Under _lock.) A handle of ``ino`` opened on ``backing``; its answer."""
+        self._take_use(backing)
         oid, n = self._active.get(ino, (backing.oid, 0))
         self._active[ino] = (oid, n + 1)
         metrics.PASSTHROUGH_OPENS.inc()
