@@ -200,10 +200,14 @@ READ_BACK_QUEUE = 64
 READ_BACK_CHUNK = 64 << 20
 READ_BACK_REST = 1.0
 #: A file closed while some of its blocks were still being written to the cache
-#: (reads are answered before their blocks are on disk) is looked at again this many
-#: times, this many seconds apart, before its registration is given up.
-LANDING_TRIES = 40
+#: (reads are answered before their blocks are on disk) is looked at again every
+#: LANDING_DELAY seconds for as long as a block of it is still being loaded or written
+#: (a load ends: its GET has a deadline, its write-back an outcome), however slow the
+#: disk; LANDING_LIMIT only bounds a load that never ends (a bug), after which its
+#: registration is given up. (A count of tries was a bound on the disk's speed: on a
+#: busy machine the writes outlasted it and the file was never registered.)
 LANDING_DELAY = 0.05
+LANDING_LIMIT = 300.0
 #: The native loop's releases reach Python only as batched bookkeeping events, drained
 #: on whichever thread comes first (the trio thread while no request reaches Python),
 #: where a close -- this class's lock, then file I/O to free the bytes -- must not run. So
@@ -336,7 +340,8 @@ class Passthrough:
         # Objects to look at again once their blocks have landed on disk: (when, object,
         # spare, tries so far, inode); one fixed delay, so in order of when. Counted in the
         # bound.
-        self._landing: deque[tuple[float, ObjectVersion, bool, int, int]] = deque()
+        # (due, object, spare, first found landing, inode), in order of due time
+        self._landing: deque[tuple[float, ObjectVersion, bool, float, int]] = deque()
         # Told (a preparing thread) of each object registered ahead whose inode is known:
         # (inode, object). The file system offers the native loop a template for it
         # (cachefs.fs.FileSystem.offer_template_ahead), so even the first open of a file a
@@ -583,11 +588,11 @@ class Passthrough:
                     if self._landing:
                         wait = self._landing[0][0] - time.monotonic()
                         if wait <= 0:
-                            _, obj, spare, tries, ino = self._landing.popleft()
+                            _, obj, spare, since, ino = self._landing.popleft()
                             break
                     if self._queue:
                         obj, spare, ino = self._queue.popleft()
-                        tries = 0
+                        since = 0.0
                         break
                     self._queue_cond.wait(wait)
                 if self._queue:
@@ -595,10 +600,11 @@ class Passthrough:
             try:
                 outcome = self.prepare(obj, spare=spare)
                 if outcome == "landing":
-                    if tries < LANDING_TRIES:
+                    now = time.monotonic()
+                    since = since or now
+                    if now - since < LANDING_LIMIT:
                         with self._queue_cond:
-                            self._landing.append((time.monotonic() + LANDING_DELAY, obj,
-                                                  spare, tries + 1, ino))
+                            self._landing.append((now + LANDING_DELAY, obj, spare, since, ino))
                         continue
                     outcome = "declined"
                 metrics.PASSTHROUGH_PREPARED.labels(outcome).inc()
