@@ -47,7 +47,7 @@ from typing import Any
 
 import trio
 
-from cachefs import descriptors, failpoints, gcpolicy, heap, metrics
+from cachefs import descriptors, failpoints, gcpolicy, heap, metrics, metricsport
 from cachefs.background import contained
 from cachefs.cache import manifest
 from cachefs.cache.blocks import BlockCache
@@ -350,7 +350,7 @@ class Daemon:
         metrics.START_TIME.set(self.started_at)
         metrics.create_known_series()
         if cfg.metrics_addr:
-            host, port = metrics.serve_metrics(cfg.metrics_addr)
+            host, port = metricsport.serve_metrics(cfg.metrics_addr)
             # The address served (the port the kernel chose for port 0), as status names it.
             self.metrics_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             log.info("metrics at http://%s/metrics", self.metrics_addr)

@@ -17,16 +17,11 @@ from the trio thread and from worker threads alike.
 from __future__ import annotations
 
 import bisect
-import errno
 import itertools
 import logging
 import os
-import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -37,10 +32,8 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
-    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from cachefs import __version__
 from cachefs.errors import ConfigError
@@ -838,100 +831,6 @@ def parse_metrics_addr(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ConfigError(f"--metrics-addr {value!r}: port out of range")
     return host, port
-
-
-#: Scrapes served at once; further connections wait to be accepted.
-METRICS_SCRAPERS = 4
-#: Seconds a metrics connection may last in all, from its accept to the end of the page
-#: (its request sent, however slowly, and the page read), before it is cut off: a slot is
-#: never held longer, so a scrape waiting behind clients that trickle their requests a
-#: byte at a time is served within this, inside Prometheus's default 10 s scrape timeout.
-METRICS_CLIENT_DEADLINE = 5.0
-
-
-class _MetricsHandler(WSGIRequestHandler):
-    timeout = METRICS_CLIENT_DEADLINE  # (each read and write; the deadline bounds them all)
-
-    def handle(self) -> None:
-        """Serve the connection, cut off (both directions shut down, which ends a read or
-        write blocked in this thread) once :data:`METRICS_CLIENT_DEADLINE` has passed."""
-        timer = threading.Timer(METRICS_CLIENT_DEADLINE, self._cut_off)
-        timer.daemon = True
-        timer.start()
-        try:
-            super().handle()
-        finally:
-            timer.cancel()
-
-    def _cut_off(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # (gone already)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Log nothing (a line per scrape)."""
-
-
-class _MetricsServer(ThreadingWSGIServer):
-    """prometheus_client's server (a thread per connection), with at most
-    :data:`METRICS_SCRAPERS` connections served at once: the port has no access control,
-    and a local process that opened connections and never finished its requests made a
-    thread for each, without bound. The accept loop waits for a free slot, so extra
-    connections wait in the listen queue (or the kernel holds their handshake back)."""
-
-    request_queue_size = 64
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(METRICS_SCRAPERS)
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self._slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that reset its connection, or sent nothing until it was cut off, is
-        its own business (socketserver printed a traceback to the log for each: any local
-        process could fill the log); anything else is one log line."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):
-            return
-        log.warning("metrics: serving %s failed: %r", client_address[0], exc)
-
-
-def serve_metrics(addr: str) -> tuple[str, int]:
-    """Serve /metrics on ``addr`` from a daemon thread; return the bound (host, port).
-
-    Raises ConfigError (one clear line) when the address cannot be bound.
-    """
-    host, port = parse_metrics_addr(addr)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-
-        class Server(_MetricsServer):
-            address_family = infos[0][0]
-
-        server = make_server(str(infos[0][4][0]), port, make_wsgi_app(EXPOSED), Server,
-                             handler_class=_MetricsHandler)
-        threading.Thread(target=server.serve_forever, name="cachefs-metrics", daemon=True).start()
-    except OSError as exc:
-        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise ConfigError(f"cannot serve metrics on {host}:{port}: {reason}") from None
-    except socket.gaierror as exc:
-        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
-    bound = server.server_address
-    return str(bound[0]), int(bound[1])
 
 
 def by_label(counter: Counter) -> dict[str, float]:

@@ -80,6 +80,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors"},
     "metrics": {"errors", "__version__"},
     "background": {"errors", "metrics"},
+    "metricsport": {"errors", "metrics"},  # the page Prometheus scrapes: the daemon serves it
     "failpoints": {"errors"},
     "gcpolicy": set(),  # the process's garbage-collector settings: the daemon applies them
     "descriptors": set(),  # the process's open-file limit and budget: the daemon applies them
@@ -95,7 +96,7 @@ ALLOWED: dict[str, set[str]] = {
     "startup": {"control", "config", "errors", "metrics"},
     "torch": {"control", "errors"},
     "daemon": {"s3", "cache", "read", "fs", "control", "passthrough", "fuse", "fuse_ops",
-               "startup", "gcpolicy", "descriptors", "heap", *BASE},
+               "startup", "gcpolicy", "descriptors", "heap", "metricsport", *BASE},
     "cli": {"daemon", "s3", "control", "startup", *BASE},
     "__main__": {"cli"},
 }

@@ -261,7 +261,7 @@ def test_metrics_clients_that_go_away_mid_request_leave_no_traceback(bucket, mou
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GET /met")
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()  # (linger 0: a reset, not an orderly end)
-    for _ in range(8):  # (served after the connections above, METRICS_SCRAPERS at a time)
+    for _ in range(8):  # (the connections above are gone or cut off)
         page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=120).read()
         assert b"cachefs_build_info" in page
     assert (m.path / "a.bin").read_bytes() == b"a"
@@ -270,7 +270,7 @@ def test_metrics_clients_that_go_away_mid_request_leave_no_traceback(bucket, mou
 
 
 def test_clients_that_trickle_their_request_cannot_starve_scrapes(bucket, mount_factory):
-    """The metrics port serves METRICS_SCRAPERS connections at once, and its timeout was
+    """The metrics port served a few connections at once, and its timeout was
     per socket read: a client that sent its request a byte every second or so was never
     cut off, so a few of them held every slot for as long as they liked and Prometheus
     could not scrape the node at all. A connection now has a total deadline, however the
@@ -279,7 +279,7 @@ def test_clients_that_trickle_their_request_cannot_starve_scrapes(bucket, mount_
     import threading
     import urllib.request
 
-    from cachefs import metrics
+    from cachefs import metricsport
 
     client, name = bucket
     client.put_object(Bucket=name, Key="a.bin", Body=b"a")
@@ -287,7 +287,7 @@ def test_clients_that_trickle_their_request_cannot_starve_scrapes(bucket, mount_
     host, port = m.metrics_addr.rsplit(":", 1)
     stop = threading.Event()
     slow = [socket.create_connection((host, int(port)), timeout=30)
-            for _ in range(metrics.METRICS_SCRAPERS)]
+            for _ in range(4 * metricsport.SCRAPERS)]
 
     def trickle(s: socket.socket) -> None:
         request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 1000
@@ -303,7 +303,7 @@ def test_clients_that_trickle_their_request_cannot_starve_scrapes(bucket, mount_
     for w in workers:
         w.start()
     try:
-        time.sleep(2)  # (every slot is taken by a trickling client by now)
+        time.sleep(2)  # (every trickling client has sent some of its request by now)
         page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=60).read()
         assert b"cachefs_build_info" in page
     finally:
@@ -311,6 +311,41 @@ def test_clients_that_trickle_their_request_cannot_starve_scrapes(bucket, mount_
         for w in workers:
             w.join()
         for s in slow:
+            s.close()
+    assert (m.path / "a.bin").read_bytes() == b"a"
+
+
+def test_a_scrape_is_served_at_once_behind_clients_that_hold_connections_open(
+        bucket, mount_factory):
+    """A few scrapes were served at a time, each connection for up to 5 s: a local
+    process holding sixty connections open with an unfinished request (and opening new
+    ones as those were cut off) kept Prometheus's scrape waiting in the accept queue for
+    over a minute, past its 10 s scrape timeout. Requests are now read all at once by one
+    thread and only a complete one is served: the scrape is answered within that timeout
+    while the others stay open, and those are cut off at their deadline."""
+    import socket
+    import urllib.request
+
+    from cachefs import metricsport
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    m = mount_factory(f"s3://{name}")
+    host, port = m.metrics_addr.rsplit(":", 1)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(60):
+            s = socket.create_connection((host, int(port)), timeout=30)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the end of the headers
+            idle.append(s)
+        time.sleep(0.5)  # (every one of them accepted or waiting to be)
+        page = urllib.request.urlopen(f"http://{m.metrics_addr}/metrics", timeout=10).read()
+        assert b"cachefs_build_info" in page
+        for s in idle:  # cut off at their deadline, not left open for good
+            s.settimeout(metricsport.REQUEST_DEADLINE + 10)
+            assert s.recv(1) == b""
+    finally:
+        for s in idle:
             s.close()
     assert (m.path / "a.bin").read_bytes() == b"a"
 
