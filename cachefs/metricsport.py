@@ -61,6 +61,8 @@ SCRAPERS = 2
 ANSWER_QUEUE = 32
 #: The kernel's listen queue (connections not yet accepted; drained at every wake-up).
 BACKLOG = 128
+#: Seconds the reader rests when it cannot accept for want of descriptors.
+ACCEPT_REST = 0.1
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -88,6 +90,7 @@ class MetricsPort:
         self._reading: dict[int, _Reading] = {}  # by descriptor, in order of accept
         self._answers: queue.Queue[tuple[socket.socket, bytes]] = queue.Queue(ANSWER_QUEUE)
         self._selector = selectors.DefaultSelector()
+        self._accept_failing = False  # (the reader thread's: an accept failed for descriptors)
 
     def start(self) -> None:
         self.listener.setblocking(False)
@@ -132,11 +135,18 @@ class MetricsPort:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # (out of descriptors: the waiting connections stay queued; the
-                    # loop wakes again at the oldest deadline or the next readable one)
-                    log.warning("metrics: cannot accept a connection: %s", exc.strerror)
+                    # Out of descriptors: the waiting connections stay queued. The
+                    # listener stays readable, so the thread rests before it looks again
+                    # (it would spin on a core otherwise); other clients wait that long.
+                    if not self._accept_failing:  # (one line per episode, not ten a second)
+                        log.warning("metrics: cannot accept connections: %s", exc.strerror)
+                    self._accept_failing = True
+                    time.sleep(ACCEPT_REST)
                     return
                 continue  # (the client went away before its accept)
+            if self._accept_failing:
+                log.info("metrics: accepting connections again")
+                self._accept_failing = False
             if len(self._reading) >= MAX_READING:
                 self._drop(next(iter(self._reading.values())))
             sock.setblocking(False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import os
 import socket
 import threading
 import time
@@ -128,3 +129,37 @@ def test_an_address_in_use_is_one_line() -> None:
         host, p = taken.getsockname()
         with pytest.raises(ConfigError, match="address already in use"):
             metricsport.serve_metrics(f"{host}:{p}")
+
+
+def test_out_of_descriptors_the_port_waits_and_serves_once_there_are_some(port) -> None:
+    """An accept that fails for want of descriptors leaves the connection queued (one log
+    line), without spinning, and the scrape is answered once descriptors are free."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hog: list[int] = []
+    answers: list[int] = []
+    try:
+        with socket.socket() as s:  # (made before the descriptors go; connected after)
+            s.settimeout(20)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64,
+                                                        hard))
+            try:
+                while True:
+                    hog.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                pass
+            s.connect(port)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            cpu = time.process_time()
+            time.sleep(1)
+            assert time.process_time() - cpu < 0.5, "the port spun while out of descriptors"
+            for fd in hog:
+                os.close(fd)
+            hog.clear()
+            answers.append(int(s.recv(12).split()[1]))
+    finally:
+        for fd in hog:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert answers == [200]
