@@ -828,7 +828,10 @@ class Passthrough:
         (pinned, not yielding), so the file opened again by its path holds the bytes that
         were verified; the loop keeps its own descriptor of it (the one opened here is
         closed). ``_beside`` holds the inode meanwhile (loop id 0), so no other try
-        registers it twice."""
+        registers it twice. Whatever ends the try short of the handle being bound (an
+        error, or any exception: a MemoryError in the loop's table) undoes it: the
+        placeholder and the use are let go of, and the loop's registration, if made, is
+        closed (the exception then goes on to the caller, which tries again later)."""
         files = self._loop_files
         if files is None:
             return 0
@@ -847,25 +850,45 @@ class Passthrough:
             self._take_use(backing)
             self._beside[ino] = (backing.oid, 0, 1)
         loop_id = 0
+        bound = False
         try:
-            fd = os.open(self.cache.object_path(backing.oid), os.O_RDONLY)
             try:
-                loop_id = files.backing_open(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            if exc.errno in _OUT_OF_DESCRIPTORS:
-                self.out_of_descriptors()
-        with self._lock:
+                fd = os.open(self.cache.object_path(backing.oid), os.O_RDONLY)
+                try:
+                    loop_id = files.backing_open(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self.out_of_descriptors()
             if loop_id:
-                self._beside[ino] = (backing.oid, loop_id, 1)
-                self._fetched.pop(ino, None)
+                failpoints.hit("beside.registered")  # (a test raises here)
                 metrics.PASSTHROUGH_UPGRADED.inc()
-                return loop_id
-            del self._beside[ino]
+                with self._lock:
+                    self._fetched.pop(ino, None)
+                    self._beside[ino] = (backing.oid, loop_id, 1)
+                    bound = True
+        finally:
+            if not bound:
+                self._unbeside(ino, backing, loop_id)
+        return loop_id if bound else 0
+
+    def _unbeside(self, ino: int, backing: _Backing, loop_id: int) -> None:
+        """(Holding no lock.) Undo a try of :meth:`_beside_kernel` that bound no handle:
+        the inode's placeholder and the handle's use of ``backing`` are let go of, and the
+        loop's registration ``loop_id`` (0: none was made) is closed."""
+        with self._lock:
+            entry = self._beside.get(ino)
+            if entry is not None and entry[0] == backing.oid and entry[1] in (0, loop_id):
+                del self._beside[ino]
             backing.opens -= 1
             self._idle_or_keep(backing)
-            return 0
+        files = self._loop_files
+        if loop_id and files is not None:
+            try:
+                files.backing_close(loop_id)
+            except Exception:  # (nothing else holds it: at worst one descriptor leaks)
+                log.exception("cannot close the native loop's registration %d", loop_id)
 
     def release_beside(self, ino: int, loop_id: int) -> None:
         """A handle :meth:`upgrade` bound to the file registered beside the kernel, with the
