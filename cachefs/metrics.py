@@ -345,6 +345,11 @@ PASSTHROUGH_YIELDED = Counter(
     "cachefs_passthrough_yielded", "Idle registered cache files closed because the cache "
     "evicted their blocks (room for new blocks)",
     registry=REGISTRY)
+PASSTHROUGH_UNKNOWN_RELEASES = Counter(
+    "cachefs_passthrough_unknown_releases", "Releases of a handle's registered file that "
+    "the bookkeeping did not know (a bug: logged once; what is registered is left as it "
+    "was, and may stay registered until the daemon ends)",
+    registry=REGISTRY)
 PASSTHROUGH_ENABLED = Gauge(
     "cachefs_passthrough_enabled", "1 while opens may use FUSE passthrough", registry=REGISTRY)
 NATIVE_READS_ENABLED = Gauge(

@@ -330,6 +330,7 @@ class Passthrough:
         # limit bounds them too (cachefs.descriptors; applied in attach_device).
         self.max_native_idle = max_native_idle
         self._descriptors_warned = False
+        self._unknown_told = False  # (the log said a release was of an unknown id)
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
         # (object, whether it may only take free room among the idle backings, inode or 0)
         self._queue: deque[tuple[ObjectVersion, bool, int]] = deque()
@@ -898,7 +899,12 @@ class Passthrough:
         last = False
         with self._lock:
             entry = self._beside.get(ino)
-            if entry is not None and entry[1] == loop_id:
+            if entry is None or entry[1] != loop_id:
+                # (cannot happen: each bound handle's release gives the id it was bound
+                # with, once. The entry, which other handles may use, is left alone.)
+                self._unknown_release(f"release of unknown registration {loop_id} beside "
+                                      f"the kernel (inode {ino}, registered: {entry})")
+            else:
                 backing = self._backings.get(entry[0])
                 if backing is not None:
                     backing.opens -= 1
@@ -1046,8 +1052,8 @@ class Passthrough:
         active = self._active.get(ino)
         backing = self._backings.get(active[0]) if active else None
         if active is None or backing is None or backing.backing_id != backing_id:
-            log.warning("release of unknown passthrough backing %d (inode %d)",
-                        backing_id, ino)
+            self._unknown_release(f"release of unknown passthrough backing {backing_id} "
+                                  f"(inode {ino})")
             return
         if active[1] > 1:
             self._active[ino] = (active[0], active[1] - 1)
@@ -1055,6 +1061,15 @@ class Passthrough:
             del self._active[ino]
         backing.opens -= 1
         self._idle_or_keep(backing)
+
+    def _unknown_release(self, what: str) -> None:
+        """(Under _lock.) A release the bookkeeping does not know (a bug): counted, logged
+        once (a bug repeated at every release would flood the log)."""
+        metrics.PASSTHROUGH_UNKNOWN_RELEASES.inc()
+        if not self._unknown_told:
+            self._unknown_told = True
+            log.warning("%s: left as it is (cachefs_passthrough_unknown_releases_total "
+                        "counts them all; this is logged once)", what)
 
     def _use(self, ino: int, backing: _Backing) -> int:
         """(Under _lock.) A handle of ``ino`` opened on ``backing``; its answer."""

@@ -9,16 +9,18 @@ through a second registration of the file, with the loop, beside the kernel's
 that registration is made (an exception other than OSError, a MemoryError in the loop's
 table) undoes what the try took -- the inode's placeholder in ``_beside`` and the handle's
 use of the kernel's registration -- so the handle is bound at a later READ and the
-registration goes idle (its pin yielding) once it is closed.
+registration goes idle (its pin yielding) once it is closed; and a release of an id the
+bookkeeping does not know is counted and logged, not silently dropped.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
-from cachefs import failpoints
+from cachefs import failpoints, metrics
 from cachefs.passthrough import Passthrough
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.prefetcher import PrefetchLedger
@@ -103,3 +105,30 @@ def test_a_failure_while_registering_beside_the_kernel_undoes_the_try(
     _nothing_held(p, files)
     assert p._direct == {}
 
+
+def _unknown() -> float:
+    return metrics.REGISTRY.get_sample_value(
+        "cachefs_passthrough_unknown_releases_total") or 0.0
+
+
+def test_a_release_beside_the_kernel_of_an_unknown_id_is_counted_and_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: a release whose loop id did not match the inode's entry did nothing, with
+    not a word (a bookkeeping bug would leak the registration unseen). Now it is counted
+    every time and logged once; the entry, which other handles may use, is left alone."""
+    p, files = _beside(tmp_path)
+    p._direct[INO] = 2  # (two handles served by the daemon)
+    loop_id = p.upgrade(INO, OBJ)
+    assert loop_id
+    unknown = _unknown()
+    with caplog.at_level(logging.WARNING, logger="cachefs.passthrough"):
+        p.release_beside(INO, loop_id + 1)  # not the inode's id
+        p.release_beside(INO + 1, loop_id)  # not an inode bound beside the kernel
+    assert _unknown() == unknown + 2
+    warnings = [r for r in caplog.records if "unknown" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert p._beside == {INO: (OID, loop_id, 1)} and files.open == {loop_id}
+    p.release_beside(INO, loop_id)
+    p.release(INO, 0)
+    p.release(INO, 0)
+    _nothing_held(p, files)
