@@ -1138,7 +1138,17 @@ class Passthrough:
         the native loop, keep at most three quarters of the idle backings there are now
         and close the rest, so registered files give back the descriptor each holds (the
         kernel's backings hold none of ours: nothing to give back). The open that failed
-        is served by the daemon; the bound stays lowered for the mount's life."""
+        is served by the daemon; the bound stays lowered for the mount's life.
+
+        Registrations with the loop beside the kernel's (``_beside``, :meth:`upgrade`)
+        are not trimmed, on purpose: each exists only while a handle bound to it is open
+        (it is closed with the inode's last such handle, :meth:`release_beside`), and a
+        bound handle keeps the file's descriptor in the loop after its registration is
+        closed (:meth:`cachefs.fuse.native.NativeReads.backing_close`), so closing one
+        would give back no descriptor until its handles close anyway -- while their
+        reads would go back to Python. Their number is bounded by the inodes with such
+        handles open; a bind that meets EMFILE leaves its handle served by the daemon
+        (and calls this)."""
         if not self.native:
             return
         with self._lock:
