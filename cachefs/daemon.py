@@ -21,7 +21,8 @@ the fetcher's flights, the listings (background refreshes, listing ahead),
 the maintenance loop (last-use batches, LMDB sync), the orphan scan, the trim of a
 cache over its capacity (once at start, one worker thread: :meth:`BlockCache.trim_to_capacity`,
 under the cache's own lock order), the control socket, the unmount watcher and the signal watcher. SIGTERM/SIGINT
-unmount cleanly, from the moment the mount is made: one that arrives before the signal
+(and SIGQUIT, SIGXCPU: :data:`cachefs.startup.STOP_SIGNALS`) unmount cleanly, from the
+moment the mount is made: one that arrives before the signal
 watcher runs is held (:class:`_EarlyStop`), and the watcher stops the mount once it is
 ready. No background task ends the daemon on an error: each unit of work runs in
 :func:`cachefs.background.contained` (logged, counted, goes on); only cancellation
@@ -85,6 +86,8 @@ from cachefs.s3.boto import S3Store
 from cachefs.s3.objects import open_tier_client
 from cachefs.s3.origin import Origin
 from cachefs.startup import (
+    IGNORED_SIGNALS,
+    STOP_SIGNALS,
     check_mountpoint,
     lock_cache_dir,
     lock_mountpoint,
@@ -265,12 +268,13 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
 
 
 class _EarlyStop:
-    """SIGTERM and SIGINT held between the mount and the signal watcher: the first one
-    that arrives is remembered (nothing else is done in the handler), and the watcher
-    acts on it once it runs. Replaced by the watcher's own handlers, and the previous
-    handlers put back when the daemon ends."""
+    """The stop signals (SIGTERM, SIGINT, SIGQUIT, SIGXCPU: :data:`STOP_SIGNALS`) held
+    between the mount and the signal watcher: the first one that arrives is remembered
+    (nothing else is done in the handler), and the watcher acts on it once it runs.
+    Replaced by the watcher's own handlers, and the previous handlers put back when the
+    daemon ends."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
@@ -622,11 +626,12 @@ class Daemon:
         })
 
     async def _watch_signals(self, origin: Origin) -> None:
-        # SIGHUP, SIGUSR1 and SIGUSR2 are taken and ignored: their default action ends the
-        # process, which left a dead mount (a log rotation's "kill -USR1" is common; the
-        # log is appended to, so logrotate's copytruncate rotates it).
-        ignored = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *ignored) as sigs:
+        # The stop signals unmount; SIGHUP, SIGUSR1, SIGUSR2 and the timer signals are
+        # taken and ignored (logged): their default action ends the process, which left a
+        # dead mount (a log rotation's "kill -USR1" is common; the log is appended to, so
+        # logrotate's copytruncate rotates it). See cachefs.startup.IGNORED_SIGNALS.
+        ignored = IGNORED_SIGNALS
+        with trio.open_signal_receiver(*STOP_SIGNALS, *ignored) as sigs:
             held = self._early_stop.received  # (arrived while the mount came up)
             if held is None:
                 async for signum in sigs:

@@ -27,6 +27,10 @@ directory with wider modes, and the files cachefs keeps at its top (index,
 lock, log), are tightened with one log line. Files cachefs creates in it are
 created 0600 whatever the umask (``os.open`` modes can only be narrowed by the
 umask).
+
+Signals (:data:`STOP_SIGNALS`, :data:`IGNORED_SIGNALS`): what the daemon does with each
+signal whose default action would end it, from its start (the CLI ignores the ignored ones
+before anything else; the daemon holds the stop signals from just before its mount).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import errno
 import fcntl
 import logging
 import os
+import signal
 import stat
 import subprocess
 import threading
@@ -49,6 +54,22 @@ from cachefs.control import registry
 from cachefs.errors import CacheError, ConfigError
 
 log = logging.getLogger(__name__)
+
+#: Signals that stop the daemon cleanly, as SIGTERM does (unmount, index synced): SIGINT
+#: (a terminal's Ctrl-C), SIGQUIT (Ctrl-\\, some process managers' stop signal) and
+#: SIGXCPU (the kernel's, at the soft CPU-time limit, LimitCPU=; SIGKILL follows at the
+#: hard one). By their default action they end the process -- SIGQUIT and SIGXCPU with a
+#: core dump -- which leaves a dead mount ("Transport endpoint is not connected").
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGXCPU)
+#: Signals logged and ignored: their default action ends the process (a dead mount), and
+#: none of them is a request to stop: SIGHUP (a closed terminal), SIGUSR1 and SIGUSR2 (a
+#: log rotation's "kill -USR1"; the log is appended to, so copytruncate rotates it), and
+#: the timer signals SIGALRM, SIGVTALRM and SIGPROF, which cachefs never arms (a stray
+#: alarm, a profiler's timer aimed at the wrong process). Left at their default: the
+#: signals of a fault (SIGSEGV, SIGBUS, SIGABRT...), SIGKILL, and those nothing sends a
+#: daemon (SIGPWR, SIGIO, SIGSTKFLT; SIGPIPE and SIGXFSZ Python ignores already).
+IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
+                   signal.SIGVTALRM, signal.SIGPROF)
 
 #: Seconds a daemon waits for another one holding its mount point (see lock_mountpoint).
 MOUNTPOINT_LOCK_WAIT = 30.0

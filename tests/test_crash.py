@@ -280,27 +280,61 @@ def test_systemd_unit_restart_after_sigkill_recovers(bucket, s3_endpoint, tmp_pa
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
 
 
+#: Signals whose default action ends a process, that an operator or a tool may send a
+#: daemon by mistake: a log rotation's "kill -USR1", a terminal's hang-up, stray timer
+#: signals (an alarm, a profiler's timer aimed at the wrong pid).
+IGNORED = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM,
+           signal.SIGPROF)
+
+
 def test_sighup_and_the_user_signals_leave_the_mount_serving(bucket, mount_factory):
-    """SIGHUP, SIGUSR1 and SIGUSR2 (a log rotation's "kill -USR1") are logged and ignored:
-    their default action ended the daemon and left a dead mount."""
+    """SIGHUP, SIGUSR1 and SIGUSR2 (a log rotation's "kill -USR1"), and the timer signals
+    SIGALRM, SIGVTALRM and SIGPROF, are logged and ignored: their default action ended
+    the daemon and left a dead mount ("Transport endpoint is not connected")."""
     client, name = bucket
     client.put_object(Bucket=name, Key="a.txt", Body=b"alpha")
     m = mount_factory(f"s3://{name}")
     assert (m.path / "a.txt").read_bytes() == b"alpha"
     pid = daemon_pid(m.path)
-    for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in IGNORED:
         os.kill(pid, sig)
+        time.sleep(0.1)  # (one at a time: signals of one kind pending together merge)
     deadline = time.monotonic() + 30
-    while m.log().count("; ignored (SIGTERM unmounts)") < 3 and time.monotonic() < deadline:
+    while (m.log().count("; ignored (SIGTERM unmounts)") < len(IGNORED)
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     os.kill(pid, 0)  # (alive)
-    assert m.log().count("; ignored (SIGTERM unmounts)") == 3
+    assert m.log().count("; ignored (SIGTERM unmounts)") == len(IGNORED)
     client.put_object(Bucket=name, Key="b.txt", Body=b"beta")
     assert (m.path / "a.txt").read_bytes() == b"alpha"
     assert daemon_pid(m.path) == pid
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+@pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGXCPU], ids=["sigquit", "sigxcpu"])
+def test_sigquit_and_sigxcpu_unmount_cleanly_like_sigterm(bucket, mount_factory, sig):
+    """SIGQUIT (a terminal's Ctrl-\\, a process manager's stop signal) and SIGXCPU (the
+    kernel's, at the soft CPU-time limit: LimitCPU=) ended the daemon by their default
+    action (a core dump), leaving a dead mount ("Transport endpoint is not connected")
+    that every reader then met. They now stop it as SIGTERM does: unmounted, nothing
+    left behind."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.txt", Body=b"alpha")
+    m = mount_factory(f"s3://{name}")
+    assert (m.path / "a.txt").read_bytes() == b"alpha"
+    pid = daemon_pid(m.path)
+    os.kill(pid, sig)
+    wait_dead(pid, timeout=60)
+    dead_mount = is_mounted(m.path)
+    if dead_mount:
+        subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=False)
+    assert not dead_mount, "the daemon left its mount behind"
+    log = m.log()
+    assert f"received {signal.Signals(sig).name}; unmounting" in log, log[-2000:]
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGXCPU],
+                         ids=["sigterm", "sigint", "sigquit", "sigxcpu"])
 def test_a_stop_signal_just_after_the_mount_is_made_unmounts_cleanly(bucket, tmp_path,
                                                                       s3_endpoint, sig):
     """The daemon took SIGTERM and SIGINT only once its signal watcher ran, a moment
@@ -377,7 +411,7 @@ def test_sighup_and_the_user_signals_during_start_up_are_ignored_too(bucket, tmp
             lines.append(line)
             if "open-file limit" in line:
                 break
-        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        for sig in IGNORED:
             proc.send_signal(sig)
         silent.close()  # (sent already: S3 now refuses, and the start-up fails at once)
         rest = proc.stderr.read()

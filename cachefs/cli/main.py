@@ -247,7 +247,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = _leave_working_directory(cfg)
     # Ignored from the start, not only once the daemon serves (it then logs them): their
     # default action would end it while it starts, without a word.
-    for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    from cachefs.startup import IGNORED_SIGNALS
+
+    for signum in IGNORED_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     _setup_logging(cfg.log_level)
 
