@@ -490,6 +490,7 @@ class Passthrough:
 
         def keep_going(bid: bytes, entry: tuple[int, int], done: int) -> bool:
             nonlocal gave_up, rested_at, since
+            failpoints.hit("readback.block")  # (a test holds the read-back here)
             if self._read_back_stop.is_set():
                 gave_up = "stopped"
                 return False
