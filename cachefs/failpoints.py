@@ -12,9 +12,12 @@ environment::
 An armed point in a daemon holds the thread that reaches it while the file
 ``DIR/NAME.hold`` exists: it first creates ``DIR/NAME.reached`` (so the test
 knows), then waits until the test removes ``NAME.hold`` (at most
-:data:`HOLD_LIMIT` seconds). Points are only hit in worker threads (or in the
-main thread before trio runs: ``mount.made``, just after the mount is made), never
-on the trio thread (a held trio thread would stop the whole mount).
+:data:`HOLD_LIMIT` seconds). While ``DIR/NAME.raise`` exists instead, the next thread
+reaching the point removes it, creates ``NAME.reached`` and raises :class:`Injected`
+(once: a failure no code path expects, as a MemoryError would be). Points are only hit
+in worker threads (or in the main thread before trio runs: ``mount.made``, just after
+the mount is made), never on the trio thread (a held trio thread would stop the whole
+mount).
 
 A test may also lower a size bound of such a daemon (:func:`tuned`), so that what the
 bound is about happens with small objects: ``CACHEFS_TEST_<NAME>=<bytes>``.
@@ -36,6 +39,10 @@ HOLD_LIMIT = 60.0
 _armed: dict[str, Callable[[], None]] = {}
 
 
+class Injected(Exception):
+    """Raised at an armed point of a daemon under test (``NAME.raise``)."""
+
+
 def hit(name: str) -> None:
     """Run what is armed at ``name`` (nothing, unless a test armed it)."""
     action = _armed.get(name)
@@ -53,8 +60,16 @@ def disarm(name: str) -> None:
 
 def _holder(name: str, directory: Path) -> Callable[[], None]:
     hold, reached = directory / f"{name}.hold", directory / f"{name}.reached"
+    fail = directory / f"{name}.raise"
 
     def action() -> None:
+        try:
+            fail.unlink()
+        except FileNotFoundError:
+            pass
+        else:
+            reached.touch()
+            raise Injected(f"failpoint {name}")
         if not hold.exists():
             return
         reached.touch()

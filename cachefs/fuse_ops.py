@@ -299,7 +299,15 @@ class Operations(Handlers):
             # A handle opened before its object was cached whole: once it is, the loop
             # answers the handle's next reads (this one is answered here), with or without
             # the kernel's passthrough (which set this handle's mode at its open).
-            backing_id, object_size = self.fs.bind_later(fh, time.monotonic())
+            try:
+                backing_id, object_size = self.fs.bind_later(fh, time.monotonic())
+            except Exception:  # (a bug, or no memory: tried again later; see bind_later)
+                # The bind only moves the handle's later reads to the loop: this one is
+                # answered here all the same.
+                metrics.FUSE_INTERNAL_ERRORS.inc()
+                log.exception("binding a handle to the native loop failed; its reads are "
+                              "answered in Python")
+                backing_id = object_size = 0
             if backing_id:
                 loop.bind(fh, backing_id, object_size)
         try:

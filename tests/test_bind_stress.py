@@ -330,6 +330,62 @@ def test_a_read_of_a_handle_being_bound_does_not_bind_it_again(
     _unmount_cleanly(m)
 
 
+def test_a_bind_beside_the_kernel_that_fails_is_undone_and_its_read_answered(
+        bucket: Any, mount_factory: Any, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """A handle's bind to the native loop beside the kernel's passthrough fails with an
+    exception no path expects (failpoint ``beside.registered``, raising once: as a
+    MemoryError in the loop's table would), after the file was registered with the loop.
+    Before: the READ that tried it was answered EIO (unseen by a buffered reader: the
+    kernel reads the page again), and the try's placeholder and use
+    stayed behind, so the handle was never bound and the file stayed registered (and
+    pinned) for good after every handle closed. Now the READ is answered, the try is
+    undone, a later READ binds the handle, and nothing is left once it is closed."""
+    if not passthrough_mod.supported():
+        pytest.skip("FUSE passthrough needs Linux >= 6.9")
+    holds = tmp_path / "failpoints"
+    holds.mkdir()
+    monkeypatch.setenv("CACHEFS_FAILPOINTS", "beside.registered")
+    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(holds))
+    client, name = bucket
+    data = _data(9, 3 * MiB + 99)
+    client.put_object(Bucket=name, Key="rows.arrow", Body=data)
+    filler = _put_filler(client, name, 12 * MiB)
+    m = _mount(mount_factory, name, "kernel", "--cache-size", "12M", "--cache-policy", "lru")
+    fd = os.open(m.path / "rows.arrow", os.O_RDONLY)  # (served by the daemon)
+    try:
+        assert os.pread(fd, len(data) + 1, 0) == data  # cold: its first READs
+        assert _wait_for(lambda: m.metric("cachefs_cache_blocks") >= 4)
+        time.sleep(1.2)  # (a handle is bound at a READ a second after its first at least)
+        (holds / "beside.registered.raise").touch()
+        rng = random.Random(3)
+        # The READ whose bind fails, answered all the same (the one READ of this pread:
+        # no readahead, whose READs may fail unseen)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        assert os.pread(fd, 4096, MiB) == data[MiB:MiB + 4096]
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
+        assert (holds / "beside.registered.reached").exists(), "the failpoint was not hit"
+        assert m.metric("cachefs_passthrough_upgraded_total") == 0
+        # A later READ binds it (tried again a second later at most).
+        deadline = time.monotonic() + 20
+        while m.metric("cachefs_passthrough_upgraded_total") < 1:
+            assert time.monotonic() < deadline, "the handle was never bound"
+            _check_pread(fd, data, rng)
+            time.sleep(0.05)
+        for _ in range(20):
+            _check_pread(fd, data, rng)
+    finally:
+        os.close(fd)
+    _no_registration_left(m, filler)
+    proc = run_cachefs("unmount", str(m.path))
+    assert proc.returncode == 0, proc.stderr
+    assert _wait_for(lambda: not is_mounted(m.path), 30)
+    log = m.log()
+    assert "answering EIO" not in log, "the READ whose bind failed was answered EIO"
+    assert log.count("Traceback") == 1 and "failpoint beside.registered" in log, log[-6000:]
+
+
 def _daemon_pid(m: Any) -> int:
     proc = run_cachefs("status", "--json", str(m.path))
     assert proc.returncode == 0, proc.stderr
