@@ -132,12 +132,16 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 def thread_group(name: str) -> str:
     """The group a thread of the daemon counts in: "trio" (the main thread, which runs
-    trio), "workers" (the FUSE request workers and other plain Python threads), "s3"
-    (trio's worker threads: S3 requests and cache writes)."""
+    trio), "s3" (trio's worker threads: S3 requests and cache writes), "verify" (the
+    passthrough layer's threads that verify and register files ahead of their opens,
+    named for the OS by :func:`cachefs.background.own_threads`; Linux keeps 15 bytes of a
+    name), "workers" (the FUSE request workers and other plain Python threads)."""
     if name == "main":
         return "trio"
     if name.startswith(("Trio thread", "cachefs-s3")):
         return "s3"
+    if name.startswith("cachefs-verify"):
+        return "verify"
     return "workers"
 
 

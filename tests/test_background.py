@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +166,32 @@ def test_known_label_sets_name_every_task_and_reason_the_code_uses() -> None:
     for task in metrics.BACKGROUND_TASKS:
         assert metrics.REGISTRY.get_sample_value("cachefs_background_errors_total",
                                                  {"task": task}) is not None
+
+
+def test_own_threads_carry_their_names_for_the_os_too() -> None:
+    # The benchmarks split the daemon's CPU by thread from /proc/<pid>/task/<tid>/comm:
+    # the passthrough layer's preparing threads and the readahead threads must show there
+    # by name, not as "python" among the FUSE request workers.
+    seen: dict[str, str] = {}
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def target() -> None:
+        me = threading.current_thread()
+        with open(f"/proc/self/task/{me.native_id}/comm") as f:
+            comm = f.read().strip()
+        with lock:
+            seen[me.name] = comm
+        release.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(
+                background.own_threads, target, 2, "cachefs-verify", stop=release.set))
+            while len(seen) < 2:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    # (Linux keeps 15 bytes of a thread's name)
+    assert seen == {"cachefs-verify-0": "cachefs-verify-", "cachefs-verify-1": "cachefs-verify-"}
