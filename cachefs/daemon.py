@@ -41,6 +41,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -309,6 +310,11 @@ class Daemon:
         self.metrics_addr: str | None = None  # HOST:PORT served, once serving
         self._early_stop = _EarlyStop()
         self._serving = trio.Event()  # (set once the mount is ready: it can be stopped)
+        self.control: ControlServer | None = None
+        # The registry entry is written (snapshots, a worker thread) and withdrawn (the
+        # mount gone from the mount table) under this lock: once detached, never again.
+        self._registry_lock = threading.Lock()
+        self._detached = False
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -466,8 +472,9 @@ class Daemon:
 
             passthrough.on_prepared = template_ahead
         warmer = Warmer(metadata, prefetcher, root_prefix=cfg.source.prefix, shared=shared)
-        control = ControlServer(registry.control_socket(cfg.mountpoint), read_order=read_order,
-                                warmer=warmer, root_prefix=cfg.source.prefix)
+        self.control = control = ControlServer(
+            registry.control_socket(cfg.mountpoint), read_order=read_order, warmer=warmer,
+            root_prefix=cfg.source.prefix)
 
         def on_init(result: abi.Negotiated) -> None:
             # Passthrough needs the kernel's grant at INIT (and CAP_SYS_ADMIN, tried at
@@ -523,7 +530,7 @@ class Daemon:
                      cache, env, shared, on_ready)
             unmounted = True
         finally:
-            registry.unregister(cfg.mountpoint)
+            registry.unregister(cfg.mountpoint, os.getpid())
             sd_notify("STOPPING=1")
             device.close(
                 unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
@@ -559,7 +566,9 @@ class Daemon:
                 await trio.to_thread.run_sync(set_kernel_readahead, cfg.mountpoint,
                                               cfg.read_ahead)
                 with contained("maintenance", "publishing the status snapshot"):
-                    self._publish_status()  # (the maintenance loop tries again every second)
+                    # (the maintenance loop tries again every second; a thread: the
+                    # snapshot takes the registry lock)
+                    await trio.to_thread.run_sync(self._publish_status)
                 gcpolicy.settle_after_startup()  # (once the long-lived state exists)
                 on_ready()
                 sd_notify("READY=1")
@@ -590,13 +599,17 @@ class Daemon:
         log.info("opened %d connection(s) to S3 ahead of the first reads", n)
 
     async def _watch_unmount(self, origin: Origin) -> None:
-        """Stop S3 requests as soon as the mount is gone from the mount table.
+        """Stop S3 requests as soon as the mount is gone from the mount table, and give
+        the mount point's registry entry and control socket up.
 
         The request server ends only once every file is closed and every request in
         flight answered, and an unmount (plain, with the kernel's own readahead in
         flight, or lazy, with readers still blocked) says nothing to the daemon: reads
         waiting on S3 through an outage would hold the daemon until their retry
-        deadline. They fail at once instead.
+        deadline. They fail at once instead. A lazy unmount (``umount -l``) leaves the
+        daemon running while files stay open, and the mount point free for a new mount:
+        the entry and the socket are the new mount's to make (this daemon's snapshots
+        overwrote its entry, and its end removed both).
         """
         device = await trio.to_thread.run_sync(registry.mount_device, self.cfg.mountpoint)
         if device is None:
@@ -605,8 +618,30 @@ class Daemon:
             await trio.sleep(UNMOUNT_POLL)
         log.info("%s was unmounted; stopping S3 requests in flight", self.cfg.mountpoint)
         origin.close()
+        await trio.to_thread.run_sync(self._withdraw_entry)
+        if self.control is not None:
+            self.control.withdraw()
+
+    def _withdraw_entry(self) -> None:
+        """Remove this daemon's registry entry for good (a worker thread: it waits for a
+        snapshot being written)."""
+        with self._registry_lock:
+            self._detached = True
+            registry.unregister(self.cfg.mountpoint, os.getpid())
 
     def _publish_status(self) -> None:
+        """Write the status snapshot into the registry entry, unless the mount is gone from
+        the mount table: then withdraw the entry instead (the unmount watcher sees it only
+        within UNMOUNT_POLL, and a new mount at the mount point may have made the entry its
+        own by then). A worker thread (a read of the mount table, a file written)."""
+        with self._registry_lock:
+            if not self._detached and self._dev and not _device_mounted(self._dev):
+                self._detached = True
+                registry.unregister(self.cfg.mountpoint, os.getpid())
+            if not self._detached:
+                self._register()
+
+    def _register(self) -> None:
         cfg = self.cfg
         registry.register(cfg.mountpoint, {
             "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),

@@ -374,3 +374,56 @@ def test_status_of_an_empty_path_is_refused_not_the_current_directory(bucket, mo
     assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
     assert "empty path" in lines[0]
     assert proc.stdout == ""
+
+
+def test_a_mount_made_over_a_lazily_unmounted_one_keeps_its_entry_and_socket(bucket,
+                                                                           mount_factory,
+                                                                           tmp_path):
+    """'umount -l' (what an operator does when an unmount says 'target is busy') detaches a
+    mount whose files are still open: its daemon runs on until they are closed. A new mount
+    at the same mount point, made meanwhile, was then shown with the old daemon's figures
+    (its snapshots, every 10 s, overwrote the new daemon's entry), and when the old daemon
+    ended it removed the new one's entry and control socket: 'cachefs status' said 'not a
+    live cachefs mount' and 'cachefs warm' found no socket, for a mount that served."""
+    from tests.conftest import Mount
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a" * 5000)
+    old = mount_factory(f"s3://{name}")
+    old_pid = int(registry.lookup(old.path)["pid"])
+    held = open(old.path / "a.bin", "rb")  # (held across the remount)
+    try:
+        assert held.read(10) == b"a" * 10
+        subprocess.run(["fusermount3", "-u", "-z", str(old.path)], check=True)
+        assert not is_mounted(old.path) and registry.pid_alive(old_pid)
+        new = Mount(old.source, old.path, tmp_path / "cache-new", old.endpoint, [])
+        new.start()
+        try:
+            new_pid = int((new.cache_dir / "lock").read_text())  # (the daemon holding it)
+            assert new_pid != old_pid and registry.pid_alive(new_pid)
+            # Past the old daemon's idle snapshot interval: the entry stays the new one's.
+            deadline = time.monotonic() + 12
+            while time.monotonic() < deadline:
+                entry = registry.entry(new.path) or {}
+                assert entry.get("pid") == new_pid, f"the entry is pid {entry.get('pid')}'s"
+                time.sleep(0.2)
+            assert held.read() == b"a" * 4990  # the detached mount still serves its file
+        finally:
+            held.close()
+            held = None
+            deadline = time.monotonic() + 30
+            while registry.pid_alive(old_pid):
+                assert time.monotonic() < deadline, "the detached daemon never ended"
+                time.sleep(0.1)
+            ended = (registry.entry(new.path) or {}).get("pid")
+            socket_left = registry.control_socket(new.path).exists()
+            status = run_cachefs("status", str(new.path))
+            warm = run_cachefs("warm", str(new.path), "a.bin")
+            new.stop()
+        assert ended == new_pid and socket_left
+        assert status.returncode == 0, status.stderr
+        assert f"(pid {new_pid}," in status.stdout and str(tmp_path / "cache-new") in status.stdout
+        assert warm.returncode == 0, warm.stderr
+    finally:
+        if held is not None:
+            held.close()

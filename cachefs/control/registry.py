@@ -113,9 +113,19 @@ def register(mountpoint: Path, info: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def unregister(mountpoint: Path) -> None:
+def unregister(mountpoint: Path, pid: int | None = None) -> None:
+    """Remove the entry of ``mountpoint``; with ``pid``, only while it is that daemon's:
+    a daemon whose mount was detached (``umount -l``) runs on until its files are closed,
+    and a new mount at the same mount point has made the entry its own meanwhile. (Between
+    the read and the removal a new daemon's first entry could still go: it writes one again
+    with its next snapshot, within ``STATUS_IDLE_INTERVAL``.)"""
+    path = _entry_path(mountpoint)
+    if pid is not None:
+        info = entry(mountpoint)
+        if info is None or info.get("pid") != pid:
+            return
     try:
-        _entry_path(mountpoint).unlink()
+        path.unlink()
     except FileNotFoundError:
         pass
 

@@ -118,6 +118,7 @@ class ControlServer:
         self.pending_bytes = 0  # accounted bytes of chunked paths, all connections
         self._last_reject_log = 0.0
         self._rejects_unlogged = 0
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket's file
 
     # -- the listener ----------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -148,11 +149,23 @@ class ControlServer:
         finally:
             # Before the close: aclose() is a checkpoint, which raises again at once in
             # the cancelled scope a shutdown ends this in, and the socket file would stay.
-            try:
-                self.path.unlink()
-            except OSError:
-                pass
+            self.withdraw()
             await listener.aclose()
+
+    def withdraw(self) -> None:
+        """Remove the socket's file if it is still the one this server bound (a new mount
+        at the same mount point, made after this one's was detached, binds its own there):
+        connections made stay served, no new one can reach this server. The trio thread (a
+        stat and an unlink in the runtime directory, as the listener's own end does)."""
+        if self._bound is None:
+            return
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:
+                self.path.unlink()
+        except OSError:
+            pass
+        self._bound = None
 
     def _bind(self) -> trio.socket.SocketType:
         """Bind in a private directory, restrict the socket to its owner, then rename it
@@ -165,7 +178,9 @@ class ControlServer:
         try:
             sock.bind(str(staged))  # a local bind never blocks
             os.chmod(staged, 0o600)
+            st = os.stat(staged)
             os.replace(staged, self.path)
+            self._bound = (st.st_dev, st.st_ino)  # (a rename keeps the inode)
             sock.listen(MAX_WAITING)
         except BaseException:
             sock.close()
