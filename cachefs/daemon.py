@@ -46,6 +46,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import trio
 
@@ -111,6 +112,15 @@ PREWARM_CONNECTIONS = 64
 STOP_GRACE = 5.0
 #: Mount options always given (the kernel checks permissions against our attributes).
 DEFAULT_OPTIONS = frozenset({"default_permissions"})
+
+
+def fsname(source: str) -> str:
+    """``source`` as the mount table names the file system (``fsname=``, which ``df`` and
+    ``mount`` show): libfuse's mount options are ASCII, split at commas and take a
+    backslash as an escape, so every other character is %-escaped, ``%`` too (what
+    ``urllib.parse.unquote`` reverses). A prefix is any key prefix: a folder named in
+    French or Japanese failed the mount with a traceback, one with a comma failed it."""
+    return quote(source, safe="/:@ !$&'()*+;=")
 
 
 def set_kernel_readahead(mountpoint: Path, read_ahead: int) -> None:
@@ -499,7 +509,7 @@ class Daemon:
         metrics.CATCH_UP.add(ops.drain_native)  # (metrics count the loop's opens at once)
 
         options = set(DEFAULT_OPTIONS)
-        options |= {"ro", "noatime", f"fsname={cfg.source}", "subtype=cachefs"}
+        options |= {"ro", "noatime", f"fsname={fsname(str(cfg.source))}", "subtype=cachefs"}
         if cfg.allow_other:
             options.add("allow_other")
         # From here until the signal watcher takes them, SIGTERM and SIGINT are held:

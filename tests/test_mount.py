@@ -86,6 +86,31 @@ def test_tree_and_bytes_match_the_bucket(bucket, mount_factory):
     assert oct((m.path / "empty.bin").stat().st_mode & 0o777) == oct(0o444)
 
 
+@pytest.mark.parametrize("prefix", ["données/été", "データ", "a,b", "x\\y,z=w%41"])
+def test_a_prefix_of_any_characters_mounts(bucket, mount_factory, prefix):
+    """A source prefix is a key prefix: any characters S3 takes. One with a letter outside
+    ASCII (a dataset's folder in French, Japanese...) failed the mount with a traceback in
+    the log (the file system's name, the source, goes to libfuse's mount options, ASCII
+    only), one with a comma with 'fuse_session_new() failed' (a comma splits options).
+    The mount table shows the source with those characters %-escaped."""
+    from urllib.parse import unquote
+
+    client, name = bucket
+    files = {"f.txt": b"one\n", "sub/g.bin": _payload(7, 3 * BLOCK + 5)}
+    for key, data in files.items():
+        client.put_object(Bucket=name, Key=f"{prefix}/{key}", Body=data)
+    client.put_object(Bucket=name, Key=f"{prefix}-sibling/h.txt", Body=b"not mounted")
+    m = mount_factory(f"s3://{name}/{prefix}", "--block-size", str(BLOCK))
+    assert tree(m.path) == ({"sub"}, set(files))
+    for key, data in files.items():
+        assert (m.path / key).read_bytes() == data
+    with open("/proc/self/mountinfo") as f:
+        (source,) = [line.partition(" - ")[2].split()[1] for line in f
+                     if line.split()[4] == str(m.path)]
+    assert unquote(source) == f"s3://{name}/{prefix}/"
+    assert "Traceback" not in m.log()
+
+
 def test_random_offset_reads_match_reference(bucket, mount_factory):
     client, name = bucket
     data = _payload(7, 7 * BLOCK + 999)
