@@ -200,8 +200,10 @@ def make_store(cfg: MountConfig) -> S3Store:
 PROBE_ATTEMPTS = 6
 
 
-def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> None:
+def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> bool | None:
     """One request proving the source can be read; a clear StoreError when it cannot.
+    Whether any key is under the source's prefix (None: not known, with a manifest or
+    when S3 did not answer a remount's probe).
     Throttling and 5xx answers are tried again (:data:`PROBE_ATTEMPTS`) first. With
     ``cached`` (the cache directory holds listings of this source: a remount, after a
     crash say), S3 not answering (a timeout, a refused connection, 5xx) does not stop the
@@ -213,14 +215,13 @@ def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> No
         try:
             if cfg.manifest:
                 store.probe_bucket()  # no LIST at all with a manifest
-            else:
-                store.probe(cfg.source.prefix)
-            return
+                return None
+            return store.probe(cfg.source.prefix)
         except TransientStoreError as exc:
             if (cached or exc.reason not in ("throttled", "server_error")
                     or attempt == PROBE_ATTEMPTS):
                 _probe_failed(exc, cfg, cached=cached)
-                return
+                return None
             log.info("S3 answered the start-up check with %s; trying again", exc)
             time.sleep(delay * random.uniform(0.5, 1.0))  # (jittered: many nodes at once)
             delay *= 2
@@ -228,6 +229,7 @@ def probe_store(store: S3Store, cfg: MountConfig, *, cached: bool = False) -> No
             raise
         except StoreError as exc:
             raise StoreError(f"cannot read {cfg.source}: {exc}") from None
+    return None  # (not reached: the last attempt returns or raises)
 
 
 def _probe_failed(exc: TransientStoreError, cfg: MountConfig, *, cached: bool) -> None:
@@ -321,6 +323,7 @@ class Daemon:
         self._early_stop = _EarlyStop()
         self._serving = trio.Event()  # (set once the mount is ready: it can be stopped)
         self.control: ControlServer | None = None
+        self.warnings: list[str] = []  # for the mount command to print (one line each)
         # The registry entry is written (snapshots, a worker thread) and withdrawn (the
         # mount gone from the mount table) under this lock: once detached, never again.
         self._registry_lock = threading.Lock()
@@ -363,7 +366,13 @@ class Daemon:
         _drop_foreign_metadata(env, cfg)
         env.keep_reserve(index_reserve(cfg))
         s3 = make_store(cfg)
-        probe_store(s3, cfg, cached=_has_listings(env))
+        if probe_store(s3, cfg, cached=_has_listings(env)) is False:
+            # (a typo, S3's case, a file's URL for its folder's: the job on the mount
+            # finds no files, so say it where the mount command is run)
+            note = (f"{cfg.source} holds no keys: the mount is an empty folder until keys "
+                    "are put under it (is the prefix right? S3 keys are case-sensitive)")
+            log.warning("%s", note)
+            self.warnings.append(note)
         log.info("S3 endpoint %s, region %s", without_password(s3.endpoint), s3.region)
         metrics.S3_REGION.labels(s3.region, s3.endpoint).set(1)
         origin = Origin(s3, max_connections=cfg.max_connections, deadline=cfg.retry_deadline)

@@ -438,3 +438,33 @@ def test_an_endpoint_that_is_not_s3_fails_the_mount_at_once(mp, tmp_path):
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
     assert_one_line_error(proc, "not an S3 listing", "--endpoint-url", code=1)
     assert not is_mounted(mp)
+
+
+@pytest.mark.parametrize("prefix", ["Train", "train/img0.jpg", "nothing-here"])
+def test_a_source_that_holds_no_keys_mounts_with_a_warning(mp, tmp_path, s3_endpoint, bucket,
+                                                           prefix):
+    """A prefix with no key under it (a typo, S3's case, a file's URL given for its folder's)
+    mounted an empty folder without a word: the job on it found no files. It still mounts
+    (keys may come), with one warning line naming the source, in the log too."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="train/img0.jpg", Body=b"x")
+    proc = mount(f"s3://{name}/{prefix}", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert is_mounted(mp) and os.listdir(mp) == []
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith("cachefs: warning: "), lines[0]
+        assert f"s3://{name}/{prefix}/ holds no keys" in lines[0]
+        assert f"s3://{name}/{prefix}/ holds no keys" in (tmp_path / "c/cachefs.log").read_text()
+    finally:
+        if is_mounted(mp):
+            assert run_cachefs("unmount", str(mp)).returncode == 0
+    # A source with keys mounts without a word.
+    proc = mount(f"s3://{name}/train", mp, tmp_path / "c", "--endpoint-url", s3_endpoint)
+    try:
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert os.listdir(mp) == ["img0.jpg"]
+    finally:
+        if is_mounted(mp):
+            assert run_cachefs("unmount", str(mp)).returncode == 0

@@ -263,8 +263,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     from cachefs.daemon import Daemon  # imports pyfuse3: only needed to mount
 
+    daemon = Daemon(cfg)
+
+    def ready() -> None:  # ("ready", then each warning after a NUL: the parent's one line)
+        report("\0".join(["ready", *(w.replace("\n", "\\n").replace("\0", "\\0")
+                                      for w in daemon.warnings)]))
+
     try:
-        Daemon(cfg).run(on_ready=lambda: report("ready"))
+        daemon.run(on_ready=ready)
     except CachefsError as exc:
         report(f"error: {exc}")
         print(f"cachefs: error: {exc}", file=sys.stderr)
@@ -295,7 +301,10 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
     os.close(write_end)
     message = _read_line(read_end, START_TIMEOUT)
     os.close(read_end)
-    if message == "ready":
+    head, *warnings = message.split("\0")
+    if head == "ready":
+        for warning in warnings:
+            print(f"cachefs: warning: {warning}", file=sys.stderr)
         return 0
     if message.startswith("error: "):
         child.wait(timeout=30)

@@ -151,10 +151,11 @@ class S3Store:
         return self._ranges.list_page(prefix, token, start_after=start_after,
                                       exchange=exchange, delimiter="" if flat else "/")
 
-    def probe(self, prefix: str) -> None:
+    def probe(self, prefix: str) -> bool:
         """One cheap request (a one-key listing) proving the bucket exists and the
-        credentials may list it. Raises the errors of list_page, and a StoreError if the
-        answer is not S3's (a web page: botocore finds no fields in it and says nothing)."""
+        credentials may list it; whether any key starts with ``prefix``. Raises the errors
+        of list_page, and a StoreError if the answer is not S3's (a web page: botocore
+        finds no fields in it and says nothing)."""
         answer = self._call("list", self._client.list_objects_v2, Bucket=self.bucket,
                             Prefix=prefix, MaxKeys=1)
         if "IsTruncated" not in answer:  # (every ListBucketResult has it)
@@ -162,6 +163,7 @@ class S3Store:
             kind = headers.get("content-type") or "no content type"
             raise StoreError(f"the endpoint answered a listing with {kind}, not an S3 listing "
                              "(is --endpoint-url the address of the S3 API?)")
+        return bool(answer.get("KeyCount") or answer.get("Contents"))
 
     def probe_bucket(self) -> None:
         """HeadBucket: the bucket exists and the credentials are accepted, without a
