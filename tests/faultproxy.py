@@ -13,6 +13,8 @@ action:
 * ``truncate``    send the headers (full Content-Length) and half the body, then close
 * ``short``       send half the body with a Content-Length saying so
 * ``flip``        forward an object GET's body with 8 bytes flipped (same length)
+* ``relist``      answer a listing with its first page, said to be truncated, with the same
+                  continuation token every time (a server bug: the listing never ends)
 
 ``path_prefix`` ("/s3") serves the upstream under that path, as some gateways do.
 ``accepted_keys`` (a set of access key ids) refuses requests signed with any other key
@@ -183,7 +185,14 @@ class FaultProxy:
                     self._reset()
                     return
                 proxy.counts[self.command] += 1
+                if action == "relist":  # (the first page again, whatever token was sent)
+                    self.path = re.sub(r"([&?])continuation-token=[^&]*&?", r"\1",
+                                       self.path)
                 status, headers, data = self._forward(body)
+                if action == "relist" and status == 200:
+                    data = re.sub(rb"<IsTruncated>false</IsTruncated>",
+                                  b"<IsTruncated>true</IsTruncated><NextContinuationToken>"
+                                  b"again</NextContinuationToken>", data)
                 if action == "stall_body" and data:
                     self.send_response(status)
                     for k, v in headers:

@@ -988,3 +988,46 @@ def test_credentials_rotated_in_the_credentials_file_reach_the_shared_tier(
         # counts is that f1's blocks, fetched after it, reach the tier)
         wait_for(lambda: published() == 4, what="f1.bin's blocks in the tier", timeout=30)
         assert "the AWS credentials file changed" in m.log()
+
+
+def test_a_listing_whose_continuation_token_repeats_ends_with_an_error(bucket, s3_endpoint,
+                                                                      mount_factory):
+    """An S3-compatible server that answers a folder's listing with the same continuation
+    token again (a server bug; botocore's paginators refuse it) had cachefs list that
+    folder for ever: the same page again and again, written into the index, and the
+    lookups in it waiting on a listing that never ended. It now fails that listing (EIO,
+    logged) after the token repeats; the other folders are served."""
+    client, name = bucket
+    for i in range(3):
+        client.put_object(Bucket=name, Key=f"loop/f{i}", Body=b"%d" % i)
+    client.put_object(Bucket=name, Key="ok/g", Body=b"fine")
+    lists = 0
+
+    def plan(method: str, path: str, n: int) -> str:
+        nonlocal lists
+        if "list-type=2" in path and "prefix=loop%2F" in path:
+            lists += 1
+            return "relist"
+        return "pass"
+
+    with FaultProxy(s3_endpoint) as proxy:
+        proxy.plan = plan
+        m = proxied_mount(mount_factory, proxy, name, "--list-ahead", "0",
+                          "--retry-deadline", "5s")
+        assert (m.path / "ok/g").read_bytes() == b"fine"
+        result: dict[str, Any] = {}
+
+        def walk() -> None:
+            try:
+                result["names"] = sorted(os.listdir(m.path / "loop"))
+            except OSError as exc:
+                result["errno"] = exc.errno
+
+        t = threading.Thread(target=walk, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"the listing never ended ({lists} pages asked)"
+        assert result.get("errno") == errno.EIO, result
+        assert lists < 10, f"{lists} pages asked"
+        assert (m.path / "ok/g").read_bytes() == b"fine"
+        assert "continuation token" in m.log() and "Traceback" not in m.log()

@@ -378,13 +378,21 @@ class RangeClient:
         if answer.status != 200:
             raise self._error("list", answer, None)
         try:
-            return parse_list_page(answer.body)
+            page = parse_list_page(answer.body)
         except StoreError as exc:
             # A 200 whose XML does not parse was cut or garbled on the way (a server that
             # always answers garbage fails at the retry deadline instead).
             metrics.S3_ERRORS.labels("list", "TransientStoreError").inc()
             raise TransientStoreError(f"s3://{self.bucket}/{prefix}: {exc}",
                                       reason="short_body") from exc
+        if token and page.next_token == token:
+            # A server bug (botocore's paginators refuse it too): the listing would never
+            # end, the same page listed again and again. Not tried again: it would repeat.
+            metrics.S3_ERRORS.labels("list", "RepeatedToken").inc()
+            raise StoreError(f"s3://{self.bucket}/{prefix}: S3 answered a listing's page "
+                             "with the continuation token it was asked for (the listing "
+                             "would never end)")
+        return page
 
     def full_checksum(self, key: str, etag: str,
                       exchange: Exchange | None = None) -> Checksum | None:
