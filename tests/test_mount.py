@@ -318,6 +318,36 @@ def test_an_unmount_refused_for_open_files_names_who_holds_them(bucket, mount_fa
     assert not is_mounted(m.path)
 
 
+def test_an_unmount_refused_for_a_mount_under_it_names_that_mount(bucket, mount_factory,
+                                                                  tmp_path):
+    """A mount made on a folder of a cachefs mount (a split of the dataset mounted on its
+    own) makes the outer one busy. `cachefs unmount` of the outer one said 'files are open
+    under it (close them, or --lazy...)', though none were: it now names the mount under
+    it, to be unmounted first."""
+    from tests.conftest import Mount, run_cachefs
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="outer/split/", Body=b"")  # (an empty folder)
+    client.put_object(Bucket=name, Key="inner/f.txt", Body=b"inner")
+    outer = mount_factory(f"s3://{name}/outer")
+    inner = Mount(f"s3://{name}/inner", outer.path / "split", tmp_path / "cache-inner",
+                  outer.endpoint, [])
+    inner.start()
+    try:
+        assert (inner.path / "f.txt").read_bytes() == b"inner"
+        proc = run_cachefs("unmount", str(outer.path))
+        assert proc.returncode == 1
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert f"{inner.path} is mounted under it" in lines[0], lines[0]
+        assert "files are open" not in lines[0] and "in use by" not in lines[0], lines[0]
+        assert is_mounted(outer.path) and is_mounted(inner.path)
+    finally:
+        inner.stop()
+    assert run_cachefs("unmount", str(outer.path)).returncode == 0
+    assert not is_mounted(outer.path)
+
+
 def test_an_unmount_whose_daemon_does_not_end_says_so(bucket, mount_factory):
     """'cachefs unmount' waits --timeout seconds for the daemon to finish its cache writes
     and exit. A daemon that did not (stopped here with SIGSTOP; a hung one alike) left it

@@ -367,7 +367,11 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
-        if not args.lazy and "busy" in reason.lower():
+        under = registry.mounts_under(mp) if "busy" in reason.lower() else []
+        if not args.lazy and under:  # (a mount on one of its folders: not open files)
+            reason += (f"; {', '.join(under[:5])} {'is' if len(under) == 1 else 'are'} "
+                       "mounted under it (unmount that first)")
+        elif not args.lazy and "busy" in reason.lower():
             users = _users_of(mp)
             reason += ("; in use by " + ", ".join(users) if users else "; files are open under it")
             reason += " (close them, or --lazy: detach now, and their reads then fail)"

@@ -268,6 +268,24 @@ def _top_mount(mountpoint: Path) -> tuple[str, str] | None:
     return found
 
 
+def mounts_under(mountpoint: Path) -> list[str]:
+    """Mount points strictly below ``mountpoint`` (from mountinfo, any file system type):
+    each makes an unmount of ``mountpoint`` busy."""
+    inside = str(mountpoint).rstrip("/") + "/"
+    found: list[str] = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4:
+                    path = _unescape(fields[4])
+                    if path.startswith(inside) and path not in found:
+                        found.append(path)
+    except OSError:
+        pass
+    return found
+
+
 def _unescape(path: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
     out, i = [], 0
