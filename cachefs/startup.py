@@ -24,7 +24,8 @@ Cache directory (:func:`prepare_cache_dir`, :func:`lock_cache_dir`): created
 0700 and kept so (it holds cached object bytes and key names, which the
 mount's own permissions may hide from other local users); an existing
 directory with wider modes, and the files cachefs keeps at its top (index,
-lock, log), are tightened with one log line. Files cachefs creates in it are
+lock, log), are tightened with one log line (a directory that holds other things keeps
+its mode, and they theirs: :func:`tighten_cache_dir`). Files cachefs creates in it are
 created 0600 whatever the umask (``os.open`` modes can only be narrowed by the
 umask).
 
@@ -246,11 +247,21 @@ def prepare_cache_dir(path: Path, cache_size: int, *, tighten: bool = True) -> N
                           f"holding {path} ({format_size(total)})")
 
 
+#: The entries cachefs keeps at the top of its cache directory (and its own start-up
+#: probe's, ``.write-test-PID``). ``lost+found`` (a disk of its own) is no one's data.
+CACHE_ENTRIES = frozenset({"objects", "meta.lmdb", "lock", "cachefs.log"})
+_NOBODYS = ("lost+found", ".write-test-")
+
+
 def tighten_cache_dir(path: Path) -> int:
-    """Narrow the cache directory to 0700 and the entries cachefs keeps at its top to 0700
-    (directories) / 0600 (files). Returns how many modes were narrowed (one log line if
-    any). Deeper files need no change: nobody else can reach them through a 0700
-    directory."""
+    """Narrow the entries cachefs keeps at the top of the cache directory
+    (:data:`CACHE_ENTRIES`) to 0700 (directories) / 0600 (files), and the directory itself
+    to 0700 when it holds nothing else. Returns how many modes were narrowed (one log line
+    if any). Deeper files need no change: nobody else can reach them through a 0700
+    directory. A directory that holds other things (a home, a project, ``/var/cache``
+    given as ``--cache-dir``) keeps its mode and theirs (one log line): scripts lost their
+    execute bits, and folders and the directory were closed to the users who read them;
+    the cache is private all the same, in its own 0700/0600 entries."""
     changed = 0
     wider: list[str] = []
 
@@ -271,9 +282,21 @@ def tighten_cache_dir(path: Path) -> int:
             wider.append(f"{p.name} {mode:04o}")
 
     try:
-        narrow(path, DIR_MODE)
-        for child in path.iterdir():
-            narrow(child, DIR_MODE if child.is_dir() and not child.is_symlink() else FILE_MODE)
+        children = sorted(path.iterdir())
+        others = [c.name for c in children if c.name not in CACHE_ENTRIES
+                  and not c.name.startswith(_NOBODYS)]
+        if others:
+            if stat.S_IMODE(path.stat().st_mode) & 0o077:
+                log.warning("cache directory %s holds other files (%s): left its mode and "
+                            "theirs as they are; cachefs's own entries in it are private",
+                            path, ", ".join(others[:4]) +
+                            (f" and {len(others) - 4} more" if len(others) > 4 else ""))
+        else:
+            narrow(path, DIR_MODE)
+        for child in children:
+            if child.name in CACHE_ENTRIES:
+                narrow(child, DIR_MODE if child.is_dir() and not child.is_symlink()
+                       else FILE_MODE)
         lmdb_dir = path / "meta.lmdb"
         if lmdb_dir.is_dir():
             for child in lmdb_dir.iterdir():

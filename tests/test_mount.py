@@ -111,6 +111,36 @@ def test_a_prefix_of_any_characters_mounts(bucket, mount_factory, prefix):
     assert "Traceback" not in m.log()
 
 
+def test_a_cache_dir_holding_other_files_leaves_their_modes_alone(bucket, mount_factory,
+                                                                 tmp_path):
+    """--cache-dir given a directory that holds other things (a home, a project, /var/cache)
+    had every entry at its top narrowed to 0700 (folders) and 0600 (files): scripts lost
+    their execute bits, folders other users read were closed to them, and the directory
+    itself was closed to them too. Only cachefs's own entries are narrowed now, and the
+    directory only when it holds nothing else (its cache stays private: those entries are
+    0700/0600); the log says what it left alone."""
+    import stat
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="f.bin", Body=b"cached bytes")
+    home = tmp_path / "home"
+    (home / "project").mkdir(parents=True)
+    (home / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (home / "notes.txt").write_text("notes")
+    modes = {"": 0o755, "project": 0o755, "run.sh": 0o755, "notes.txt": 0o644}
+    for rel, mode in modes.items():
+        (home / rel).chmod(mode)
+    m = mount_factory(f"s3://{name}", cache_dir=home)
+    assert (m.path / "f.bin").read_bytes() == b"cached bytes"
+    for rel, mode in modes.items():
+        got = stat.S_IMODE((home / rel).stat().st_mode)
+        assert got == mode, f"{rel or 'the directory'}: {got:04o}, was {mode:04o}"
+    for own in ("objects", "meta.lmdb", "lock", "cachefs.log"):
+        got = stat.S_IMODE((home / own).stat().st_mode)
+        assert got == (0o700 if (home / own).is_dir() else 0o600), (own, oct(got))
+    assert "notes.txt" in m.log() and "Traceback" not in m.log()
+
+
 def test_random_offset_reads_match_reference(bucket, mount_factory):
     client, name = bucket
     data = _payload(7, 7 * BLOCK + 999)
