@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.control import registry
 from tests.conftest import free_port, is_mounted, requires_fuse, run_cachefs, scrape
 from tests.faultproxy import FaultProxy
 from tests.readers import Readers
@@ -425,3 +426,61 @@ def test_sighup_and_the_user_signals_during_start_up_are_ignored_too(bucket, tmp
     assert rest.strip().splitlines()[-1].startswith("cachefs: error: "), rest
     assert "Traceback" not in rest
     assert not is_mounted(mp)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_mount_command_stopped_while_it_waits_stops_its_daemon(bucket, tmp_path,
+                                                                  s3_endpoint, sig):
+    """`cachefs mount` (without --foreground) waits for its daemon to be ready. Stopped
+    meanwhile (Ctrl-C at a slow start: a manifest loading, S3 across regions; `timeout`'s
+    SIGTERM), it exited at once and quietly, and the daemon went on and mounted all the
+    same, afterwards: the user who had given up found the mount there, and a second try
+    'in use by another cachefs daemon'. It now stops its daemon (nothing stays mounted)
+    and says so in one line. (A failpoint holds the daemon with its mount made.)"""
+    import sys
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.txt", Body=b"alpha")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    holds = tmp_path / "failpoints"
+    holds.mkdir()
+    (holds / "mount.made.hold").touch()
+    env = {**os.environ, "CACHEFS_FAILPOINTS": "mount.made",
+           "CACHEFS_FAILPOINT_DIR": str(holds)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
+         str(cache), "--endpoint-url", s3_endpoint],
+        stderr=subprocess.PIPE, text=True, env=env)
+    daemon = 0
+    try:
+        deadline = time.monotonic() + 120
+        while not (holds / "mount.made.reached").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "not held"
+            time.sleep(0.01)
+        daemon = int((cache / "lock").read_text())
+        proc.send_signal(sig)
+        time.sleep(0.5)  # (the mount command acts on it while the daemon is held)
+        (holds / "mount.made.hold").unlink()
+        _, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 30
+        while registry.pid_alive(daemon) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon_alive, mounted = registry.pid_alive(daemon), is_mounted(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if daemon and registry.pid_alive(daemon):
+            os.kill(daemon, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while is_mounted(mp) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+    assert not mounted and not daemon_alive, (mounted, daemon_alive, err)
+    assert proc.returncode == 128 + sig, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), err
+    assert "stopped" in lines[0] and "Traceback" not in err

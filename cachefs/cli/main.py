@@ -294,13 +294,41 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
         log_file = os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
     except OSError as exc:
         raise ConfigError(f"cannot open log file {log_path}: {exc.strerror}") from None
-    with log_file:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                 stderr=log_file, env=env, pass_fds=(write_end,),
-                                 start_new_session=True, close_fds=True)
-    os.close(write_end)
-    message = _read_line(read_end, START_TIMEOUT)
-    os.close(read_end)
+    # Ctrl-C or SIGTERM (`timeout`) while the daemon starts: it is stopped too, or it
+    # would mount afterwards, for a user who gave up (and whose next try found the cache
+    # directory in use).
+    child: subprocess.Popen[bytes] | None = None
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOPPED_BY}
+    try:
+        with log_file:
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                     stderr=log_file, env=env, pass_fds=(write_end,),
+                                     start_new_session=True, close_fds=True)
+        os.close(write_end)
+        write_end = -1
+        message = _read_line(read_end, START_TIMEOUT)
+    except _Stopped as stop:
+        for signum in STOPPED_BY:  # (a second Ctrl-C must not cut the stop short)
+            signal.signal(signum, signal.SIG_IGN)
+        name = signal.Signals(stop.signum).name
+        if child is None:
+            print(f"cachefs: error: {name}: stopped before the daemon started",
+                  file=sys.stderr)
+        elif _stop_daemon(child):
+            print(f"cachefs: error: {name} while the mount was starting: stopped its daemon "
+                  f"(pid {child.pid}); nothing is mounted", file=sys.stderr)
+        else:
+            print(f"cachefs: error: {name} while the mount was starting: its daemon (pid "
+                  f"{child.pid}) is still stopping after {STOP_WAIT:.0f}s; see {log_path}",
+                  file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+    assert child is not None  # (started, or the except above returned)
     head, *warnings = message.split("\0")
     if head == "ready":
         for warning in warnings:
@@ -324,6 +352,33 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
         return 1
     print(f"cachefs: error: unexpected start-up message {message!r}", file=sys.stderr)
     return 1
+
+
+#: Signals that stop ``cachefs mount`` while it waits for its daemon (which is stopped
+#: too), and how long it then waits for the daemon to end (an unmount, once ready).
+STOPPED_BY = (signal.SIGINT, signal.SIGTERM)
+STOP_WAIT = 30.0
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_daemon(child: subprocess.Popen[bytes]) -> bool:
+    """SIGTERM to a starting daemon (before its mount: its end; after: held until it is
+    ready, then an unmount), then wait for it; whether it ended within STOP_WAIT."""
+    try:
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=STOP_WAIT)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _read_line(fd: int, timeout: float) -> str:
