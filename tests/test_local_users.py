@@ -481,3 +481,46 @@ def test_a_cache_directory_another_user_made_first_is_refused_not_written_throug
             assert proc.stderr.count("\n") == 1 and f"uid {NOBODY}" in proc.stderr, proc.stderr
         finally:
             shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "file"])
+def test_a_log_file_another_user_planted_is_refused_not_written_through(bucket, s3_endpoint,
+                                                                        shared_base, plant):
+    """`--log-file` in a directory every user may write to (`/tmp/cachefs.log`): another
+    user who made that name first, as a link to a file of root's, had root's cachefs
+    append its log (key names and paths, and lines it chooses through the key names of a
+    bucket) to that file; as a file of their own, had the log handed to them. The mount
+    is now refused in one line, and nothing is written through."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a")
+    public = shared_base / "public"
+    public.mkdir()
+    public.chmod(0o1777)  # (as /tmp)
+    victim = shared_base / "victim"
+    victim.write_text("root's own\n")
+    victim.chmod(0o600)
+    log = public / "cachefs.log"
+    if plant == "symlink":
+        make = f"import os; os.symlink({str(victim)!r}, {str(log)!r})"
+    else:
+        make = f"open({str(log)!r}, 'w').close(); import os; os.chmod({str(log)!r}, 0o666)"
+    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                    PY, "-c", make], check=True)
+    mp = shared_base / "mnt"
+    mp.mkdir()
+    proc = subprocess.run(
+        [os.sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
+         str(shared_base / "cache"), "--endpoint-url", s3_endpoint, "--log-file", str(log)],
+        capture_output=True, text=True, timeout=120)
+    try:
+        assert proc.returncode != 0, "mounted, logging into a file another user planted"
+        assert not is_mounted(mp)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), proc.stderr
+        assert str(log) in lines[0], lines[0]
+    finally:
+        if is_mounted(mp):
+            run_cachefs("unmount", str(mp))
+    assert victim.read_text() == "root's own\n"
+    if plant == "file":
+        assert log.read_text() == ""

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -280,7 +282,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
     """Start ``cachefs mount --foreground`` detached; return once it is live or failed."""
-    from cachefs.startup import check_mountpoint, open_private, prepare_cache_dir
+    from cachefs.startup import check_mountpoint, prepare_cache_dir
 
     # Fail fast, in this process, on the common errors. A dead cachefs mount at the mount
     # point is left to the daemon, which detaches it (and logs and counts that).
@@ -290,10 +292,7 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
     read_end, write_end = os.pipe()
     env = dict(os.environ, **{READY_FD_ENV: str(write_end)})
     argv = [sys.executable, "-m", "cachefs", *argv_in, "--foreground"]
-    try:  # the log names keys and paths: private to the mounting user, like the cache
-        log_file = os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
-    except OSError as exc:
-        raise ConfigError(f"cannot open log file {log_path}: {exc.strerror}") from None
+    log_file = os.fdopen(_open_log(log_path), "ab")
     # Ctrl-C or SIGTERM (`timeout`) while the daemon starts: it is stopped too, or it
     # would mount afterwards, for a user who gave up (and whose next try found the cache
     # directory in use).
@@ -352,6 +351,42 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
         return 1
     print(f"cachefs: error: unexpected start-up message {message!r}", file=sys.stderr)
     return 1
+
+
+def _open_log(path: Path) -> int:
+    """The log file, opened to append (created 0600: it names keys and paths, private to
+    the mounting user like the cache). In a directory other users may write to
+    (``/tmp/cachefs.log``), whoever made the name first would choose what is written
+    into: a symbolic or hard link to a file of this user's (root's) is refused, and so is
+    a file of another user's (the log handed to them)."""
+    from cachefs.startup import open_private
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"refusing log file {path}: {why}, in a directory other users "
+                           "may write to (give a log file in a directory of your own)")
+
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    try:
+        parent = os.stat(path.parent)
+        shared = bool(parent.st_mode & 0o022) or parent.st_uid not in (0, os.geteuid())
+        fd = open_private(path, flags | (os.O_NOFOLLOW if shared else 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and shared:
+            raise refuse("it is a symbolic link") from None
+        raise ConfigError(f"cannot open log file {path}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    why = None
+    if shared and stat.S_ISREG(st.st_mode):
+        if st.st_uid != os.geteuid():
+            why = f"it belongs to uid {st.st_uid}, another user"
+        elif st.st_nlink > 1:
+            why = "it has other names (hard links)"
+    elif shared and st.st_uid not in (0, os.geteuid()):
+        why = f"it belongs to uid {st.st_uid}, another user"
+    if why:
+        os.close(fd)
+        raise refuse(why)
+    return fd
 
 
 #: Signals that stop ``cachefs mount`` while it waits for its daemon (which is stopped
