@@ -924,6 +924,25 @@ def test_a_folder_a_reader_enters_has_the_next_folders_listed_ahead(env: LmdbEnv
     run_with_metadata(env, store, body, list_ahead=2, root="t/")
 
 
+def test_a_folder_s_position_tells_how_many_folders_its_parent_has(env: LmdbEnv) -> None:
+    """dir_ino_now (the directory lookahead's walks over folders) gives a folder's inode in
+    its parent's listing and the number of folders there: among 10 folders, a few entered
+    in order by chance are no evidence of a walk (cachefs.read.lookahead.least_opens)."""
+    store = _class_folders(10, files=2)
+    store.put("t/loose", b"x")  # a file beside the folders: not counted
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        found = [md.dir_ino_now(f"t/c{d:02d}/") for d in range(10)]
+        assert all(f is not None and f[1] == 10 for f in found), found
+        inos = [f[0] for f in found if f is not None]
+        assert inos == sorted(inos) and len(set(inos)) == 10  # numbered in name order
+        assert md.dir_ino_now("t/") is None  # (the root of the listing: no parent here)
+        assert md.dir_ino_now("t/nosuch/") is None
+
+    run_with_metadata(env, store, body)
+
+
 def test_without_a_root_a_folder_listed_for_a_reader_lists_nothing_else(env: LmdbEnv) -> None:
     store = MemoryStore()
     for d in range(4):

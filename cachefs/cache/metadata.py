@@ -475,16 +475,17 @@ class Metadata:
         with snapshot(self._index.iter(View(row[0], None), after)) as entries:
             return list(itertools.islice(entries, n))
 
-    def dir_ino_now(self, prefix: str) -> int | None:
-        """The inode of directory ``prefix`` in its parent's complete listing, or None (the
-        root, no such listing, not a directory there). Any thread, no side effects."""
+    def dir_ino_now(self, prefix: str) -> tuple[int, int] | None:
+        """(the inode of directory ``prefix`` in its parent's complete listing, the number
+        of sub-directories in that listing), or None (the root, no such listing, not a
+        directory there). Any thread, no side effects."""
         parent = parent_prefix(prefix)
         if parent == prefix:
             return None
         found = self._index.lookup(parent, enc(prefix[len(parent):-1]))
         if found is None or found[1] is None or not found[1].is_dir:
             return None
-        return found[1].ino
+        return found[1].ino, found[0][3]
 
     def first_file_now(self, prefix: str) -> tuple[int, int] | None:
         """(the inode of the first file (not sub-directory) of ``prefix``'s complete

@@ -19,7 +19,16 @@ of readers taking turns over one sequence all but the few still in flight,
 while a shuffled reader keeps restarting its walk (its next open is rarely
 just past the last one, and its jumps leave holes behind). Opens arriving out
 of order need twice their disorder in further opens, unless they are exactly
-the directory's first files (a pool starting its walk: trusted at once).
+the directory's first files (a pool starting its walk: trusted at once). In a
+small directory "rarely" is not rare: most opens land within ``adjacency`` of
+the frontier, and a shuffled pass over 20 files opens 4 ascending within 5
+positions once in 90 passes (a shuffled epoch over 10 such folders fetched a
+folder's worth for nobody about once in 20). So a directory's shared walk needs
+as many opens as a shuffled pass over its files shows less than once in
+:data:`WALK_ODDS` passes (:func:`least_opens`: 7 of 20 files, 5 of 39-201, 4
+of 202 and more, never 8 or fewer: a walk carried in, or the walk over folders,
+follows those), and so does the walk over a parent's folders (below: 9 of 10
+folders, 5 of 150).
 
 Walks are followed per reader and per directory: each open steps both the walk
 of its reader (the FUSE request's thread id: one DataLoader worker, one
@@ -94,6 +103,7 @@ it (one dictionary lookup: a stale answer costs one top-up more or less).
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 import time
@@ -133,6 +143,12 @@ FROM_START_ODDS = 100_000
 #: for their files, so each doubling costs a round of GETs across regions (at 200 ms, the
 #: window reached the link's bandwidth-delay product ~0.3 s after the first opens).
 FROM_START_WINDOW = 5
+#: A run of opens is taken for a walk only when a shuffled pass over its directory's
+#: files (or its parent's folders) opens such a run less than once in this many passes:
+#: see least_opens. (At 4 opens, a pass over a folder of 20 files did once in 90, 10
+#: folders entered 20 times each once in 10: a shuffled epoch over 10 such folders fetched
+#: a folder's worth for nobody about once in 20.)
+WALK_ODDS = 10_000
 _MASK = (1 << SPAN) - 1
 
 WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
@@ -145,6 +161,7 @@ class _Walk:
         "carried",
         "carried_to",
         "end",
+        "files",
         "first",
         "hi",
         "hits",
@@ -168,8 +185,10 @@ class _Walk:
         self.end = False  # nothing after issued_until: the directory is all requested
         self.hits = 0  # opens of files requested ahead, since the last forgiveness
         self.spread = 0  # the furthest behind the frontier an open landed
-        # The inode of its directory's first file, once asked (0: none known; -1: not asked)
-        self.first = -1
+        # The inode of its directory's first file and the directory's number of files (of a
+        # walk over folders: the parent's number of folders), once asked (-1: not asked;
+        # 0: not known)
+        self.first = self.files = -1
         self.asked_next = False  # next_dir() was asked (its listing started early)
         self.carried = False  # at its end, and went on into the next directory (or none)
         # A directory's shared walk that went on: the directory its further requests go to
@@ -201,17 +220,19 @@ class DirectoryLookahead:
                  settled: Callable[[ObjectVersion], bool] | None = None,
                  in_flight: Callable[[], int] | None = None,
                  first_file: Callable[[str], tuple[int, int] | None] | None = None,
-                 folder_ino: Callable[[str], int | None] | None = None) -> None:
+                 folder_ino: Callable[[str], tuple[int, int] | None] | None = None) -> None:
         self._prefetcher = prefetcher
-        # folder_ino(prefix): the inode of directory ``prefix`` in its parent's listing, or
-        # None (any thread, no side effects): the position of a folder among its siblings,
-        # for the walks over folders (see _step_folders)
+        # folder_ino(prefix): (the inode of directory ``prefix`` in its parent's listing,
+        # the number of sub-directories in that listing), or None (any thread, no side
+        # effects): the position of a folder among its siblings, for the walks over
+        # folders (see _step_folders), and how many there are (see least_opens)
         self._folder_ino = folder_ino
         # Parent -> the walk of its readers over its folders, one step per folder they
         # enter, at the folder's position in the parent's listing (under _lock)
         self._folder_walks: dict[str, _Walk] = {}
-        # Folder -> its position in its parent's listing (under _lock; bounded)
-        self._folder_inos: dict[str, int] = {}
+        # Folder -> its position in its parent's listing, and the parent's number of
+        # folders (under _lock; bounded)
+        self._folder_inos: dict[str, tuple[int, int]] = {}
         # first_file(prefix): (the inode of the directory's first file in name order, its
         # number of files), or None (any thread, no side effects): a pool whose first opens
         # are exactly a large directory's first files is trusted without the disorder
@@ -280,7 +301,7 @@ class DirectoryLookahead:
             for key in keys:
                 walk = self._step(key, name, ino)
                 if key[1] == 0 and folders_in_order and not walk.trusted \
-                        and not self._in_order(prefix, walk) and not self._penalty.get(prefix):
+                        and not self._in_order(key, walk) and not self._penalty.get(prefix):
                     _trust(walk)
                 if self._wanted(key, walk) > 0:
                     due.append(key)
@@ -346,14 +367,15 @@ class DirectoryLookahead:
         does. Shuffled readers jump between folders and never keep this walk in order;
         readers of a subset of each folder are told by :meth:`_follow_folders` (the
         parent's skips), which turns this off for the parent."""
-        ino = self._folder_inos.get(prefix)
-        if ino is None:
+        found = self._folder_inos.get(prefix)
+        if found is None:
             found = self._folder_ino(prefix) if self._folder_ino is not None else None
             if found is None:
                 return False
-            ino = self._folder_inos[prefix] = found
+            self._folder_inos[prefix] = found
             if len(self._folder_inos) > self.max_walks:
                 self._folder_inos.pop(next(iter(self._folder_inos)))
+        ino, folders = found
         near = self.adjacency
         walk = self._folder_walks.pop(parent, None)
         if walk is None:
@@ -367,18 +389,24 @@ class DirectoryLookahead:
             walk.spread = max(walk.spread, walk.hi - ino)
         else:
             walk = _Walk(b"", ino)
+        walk.files = folders
         self._folder_walks[parent] = walk
         return self._folders_in_order(parent, walk)
 
     def _folders_in_order(self, parent: str, walk: _Walk) -> bool:
         """Whether the readers under ``parent`` walk its folders in order: as
-        :meth:`_in_order` asks of a directory's files, and not while the parent's folders
-        are seen read in part (its skips)."""
+        :meth:`_in_order` asks of a directory's files (with as many folders entered in
+        order as a shuffled pass over the parent's folders shows less than once in
+        :data:`WALK_ODDS` passes, :func:`least_opens`: 9 of 10 folders, 5 of 150, 4 of
+        202 and more), and not while the parent's folders are seen read in part (its
+        skips)."""
         if self._skips.get(parent, 0):
             return False
         n = walk.count()
-        return (n >= self.min_opens + 2 * walk.spread and n >= self.density * walk.span()
-                and walk.hi - walk.lo + 1 >= self.min_opens)
+        need = least_opens(walk.files, self.adjacency, self.density, self.min_opens) \
+            if walk.files > 0 else self.min_opens
+        return (n >= need + 2 * walk.spread and n >= self.density * walk.span()
+                and walk.hi - walk.lo + 1 >= need)
 
     def _step(self, key: WalkKey, name: bytes, ino: int) -> _Walk:
         walk = self._walks.pop(key, None)
@@ -427,19 +455,50 @@ class DirectoryLookahead:
         return self.min_opens << (self._penalty.get(prefix, 0)
                                   + self._skips.get(parent_prefix(prefix), 0))
 
-    def _in_order(self, prefix: str, walk: _Walk) -> bool:
+    def _in_order(self, key: WalkKey, walk: _Walk) -> bool:
         # Opens arriving out of order by k positions need 2k more to tell a pool of readers
         # in order from shuffled readers in a small directory ...
+        prefix = key[0]
         base = self._base(prefix)
-        need = base + 2 * walk.spread
-        n = walk.count()
-        if n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need:
+        if self._passes(walk, base) and self._passes(walk, self._least(key, walk, base)):
             return True
         # ... unless they opened exactly the directory's first files, each of them: a pool
         # starting a walk (a DataLoader over class folders in name order) does, shuffled
         # readers of a large directory almost never (see FROM_START_ODDS). Trusted a round
         # of GETs earlier, at the pool's first opens (asked once per walk: an index read).
         return walk.spread != 0 and self._from_start(prefix, walk, base)
+
+    def _passes(self, walk: _Walk, least: int) -> bool:
+        """Whether ``walk`` opened ``least`` positions (and twice its disorder more), dense
+        enough over the span they cover."""
+        need = least + 2 * walk.spread
+        n = walk.count()
+        return n >= min(need, SPAN) and n >= self.density * walk.span() and walk.hi - walk.lo + 1 >= need
+
+    def _least(self, key: WalkKey, walk: _Walk, base: int) -> int:
+        """The opens ``walk`` needs in order: ``base``, or, for a directory's shared walk,
+        more in a directory so small that a shuffled pass over its files opens ``base`` in
+        a row too often (:func:`least_opens`; its size asked once per walk, an index read,
+        and only of a walk that passes with ``base``). A trusted walk needs none of its own.
+        One reader's walk needs ``base``: it steps by at most 2 and starts afresh whenever
+        its reader opens a file elsewhere, so readers that share a shuffled order over
+        several folders seldom give it a run to try (the single reader of one small
+        directory, shuffled, is the case left: a run in 90 passes over 20 files); and a
+        reader alone walking a small directory in order is followed from its fourth open."""
+        if walk.trusted or key[1] != 0:
+            return base
+        files = self._files(key[0], walk)
+        if files <= 0:
+            return base
+        return max(base, least_opens(files, self.adjacency, self.density, self.min_opens))
+
+    def _files(self, prefix: str, walk: _Walk) -> int:
+        """The number of files of the walk's directory, and the inode of its first one
+        (``walk.first``), asked of ``first_file`` once per walk (0: not known)."""
+        if walk.files < 0:
+            found = self._first_file(prefix) if self._first_file is not None else None
+            walk.first, walk.files = found if found is not None else (0, 0)
+        return walk.files
 
     def _from_start(self, prefix: str, walk: _Walk, base: int) -> bool:
         """Whether the walk opened exactly its directory's first files, each of them, at
@@ -448,20 +507,18 @@ class DirectoryLookahead:
         n = walk.count()
         if n < base or n != walk.span() or self._first_file is None:
             return False
-        if walk.first < 0:
-            found = self._first_file(prefix)
-            walk.first = (found[0] if found is not None
-                          and math.comb(found[1], base) >= FROM_START_ODDS else 0)
-        return walk.lo == walk.first
+        files = self._files(prefix, walk)
+        return walk.first > 0 and walk.lo == walk.first and math.comb(files, base) >= FROM_START_ODDS
 
     def _wanted(self, key: WalkKey, walk: _Walk, in_flight: int | None = None) -> int:
         """Files the walk should request now (0 when not in order). With ``in_flight``
         (the directory prefetches still being fetched): how far the walk is stretched
         past its window (see :meth:`on_load_end`)."""
         if ((walk.carried and walk.carried_to is None) or walk.hi < walk.retry_at
-                or not self._in_order(key[0], walk)):
+                or not self._in_order(key, walk)):
             return 0
-        doublings = max(2, walk.count() - self.min_opens + 2)
+        # (from 4 files once a walk passed, doubling with each open beyond what it needed)
+        doublings = max(2, walk.count() - self._least(key, walk, self.min_opens) + 2)
         if doublings < FROM_START_WINDOW and self._base(key[0]) == self.min_opens \
                 and self._from_start(key[0], walk, self.min_opens):
             doublings = FROM_START_WINDOW
@@ -699,6 +756,40 @@ class DirectoryLookahead:
         """:meth:`observe` then :meth:`issue` (trio thread); returns the files requested."""
         due = self.observe(prefix, name, ino, reader)
         return self.issue(due) if due else 0
+
+
+@functools.lru_cache(maxsize=1024)
+def least_opens(files: int, near: int, density: float, base: int) -> int:
+    """The fewest opens, at least ``base``, that tell a walk in order over ``files``
+    positions (a directory's files, or a parent's folders) from a random order: ``k``
+    opens ascending with steps of at most ``near`` and filling ``density`` of their span,
+    which a shuffled pass over the positions (``files`` opens, each the start of a try)
+    opens less than once in :data:`WALK_ODDS` passes. SPAN + 1 when no number does (too
+    few positions to tell: the folder walks, or a walk carried in, follow those).
+
+    Of the ``files!/(files-k)!`` orders of ``k`` positions, the runs that pass number
+    ``sum over spans s (k <= s <= k/density) of (files - s + 1) * W(s - 1, k - 1)``
+    (``W``: the ways to cut a span into ``k - 1`` steps of at most ``near``). At 4 opens
+    that is 65 of 116,280 in a folder of 20 files (a pass of 20 tries: once in 90; 7
+    opens: once in 57,000), 25 of 5,040 among 10 folders (once in 20; 9: once in 36,000);
+    5 of 39-201 folders or files, 4 of 202 and more (of 2,000: once in 1 million)."""
+    for k in range(base, SPAN + 1):
+        if k > files:
+            break
+        widest = min(files, int(k / density))
+        runs = sum((files - span + 1) * _steps(span - 1, k - 1, near)
+                   for span in range(k, widest + 1))
+        if runs * files * WALK_ODDS < math.perm(files, k):
+            return k
+    return SPAN + 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(distance: int, steps: int, near: int) -> int:
+    """The ways to cover ``distance`` positions in ``steps`` steps of 1 to ``near``."""
+    if steps == 0:
+        return 1 if distance == 0 else 0
+    return sum(_steps(distance - d, steps - 1, near) for d in range(1, min(near, distance) + 1))
 
 
 def _trust(walk: _Walk) -> None:
