@@ -28,7 +28,11 @@ as many opens as a shuffled pass over its files shows less than once in
 :data:`WALK_ODDS` passes (:func:`least_opens`: 7 of 20 files, 5 of 39-201, 4
 of 202 and more, never 8 or fewer: a walk carried in, or the walk over folders,
 follows those), and so does the walk over a parent's folders (below: 9 of 10
-folders, 5 of 150).
+folders, 5 of 150). Readers of folders too small to show a walk of their own in
+a few opens (a pool over folders of 10 files, read in order) are followed from
+the second folder: a folder read through from its first file, in order but for
+a pool's disorder, and left for the next one in the listing, has that one
+trusted at its readers' first opens there (:meth:`DirectoryLookahead._read_through`).
 
 Walks are followed per reader and per directory: each open steps both the walk
 of its reader (the FUSE request's thread id: one DataLoader worker, one
@@ -93,7 +97,7 @@ requests never overlap; readers moving the walk meanwhile are accounted for when
 the result is recorded (:func:`_advance`). The flags ``asked_next`` and
 ``carried`` are written only by ``issue`` (and :meth:`_forward`, which it
 calls); ``carried_to``, ``retry_at`` and ``ahead`` only under ``_lock``. The
-per-parent state (``_skips``, ``_folder``, ``_left``, ``_opens_under``, and the walks
+per-parent state (``_skips``, ``_folder``, ``_left``, ``_opens_under``, ``_entered``, and the walks
 over folders ``_folder_walks`` with the folder positions ``_folder_inos``, whose
 ``folder_ino`` lookups run under the lock once per folder) is
 changed only by ``observe`` under ``_lock``; ``issue`` reads ``_skips`` without
@@ -149,6 +153,11 @@ FROM_START_WINDOW = 5
 #: folders entered 20 times each once in 10: a shuffled epoch over 10 such folders fetched
 #: a folder's worth for nobody about once in 20.)
 WALK_ODDS = 10_000
+#: A folder read through (see DirectoryLookahead._read_through) counts for the next one
+#: when it is so within this many opens under their parent after its readers went on ...
+READ_THROUGH_OPENS = 16
+#: ... and none of its files was opened more than this many behind the furthest one.
+READ_THROUGH_SPREAD = 3
 _MASK = (1 << SPAN) - 1
 
 WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
@@ -280,6 +289,9 @@ class DirectoryLookahead:
         self._left: dict[str, collections.deque[tuple[str, int]]] = {}
         self._opens_under: dict[str, int] = {}
         self._where: dict[int, str] = {}  # reader -> the directory of its last open
+        # Folder -> (the folder before it in its parent's listing, the opens under the
+        # parent then): its readers came straight from that one (see _read_through)
+        self._entered: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
 
     # -- following walks (any thread) ---------------------------------------------------
@@ -300,8 +312,10 @@ class DirectoryLookahead:
             keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
             for key in keys:
                 walk = self._step(key, name, ino)
-                if key[1] == 0 and folders_in_order and not walk.trusted \
-                        and not self._in_order(key, walk) and not self._penalty.get(prefix):
+                if key[1] == 0 and not walk.trusted and not self._penalty.get(prefix) \
+                        and (folders_in_order or prefix in self._entered) \
+                        and not self._in_order(key, walk) \
+                        and (folders_in_order or self._read_through(prefix)):
                     _trust(walk)
                 if self._wanted(key, walk) > 0:
                     due.append(key)
@@ -349,11 +363,11 @@ class DirectoryLookahead:
                       self._folder_walks):
                 if len(d) > self.max_walks:
                     d.pop(next(iter(d)))  # type: ignore[attr-defined]
-            return self._step_folders(parent, prefix)
+            return self._step_folders(parent, prefix, was, n)
         walk = self._folder_walks.get(parent)
         return walk is not None and self._folders_in_order(parent, walk)
 
-    def _step_folders(self, parent: str, prefix: str) -> bool:
+    def _step_folders(self, parent: str, prefix: str, was: str | None, n: int) -> bool:
         """Readers under ``parent`` entered folder ``prefix`` (under the lock): step the
         parent's walk over its folders, as :meth:`_step` steps a directory's over its files,
         at the folder's position among them; return whether that walk is in order.
@@ -376,6 +390,12 @@ class DirectoryLookahead:
             if len(self._folder_inos) > self.max_walks:
                 self._folder_inos.pop(next(iter(self._folder_inos)))
         ino, folders = found
+        left = self._folder_inos.get(was) if was is not None else None
+        if was is not None and left is not None and left[0] + 1 == ino:
+            self._entered.pop(prefix, None)
+            self._entered[prefix] = (was, n)  # (see _read_through)
+            if len(self._entered) > self.max_walks:
+                self._entered.pop(next(iter(self._entered)))
         near = self.adjacency
         walk = self._folder_walks.pop(parent, None)
         if walk is None:
@@ -392,6 +412,29 @@ class DirectoryLookahead:
         walk.files = folders
         self._folder_walks[parent] = walk
         return self._folders_in_order(parent, walk)
+
+    def _read_through(self, prefix: str) -> bool:
+        """Whether the readers of ``prefix`` came into it straight from the folder before it
+        in the parent's listing, lately (:data:`READ_THROUGH_OPENS` opens under the parent),
+        and read that one through (under the lock): every one of its files opened, from
+        its first, no further than :data:`READ_THROUGH_SPREAD` out of order, in a folder
+        of at least :func:`least_opens` files. Readers of folders too small for a walk of
+        their own (10 files need 9 opens in order, and a pool's disorder adds to that)
+        then have each folder after the first trusted at their first open there, as if a
+        walk had gone on into it. A shuffled pass reads a folder of 10 through that
+        orderly about once in 400 passes, and goes on into the next folder from its last
+        file once in as many opens as there are folders."""
+        was, at = self._entered[prefix]
+        parent = parent_prefix(prefix)
+        if self._opens_under.get(parent, 0) - at > READ_THROUGH_OPENS or self._skips.get(parent, 0):
+            del self._entered[prefix]
+            return False
+        w = self._walks.get((was, 0))
+        if w is None or w.trusted:
+            return False
+        files = self._files(was, w)
+        return (0 < files <= SPAN and files >= least_opens(files, self.adjacency, self.density, self.min_opens)
+                and w.count() == files and w.lo == w.first and w.spread <= READ_THROUGH_SPREAD)
 
     def _folders_in_order(self, parent: str, walk: _Walk) -> bool:
         """Whether the readers under ``parent`` walk its folders in order: as
