@@ -181,7 +181,9 @@ class _Walk:
         "opened",
         "retry_at",
         "spread",
+        "steps",
         "trusted",
+        "under",
     )
 
     def __init__(self, name: bytes, ino: int) -> None:
@@ -208,6 +210,11 @@ class _Walk:
         # hand-over to the trio thread)
         self.retry_at = 0
         self.trusted = False  # made by a carry, trusted before any open of its own
+        # (A directory's shared walk) its opens, and the opens under its parent before its
+        # first: every open under the parent since was one of its own while
+        # _opens_under[parent] - under == steps (see DirectoryLookahead._concentrated)
+        self.steps = 0
+        self.under = 0
 
     def count(self) -> int:
         return self.opened.bit_count()
@@ -312,6 +319,10 @@ class DirectoryLookahead:
             keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
             for key in keys:
                 walk = self._step(key, name, ino)
+                if key[1] == 0:
+                    if not walk.steps:  # (a new walk)
+                        walk.under = self._opens_under.get(parent_prefix(prefix), 0) - 1
+                    walk.steps += 1
                 if key[1] == 0 and not walk.trusted and not self._penalty.get(prefix) \
                         and (folders_in_order or prefix in self._entered) \
                         and not self._in_order(key, walk) \
@@ -533,7 +544,24 @@ class DirectoryLookahead:
         files = self._files(key[0], walk)
         if files <= 0:
             return base
-        return max(base, least_opens(files, self.adjacency, self.density, self.min_opens))
+        among = 1
+        if self._concentrated(key[0], walk):
+            found = self._folder_inos.get(key[0])
+            among = found[1] if found is not None else 1
+        return max(base, least_opens(files, self.adjacency, self.density, self.min_opens,
+                                     among))
+
+    def _concentrated(self, prefix: str, walk: _Walk) -> bool:
+        """(Under the lock.) Whether every open under ``prefix``'s parent since the shared
+        walk's first one was one of the walk's: a pool reading the parent's folders in
+        order opens one folder's files one after the other, while shuffled readers'
+        opens of a folder come between those of all its siblings. With F folders, the
+        k - 1 opens after a walk's first land in its folder each with odds 1/F, so a
+        run that is both in order and alone under its parent is F^(k-1) times rarer in a
+        shuffled pass (least_opens' ``among``): the first folder of a cold pass in
+        directory order is followed from its readers' 4th or 5th open, not its 7th to
+        11th (in a folder of 20 files), while shuffled epochs still almost never pass."""
+        return self._opens_under.get(parent_prefix(prefix), 0) - walk.under == walk.steps
 
     def _files(self, prefix: str, walk: _Walk) -> int:
         """The number of files of the walk's directory, and the inode of its first one
@@ -802,7 +830,8 @@ class DirectoryLookahead:
 
 
 @functools.lru_cache(maxsize=1024)
-def least_opens(files: int, near: int, density: float, base: int) -> int:
+@functools.lru_cache(maxsize=1024)
+def least_opens(files: int, near: int, density: float, base: int, among: int = 1) -> int:
     """The fewest opens, at least ``base``, that tell a walk in order over ``files``
     positions (a directory's files, or a parent's folders) from a random order: ``k``
     opens ascending with steps of at most ``near`` and filling ``density`` of their span,
@@ -815,14 +844,20 @@ def least_opens(files: int, near: int, density: float, base: int) -> int:
     (``W``: the ways to cut a span into ``k - 1`` steps of at most ``near``). At 4 opens
     that is 65 of 116,280 in a folder of 20 files (a pass of 20 tries: once in 90; 7
     opens: once in 57,000), 25 of 5,040 among 10 folders (once in 20; 9: once in 36,000);
-    5 of 39-201 folders or files, 4 of 202 and more (of 2,000: once in 1 million)."""
+    5 of 39-201 folders or files, 4 of 202 and more (of 2,000: once in 1 million).
+
+    ``among``: the run was the only opens under its parent, which has that many folders
+    (:meth:`DirectoryLookahead._concentrated`): each of its opens after the first came
+    from its folder with odds ``1/among`` in a shuffled pass, so a run of ``k`` is
+    ``among^(k-1)`` times rarer (4 opens in a folder of 20 among 10 folders: once in
+    90,000 passes; among 60: once in 20 million)."""
     for k in range(base, SPAN + 1):
         if k > files:
             break
         widest = min(files, int(k / density))
         runs = sum((files - span + 1) * _steps(span - 1, k - 1, near)
                    for span in range(k, widest + 1))
-        if runs * files * WALK_ODDS < math.perm(files, k):
+        if runs * files * WALK_ODDS < math.perm(files, k) * among ** (k - 1):
             return k
     return SPAN + 1
 
