@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -334,17 +335,12 @@ def test_sigquit_and_sigxcpu_unmount_cleanly_like_sigterm(bucket, mount_factory,
     assert "Traceback" not in log
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGXCPU],
-                         ids=["sigterm", "sigint", "sigquit", "sigxcpu"])
-def test_a_stop_signal_just_after_the_mount_is_made_unmounts_cleanly(bucket, tmp_path,
-                                                                      s3_endpoint, sig):
-    """The daemon took SIGTERM and SIGINT only once its signal watcher ran, a moment
-    after the mount was made: one arriving in between (a service manager stopping a
-    unit that was just starting) ended it by the signal's default action (or a
-    KeyboardInterrupt somewhere in the start-up), leaving a dead mount behind. The
-    signal is now held from just before the mount until the watcher takes it, then
-    acted on: the daemon unmounts and exits 0. (A failpoint holds the daemon in the
-    window while the signal is sent.)"""
+def _mount_held_once_made(bucket: Any, tmp_path: Path, s3_endpoint: str,
+                          *extra: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """``cachefs mount`` of ``bucket`` (one object, a.txt) at ``tmp_path/mnt`` with its
+    cache in ``tmp_path/cache``, the daemon held at the failpoint ``mount.made`` (its mount
+    made, its signal watcher not running yet) until the test removes
+    ``holds/mount.made.hold``; returns (the command's process, the mount point, holds)."""
     import sys
 
     client, name = bucket
@@ -358,13 +354,32 @@ def test_a_stop_signal_just_after_the_mount_is_made_unmounts_cleanly(bucket, tmp
            "CACHEFS_FAILPOINT_DIR": str(holds)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
-         str(tmp_path / "cache"), "--endpoint-url", s3_endpoint, "--foreground"],
+         str(tmp_path / "cache"), "--endpoint-url", s3_endpoint, *extra],
         stderr=subprocess.PIPE, text=True, env=env)
+    return proc, mp, holds
+
+
+def _wait_held(proc: subprocess.Popen[str], holds: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not (holds / "mount.made.reached").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "not held"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGXCPU],
+                         ids=["sigterm", "sigint", "sigquit", "sigxcpu"])
+def test_a_stop_signal_just_after_the_mount_is_made_unmounts_cleanly(bucket, tmp_path,
+                                                                      s3_endpoint, sig):
+    """The daemon took SIGTERM and SIGINT only once its signal watcher ran, a moment
+    after the mount was made: one arriving in between (a service manager stopping a
+    unit that was just starting) ended it by the signal's default action (or a
+    KeyboardInterrupt somewhere in the start-up), leaving a dead mount behind. The
+    signal is now held from just before the mount until the watcher takes it, then
+    acted on: the daemon unmounts and exits 0. (A failpoint holds the daemon in the
+    window while the signal is sent.)"""
+    proc, mp, holds = _mount_held_once_made(bucket, tmp_path, s3_endpoint, "--foreground")
     try:
-        deadline = time.monotonic() + 120
-        while not (holds / "mount.made.reached").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "not held"
-            time.sleep(0.01)
+        _wait_held(proc, holds)
         assert is_mounted(mp)
         proc.send_signal(sig)
         time.sleep(0.5)  # (the signal is delivered while the daemon is held)
@@ -437,29 +452,11 @@ def test_a_mount_command_stopped_while_it_waits_stops_its_daemon(bucket, tmp_pat
     same, afterwards: the user who had given up found the mount there, and a second try
     'in use by another cachefs daemon'. It now stops its daemon (nothing stays mounted)
     and says so in one line. (A failpoint holds the daemon with its mount made.)"""
-    import sys
-
-    client, name = bucket
-    client.put_object(Bucket=name, Key="a.txt", Body=b"alpha")
-    mp = tmp_path / "mnt"
-    mp.mkdir()
-    cache = tmp_path / "cache"
-    holds = tmp_path / "failpoints"
-    holds.mkdir()
-    (holds / "mount.made.hold").touch()
-    env = {**os.environ, "CACHEFS_FAILPOINTS": "mount.made",
-           "CACHEFS_FAILPOINT_DIR": str(holds)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cachefs", "mount", f"s3://{name}", str(mp), "--cache-dir",
-         str(cache), "--endpoint-url", s3_endpoint],
-        stderr=subprocess.PIPE, text=True, env=env)
+    proc, mp, holds = _mount_held_once_made(bucket, tmp_path, s3_endpoint)
     daemon = 0
     try:
-        deadline = time.monotonic() + 120
-        while not (holds / "mount.made.reached").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "not held"
-            time.sleep(0.01)
-        daemon = int((cache / "lock").read_text())
+        _wait_held(proc, holds)
+        daemon = int((tmp_path / "cache" / "lock").read_text())
         proc.send_signal(sig)
         time.sleep(0.5)  # (the mount command acts on it while the daemon is held)
         (holds / "mount.made.hold").unlink()

@@ -22,7 +22,6 @@ import errno
 import json
 import os
 import random
-import struct
 import threading
 import time
 from collections import Counter
@@ -34,15 +33,14 @@ import pytest
 from cachefs import passthrough
 from cachefs.fuse import native
 from tests.conftest import is_mounted, run_cachefs
+from tests.versiontags import UNIT, VersionTags
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
 BLOCK = 64 * 1024
-UNIT = 64
 LARGE = 3  # large files, big/f{i}.bin
 FILLERS = 6  # filler files, fill/g{j}.bin, 5 blocks each: more than the cache holds
 CACHE = 2 << 20
-_TAG = struct.Struct("<III")
 VERIFIED = 'cachefs_passthrough_read_backs_total{outcome="verified"}'
 GONE = 'cachefs_passthrough_read_backs_total{outcome="gone"}'
 FAILED = 'cachefs_passthrough_read_backs_total{outcome="failed"}'
@@ -54,24 +52,9 @@ def units_of(version: int) -> int:
     return 6 * BLOCK // UNIT + 1 + (version * 389) % 512
 
 
-def tagged(version: int, file: int) -> bytes:
-    return b"".join(_TAG.pack(version, file, i) + bytes(UNIT - _TAG.size)
-                    for i in range(units_of(version)))
-
-
-def classify(data: bytes, file: int) -> str:
-    """"ok" (one version's bytes, at its length), "wrong_length" or "mixed"."""
-    if not data or len(data) % UNIT:
-        return "mixed" if data else "wrong_length"
-    versions = set()
-    for i in range(0, len(data), UNIT):
-        v, f, n = _TAG.unpack_from(data, i)
-        if f != file or n != i // UNIT or data[i + _TAG.size:i + UNIT].count(0) != UNIT - _TAG.size:
-            return "mixed"
-        versions.add(v)
-    if len(versions) != 1:
-        return "mixed"
-    return "ok" if len(data) == units_of(versions.pop()) * UNIT else "wrong_length"
+_TAGS = VersionTags(units_of)
+tagged = _TAGS.tagged
+classify = _TAGS.classify
 
 
 def _filler(j: int) -> bytes:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 import threading
 import time
 from collections import Counter
@@ -26,12 +25,11 @@ from typing import Any
 import pytest
 
 from cachefs.passthrough import supported as passthrough_supported
+from tests.versiontags import UNIT, VersionTags
 
 pytestmark = pytest.mark.fuse
 
 MIB = 1 << 20
-UNIT = 64
-_TAG = struct.Struct("<III")
 
 
 def units_of(version: int) -> int:
@@ -40,25 +38,9 @@ def units_of(version: int) -> int:
     return 6 * MIB // UNIT - 2048 + (version * 389) % 4096
 
 
-def tagged(version: int, file: int) -> bytes:
-    return b"".join(_TAG.pack(version, file, i) + bytes(UNIT - _TAG.size)
-                    for i in range(units_of(version)))
-
-
-def classify(data: bytes, file: int) -> str:
-    """"ok", "wrong_length" (one version's bytes at another length) or "mixed"."""
-    if not data or len(data) % UNIT:
-        return "mixed" if data else "wrong_length"
-    versions: set[int] = set()
-    for i in range(0, len(data), UNIT):
-        v, f, n = _TAG.unpack_from(data, i)
-        if f != file or n != i // UNIT:
-            return "mixed"
-        versions.add(v)
-    if len(versions) != 1:
-        return "mixed"
-    (v,) = versions
-    return "ok" if len(data) == units_of(v) * UNIT else "wrong_length"
+_TAGS = VersionTags(units_of)
+tagged = _TAGS.tagged
+classify = _TAGS.classify
 
 
 def _read_whole(path: Path) -> bytes:
