@@ -418,3 +418,39 @@ def test_blocks_received_in_place_are_published_and_read_by_a_second_node(
     _read_all(b, data)
     assert b.gets() == 0
     assert b.metric('cachefs_tier_loads_total{tier="shared"}') == 3
+
+
+def _wipe_tier(tclient: Any, tname: str) -> int:
+    """Delete every block of the tier (a tier that lost its data): how many there were."""
+    keys = list(_tier_objects(tclient, tname))
+    for key in keys:
+        tclient.delete_object(Bucket=tname, Key=key)
+    assert not _tier_objects(tclient, tname)
+    return len(keys)
+
+
+def test_warm_shard_again_after_the_tier_lost_its_blocks_puts_them_back(
+        bucket, tier, seaweed, mount_factory):
+    """An operator's remedy for a tier that lost its data (a store restarted on emptied
+    disks, a bucket emptied by hand or by a lifecycle rule) is to run the warm again: it
+    must put the share back, not report from memory that the blocks are there."""
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name, files=6, seed=7)
+    blocks = _blocks(data)
+    node = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    first = run_cachefs("warm", str(node.path), "--shard", "0/1")
+    assert first.returncode == 0, first.stderr
+    assert len(_tier_objects(tclient, tname)) == blocks
+    assert _wipe_tier(tclient, tname) == blocks
+
+    again = run_cachefs("warm", str(node.path), "--shard", "0/1")
+    assert again.returncode == 0, again.stderr
+    assert len(_tier_objects(tclient, tname)) == blocks, again.stdout
+    gets = node.gets()
+    assert gets == blocks  # put back from this node's disk, not fetched again
+
+    # Another node reads every byte from the tier, none from the origin.
+    other = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(other, data)
+    assert other.gets() == 0

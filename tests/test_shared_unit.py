@@ -392,7 +392,7 @@ def test_refused_writes_stop_publishing_but_not_reads(caplog) -> None:
     assert any("refuses writes" in r.getMessage() for r in caplog.records)
 
 
-def test_ensure_published_uploads_a_missing_block_and_trusts_a_present_one() -> None:
+def test_ensure_published_uploads_a_missing_block_and_trusts_a_present_one_it_sees() -> None:
     store = MemoryObjects()
     a = tier(store)
     reads: list[int] = []
@@ -406,9 +406,13 @@ def test_ensure_published_uploads_a_missing_block_and_trusts_a_present_one() -> 
         b = tier(store)  # another node: the block is there (HEAD), nothing read locally
         assert await b.ensure_published(ref(0), lambda: local(0))
         assert reads == [0]
-        assert await a.ensure_published(ref(0), lambda: local(0))  # known: no request
+        assert await a.ensure_published(ref(0), lambda: local(0))  # asked again (HEAD)
+        assert reads == [0]
+        store.objects.clear()  # the tier lost it: published again, not trusted from memory
+        assert await a.ensure_published(ref(0), lambda: local(0))
+        assert reads == [0, 0] and a.layout.block_key(ref(0)) in store.objects
     run(main, a)
-    assert store.counts["head"] == 2
+    assert store.counts["head"] == 4
 
 
 def test_corrupt_object_is_replaced_by_the_next_publish() -> None:

@@ -141,7 +141,7 @@ class SharedSettings:
     lease_wait: float = 2.0
     breaker_threshold: int = 3
     breaker_cooldown: float = 2.0
-    remembered_keys: int = 65536  # keys known present / bad / leased (each bounded)
+    remembered_keys: int = 65536  # keys known bad / leased / withdrawn (each bounded)
 
 
 class SharedLayout:
@@ -234,7 +234,6 @@ class SharedTier:
         self.leases_on = s.leases
         self.conditional_writes: bool | None = None  # None: not checked (yet)
         self._limiter = trio.CapacityLimiter(s.threads)
-        self._confirmed = _Keys(s.remembered_keys)  # known to be in the tier, verified
         self._bad = _Keys(s.remembered_keys)  # seen corrupt or foreign: overwrite on publish
         self._leased = _Keys(s.remembered_keys)  # this node holds the fetch lease
         self._withdrawn = _Keys(s.remembered_keys)  # failed a check: never served from here
@@ -285,7 +284,6 @@ class SharedTier:
             key = self.layout.block_key(ref)
             self._withdrawn.add(key)
             self._bad.add(key)  # the next publish overwrites whatever is there
-            self._confirmed.discard(key)
             self._leased.discard(key)
             self.queue.withdraw(key)  # one being written deletes its own object afterwards
             keys.append(key)
@@ -405,10 +403,8 @@ class SharedTier:
             log.warning("shared cache tier: %s object at %s (block %d of %s); fetching it from "
                         "the origin", result, key, ref.index, ref.obj.key)
             self._bad.add(key)
-            self._confirmed.discard(key)
             return None, result
         metrics.SHARED_GET_BYTES.inc(len(data))
-        self._confirmed.add(key)
         return data, result
 
     def _contended(self) -> bool:
@@ -525,22 +521,24 @@ class SharedTier:
         self._bad.discard(item.key)
         self._leased.discard(item.key)
         self._withdrawn.discard(item.key)
-        self._confirmed.add(item.key)
         return True
 
     async def ensure_published(self, ref: BlockRef,
                                read_local: Callable[[], Awaitable[bytes | None]]) -> bool:
         """Make sure block ``ref`` is in the shared tier, publishing this node's copy
         (``read_local``) if it is not; waits (used by ``cachefs warm --shard``). Returns
-        whether the block is there."""
+        whether the block is there.
+
+        Asks the store every time (a HEAD), unless this node's own publish of the block
+        is under way: a warm run again is how an operator puts back what the tier lost
+        (a store restarted on emptied disks, a bucket emptied by hand or by a lifecycle
+        rule), so what this node once saw there proves nothing."""
         key = self.layout.block_key(ref)
         pending = self.queue.pending(key)
         if pending is not None:
             await pending.done.wait()
             if pending.stored:
                 return True
-        if key in self._confirmed:
-            return True
         if not self.breaker.allow():
             return False
         try:
@@ -550,7 +548,6 @@ class SharedTier:
             return False
         self.breaker.success()
         if headers is not None and self.layout.check_headers(ref, headers) is None:
-            self._confirmed.add(key)
             return True
         data = await read_local()
         if data is None or len(data) != ref.length:
