@@ -454,3 +454,37 @@ def test_warm_shard_again_after_the_tier_lost_its_blocks_puts_them_back(
     other = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
     _read_all(other, data)
     assert other.gets() == 0
+
+
+def test_a_tier_that_throttles_writes_still_serves_reads(bucket, tier, seaweed, mount_factory):
+    """A tier answering 503 SlowDown to writes (every node publishing at once in the first
+    epoch, or a store out of space that says so with a 503) still answers reads: the
+    blocks other nodes put there are read from it, not fetched again from the origin."""
+    client, name = bucket
+    _, tname = tier
+    old = _dataset(client, name, files=6, seed=11)
+    rnd = random.Random(12)
+    new = {f"new/g{i}.bin": rnd.randbytes(BS * 2 + 100 * i) for i in range(6)}
+    for k, v in new.items():
+        client.put_object(Bucket=name, Key=k, Body=v)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(a, old)
+    # (The directory lookahead may load and publish some of new/ too.)
+    _wait(lambda: _published(a) >= _blocks(old)
+          and a.metric("cachefs_shared_publish_queue_blocks") == 0, what="publishes")
+    with FaultProxy(seaweed.endpoint) as proxy:
+        proxy.plan = lambda method, path, n: "503" if method == "PUT" else "pass"
+        b = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname))
+        _read_all(b, new)  # from the origin; their publishes and leases are refused
+        refused = ('cachefs_shared_publishes_total{result="failed"}',
+                   'cachefs_shared_publishes_total{result="dropped_unavailable"}')
+        _wait(lambda: sum(b.metric(r) for r in refused) >= 3
+              and b.metric("cachefs_shared_publish_queue_blocks") == 0, what="refused publishes")
+        gets = b.gets()
+        assert gets > 0
+        _read_all(b, old)  # from the tier
+        assert b.gets() == gets, b.log()
+        assert b.metric('cachefs_shared_lookups_total{result="skipped"}') == 0
+        assert b.metric("cachefs_shared_breaker_opens_total") == 0
+        assert b.log().count("throttles writes") == 1, b.log()
+        assert _fuse_errors(b) == 0

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from cachefs import metrics
-from cachefs.errors import AccessDenied, EndpointUnreachable, StoreError
+from cachefs.errors import AccessDenied, EndpointUnreachable, StoreError, TransientStoreError
 from cachefs.read.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.publishq import Publish, PublishQueue
@@ -45,7 +45,7 @@ def block(index: int) -> bytes:
 
 class MemoryObjects:
     """An ObjectClient stand-in on a dict, shared by several tiers (nodes). ``fail`` makes
-    every request raise; ``gate`` (a threading.Event) holds requests until set."""
+    every request raise, ``fail_writes`` every PUT; ``gate`` (a threading.Event) holds requests until set."""
 
     endpoint = "memory://"
     sessions = None
@@ -54,6 +54,7 @@ class MemoryObjects:
         self.objects: dict[str, tuple[bytes, dict[str, str]]] = {}
         self.counts: Counter[str] = Counter()
         self.fail: StoreError | None = None
+        self.fail_writes: StoreError | None = None
         self.gate: threading.Event | None = None
         self.gates: dict[str, threading.Event] = {}  # by op
         self.honour = honour_if_none_match
@@ -82,6 +83,8 @@ class MemoryObjects:
     def put(self, key: str, body: bytes, *, metadata: dict[str, str] | None = None,
             if_none_match: bool = False, op: str = "put", timeout: float | None = None) -> bool:
         self._enter(op)
+        if self.fail_writes is not None:
+            raise self.fail_writes
         with self._lock:
             if if_none_match and self.honour and key in self.objects:
                 return False
@@ -390,6 +393,47 @@ def test_refused_writes_stop_publishing_but_not_reads(caplog) -> None:
     assert a.breaker.state == CLOSED
     assert store.counts["lease"] == 2  # only the start-up probe's
     assert any("refuses writes" in r.getMessage() for r in caplog.records)
+
+
+def test_throttled_writes_pause_publishing_and_leave_reads_alone(caplog) -> None:
+    """Writes answered 503 SlowDown (or 500) say nothing of reads: publishing pauses, the
+    breaker stays closed and lookups go on; a write that gets no answer feeds the breaker."""
+    caplog.set_level(logging.INFO, "cachefs.read.shared")
+    store = MemoryObjects()
+    a, b = tier(store), tier(store)
+
+    async def main() -> None:
+        await trio.sleep(0.1)
+        await b.put(ref(0), block(0))  # another node published block 0
+        await b.drain()
+        store.fail_writes = TransientStoreError("throttled (SlowDown)", throttled=True)
+        for i in (1, 2, 3):
+            await a.put(ref(i), block(i))
+        await a.drain()
+        assert not a.can_publish() and a.breaker.state == CLOSED
+        assert not a.describe()["publishing"]
+        assert await a.get(ref(0)) == block(0)  # reads go on
+        assert lookups("skipped") == skipped
+        store.fail_writes = None
+        await trio.sleep(0.5)  # the pause (0.2 s, the breaker's cooldown) is over
+        assert a.can_publish()
+        await a.put(ref(1), block(1))
+        await a.drain()
+        assert a.layout.block_key(ref(1)) in store.objects
+        assert a.describe()["publishing"]
+        # A write with no answer at all is the store's failure, as a read's would be.
+        store.fail_writes = TransientStoreError("reset", reason="connection")
+        for i in (2, 3):
+            await a.put(ref(i), block(i))
+            await a.drain()
+        await a.put(ref(2), block(2))
+        await a.drain()
+        assert a.breaker.state != CLOSED
+    skipped = lookups("skipped")
+    run(main, a, b)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("throttles writes" in m for m in messages) == 1, messages
+    assert sum("takes writes again" in m for m in messages) == 1, messages
 
 
 def test_ensure_published_uploads_a_missing_block_and_trusts_a_present_one_it_sees() -> None:

@@ -54,7 +54,14 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   a free worker thread (local congestion) is not the store's fault and does
   not count against the budget. Writes refused for good reasons (access
   denied, store full) stop publishing and leases only (one log line), for
-  ``PUBLISH_RETRY`` seconds; reads go on.
+  ``PUBLISH_RETRY`` seconds; reads go on. Writes the store answers with a
+  throttle or a server error (503 SlowDown, 500: every node publishing at once,
+  a store short of space) say nothing of its reads, so they never feed the
+  breaker: ``breaker_threshold`` of them in a row pause publishing and leases
+  (one log line) for ``breaker_cooldown`` seconds, doubled at each pause up to
+  ``THROTTLE_MAX``, until a write succeeds (one line). A write that gets no
+  answer (a timeout, a refused or reset connection) feeds the breaker as a
+  read's does.
 * Withdrawal: blocks whose bytes failed a check after they were offered
   (the combined CRC of a multi-block object, see :mod:`cachefs.read.assembled`)
   are taken back (:meth:`SharedTier.withdraw`): a queued publish is dropped, a
@@ -104,6 +111,7 @@ log = logging.getLogger(__name__)
 FORMAT = "v1"
 STAMP = "cachefs-block"  # user metadata key (x-amz-meta-cachefs-block)
 PUBLISH_RETRY = 300.0  # seconds publishing stays off after a refused write
+THROTTLE_MAX = 60.0  # longest pause of publishing while the store throttles writes (s)
 HARD_LIMIT = 3  # budgets after which the trio side abandons a request
 LEASE_HISTORY = 32  # leases won in a row after contention before misses stop waiting on them
 MAX_ANNOUNCING = 64  # lease writes in flight in the background, at most
@@ -238,6 +246,11 @@ class SharedTier:
         self._leased = _Keys(s.remembered_keys)  # this node holds the fetch lease
         self._withdrawn = _Keys(s.remembered_keys)  # failed a check: never served from here
         self._publish_off_until = 0.0  # monotonic; publishing refused until then
+        # Writes answered with a throttle or a server error, in a row; publishing paused
+        # until (monotonic) while they go on; the next pause's length.
+        self._throttled = 0
+        self._throttled_until = 0.0
+        self._throttle_pause = s.breaker_cooldown
         # Recent lease outcomes (True: another node held it); background lease writes.
         self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
         self._announcing = 0
@@ -335,7 +348,7 @@ class SharedTier:
 
     def describe(self) -> dict[str, Any]:
         """The tier's state for ``cachefs status``. Read-only: may run in a worker thread."""
-        off_until = self._publish_off_until
+        off_until = max(self._publish_off_until, self._throttled_until)
         publishing = not self.breaker.is_open and (not off_until
                                                    or time.monotonic() >= off_until)
         return {"url": self.label, "endpoint": self.client.endpoint,
@@ -365,20 +378,52 @@ class SharedTier:
             self._publish_off_until = 0.0
             metrics.SHARED_PUBLISH_ENABLED.set(1)
             log.info("publishing to the shared cache tier %s again", self.label)
-        return not self._publish_off_until
+        if self._publish_off_until:
+            return False
+        if self._throttled_until:
+            if time.monotonic() < self._throttled_until:
+                return False
+            self._throttled_until = 0.0  # a trial: the next write tells (see _wrote)
+            metrics.SHARED_PUBLISH_ENABLED.set(1)
+        return True
+
+    def _wrote(self) -> None:
+        """A write succeeded: the store takes writes (again)."""
+        self.breaker.success()
+        if self._throttled >= self.settings.breaker_threshold:
+            log.info("shared cache tier %s takes writes again: publishing", self.label)
+        self._throttled = 0
+        self._throttle_pause = self.settings.breaker_cooldown
 
     def _write_failed(self, exc: StoreError) -> None:
         """A write failed: refusals stop publishing for a while, the rest feed the breaker."""
         refused = isinstance(exc, (AccessDenied, CredentialsError)) or (
             not isinstance(exc, TransientStoreError))
         if not refused:
-            self._failed(exc)
+            if isinstance(exc, TransientStoreError) and exc.reason in ("throttled",
+                                                                       "server_error"):
+                self._write_throttled(exc)  # answered: nothing to say of reads
+            else:
+                self._failed(exc)
             return
         if not self._publish_off_until:
             log.warning("shared cache tier %s refuses writes (%s): not publishing for %.0fs; "
                         "reads from it go on", self.label, exc, PUBLISH_RETRY)
             metrics.SHARED_PUBLISH_ENABLED.set(0)
         self._publish_off_until = time.monotonic() + PUBLISH_RETRY
+
+    def _write_throttled(self, exc: StoreError) -> None:
+        """A write answered with a throttle or a server error: pause publishing after
+        ``breaker_threshold`` in a row (see the module docstring)."""
+        self._throttled += 1
+        if self._throttled < self.settings.breaker_threshold or self._throttled_until:
+            return
+        if self._throttled == self.settings.breaker_threshold:
+            log.warning("shared cache tier %s throttles writes (%s): publishing paused, "
+                        "reads from it go on", self.label, exc)
+        self._throttled_until = time.monotonic() + self._throttle_pause
+        self._throttle_pause = min(THROTTLE_MAX, self._throttle_pause * 2)
+        metrics.SHARED_PUBLISH_ENABLED.set(0)
 
     async def _lookup(self, ref: BlockRef, key: str) -> tuple[bytes | None, str]:
         """GET and verify one block: (bytes, "hit") or (None, "miss" | "corrupt" |
@@ -422,7 +467,7 @@ class SharedTier:
             metrics.SHARED_LEASES.labels("error").inc()
             self._write_failed(exc)
             return None
-        self.breaker.success()
+        self._wrote()
         self._contention.append(not won)
         if won:
             metrics.SHARED_LEASES.labels("won").inc()
@@ -512,7 +557,7 @@ class SharedTier:
             log.debug("publishing %s failed: %s", item.key, exc)
             self._write_failed(exc)
             return False
-        self.breaker.success()
+        self._wrote()
         metrics.SHARED_PUBLISHES.labels("stored" if new else "present").inc()
         if new:
             metrics.SHARED_PUBLISHED_BYTES.inc(len(item.data))
@@ -572,7 +617,7 @@ class SharedTier:
                         "origin while it fails", self.label, exc)
             self._write_failed(exc)
             return
-        self.breaker.success()
+        self._wrote()
         self.conditional_writes = first and not second
         if not self.conditional_writes:
             self.leases_on = False

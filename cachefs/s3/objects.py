@@ -89,6 +89,9 @@ log = logging.getLogger(__name__)
 class RequestTimeout(TransientStoreError):
     """The store did not answer within the request's timeout."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="timeout")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Response:
@@ -282,7 +285,8 @@ class ObjectClient:
         except (OSError, http.client.HTTPException) as exc:
             if conn is not None:
                 conn.close()
-            raise TransientStoreError(f"{self._base}: {op} failed: {exc!r}") from exc
+            raise TransientStoreError(f"{self._base}: {op} failed: {exc!r}",
+                                      reason="connection") from exc
         finally:
             metrics.SHARED_LATENCY.labels(op).observe(time.monotonic() - t0)
         if reusable:
