@@ -488,3 +488,31 @@ def test_a_tier_that_throttles_writes_still_serves_reads(bucket, tier, seaweed, 
         assert b.metric("cachefs_shared_breaker_opens_total") == 0
         assert b.log().count("throttles writes") == 1, b.log()
         assert _fuse_errors(b) == 0
+
+
+def test_warm_shard_replaces_a_tier_block_cut_short_under_its_stamp(
+        bucket, tier, seaweed, mount_factory):
+    """A block object cut short that kept its metadata (the stamp names the block and its
+    full length) is not "in the tier" for a warm: the warm puts the whole block back."""
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name, files=4, seed=8)
+    blocks = _blocks(data)
+    node = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    first = run_cachefs("warm", str(node.path), "--shard", "0/1")
+    assert first.returncode == 0, first.stderr
+    objects = _tier_objects(tclient, tname)
+    assert len(objects) == blocks
+    key = sorted(objects)[0]
+    got = tclient.get_object(Bucket=tname, Key=key)
+    body, meta = got["Body"].read(), got["Metadata"]
+    assert len(body) == BS and meta
+    tclient.put_object(Bucket=tname, Key=key, Body=body[:BS // 2], Metadata=meta)
+
+    again = run_cachefs("warm", str(node.path), "--shard", "0/1")
+    assert again.returncode == 0, again.stderr
+    assert tclient.get_object(Bucket=tname, Key=key)["Body"].read() == body
+    other = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(other, data)
+    assert other.gets() == 0
+    assert other.metric('cachefs_shared_lookups_total{result="corrupt"}') == 0

@@ -183,7 +183,9 @@ class SharedLayout:
         return int(self.identity(ref)[:16], 16) % nodes
 
     def check_headers(self, ref: BlockRef, headers: dict[str, str]) -> str | None:
-        """None when the stamp names this block with its length, else "foreign"/"corrupt"."""
+        """None when the stamp names this block with its length and the object has that
+        length (Content-Length, when stated: an object cut short may keep its metadata),
+        else "foreign"/"corrupt"."""
         stamp = headers.get(f"x-amz-meta-{STAMP}", "")
         fmt, _, rest = stamp.partition(":")
         identity, _, rest = rest.partition(":")
@@ -191,6 +193,8 @@ class SharedLayout:
         if fmt != FORMAT or identity != self.identity(ref):
             return "foreign"
         if length != str(ref.length):
+            return "corrupt"
+        if headers.get("content-length", length) != length:
             return "corrupt"
         return None
 
