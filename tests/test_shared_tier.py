@@ -516,3 +516,52 @@ def test_warm_shard_replaces_a_tier_block_cut_short_under_its_stamp(
     _read_all(other, data)
     assert other.gets() == 0
     assert other.metric('cachefs_shared_lookups_total{result="corrupt"}') == 0
+
+
+def test_a_node_killed_holding_fetch_leases_costs_the_others_one_wait(
+        bucket, tier, seaweed, mount_factory):
+    """A node SIGKILLed while it holds fetch leases (its origin GETs hung) never publishes
+    those blocks: another node that misses them waits for the lease (lost), then fetches
+    each itself once, serves every byte and publishes; a third reads them from the tier."""
+    from tests.test_crash import kill_daemon
+
+    client, name = bucket
+    tclient, tname = tier
+    big = random.Random(21).randbytes(4 * BS)
+    client.put_object(Bucket=name, Key="big.bin", Body=big)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname), start=False)
+    with FaultProxy(a.endpoint) as proxy:
+        a.endpoint = proxy.url
+        a.start()
+        assert (a.path / "big.bin").stat().st_size == len(big)
+        proxy.plan = lambda method, path, n: ("stall" if method == "GET" and "big.bin" in path
+                                              else "pass")
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                (a.path / "big.bin").read_bytes()
+            except OSError as exc:  # its daemon is killed mid-read
+                errors.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+
+        def leases() -> list[str]:
+            out = tclient.list_objects_v2(Bucket=tname, Prefix="cache/leases/")
+            return [o["Key"] for o in out.get("Contents", []) if "probe" not in o["Key"]]
+
+        _wait(lambda: len(leases()) >= 1 and proxy.faults["stall"] >= 1, what="a held lease")
+        held = len(leases())
+        kill_daemon(a.path)
+        reader.join(30)
+        assert not reader.is_alive()
+        b = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+        assert (b.path / "big.bin").read_bytes() == big
+        assert b.gets() == 4  # each block once, those of the dead node's leases too
+        lost = b.metric('cachefs_shared_leases_total{result="lost_timeout"}')
+        assert lost == held - b.metric('cachefs_shared_leases_total{result="raced"}'), b.log()
+        _wait(lambda: b.metric("cachefs_shared_publish_queue_blocks") == 0, what="publishes")
+        c = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+        assert (c.path / "big.bin").read_bytes() == big
+        assert c.gets() == 0
