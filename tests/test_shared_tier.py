@@ -565,3 +565,36 @@ def test_a_node_killed_holding_fetch_leases_costs_the_others_one_wait(
         c = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
         assert (c.path / "big.bin").read_bytes() == big
         assert c.gets() == 0
+
+
+def test_the_tier_bucket_deleted_while_nodes_read(bucket, tier, seaweed, mount_factory):
+    """The tier's bucket deleted under a running cluster: every read is served, from the
+    origin, with every byte right; 'cachefs status' says the tier fails."""
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name, files=6, seed=31)
+    names = sorted(data)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    b = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    for key in names[:2]:
+        assert (a.path / key).read_bytes() == data[key]
+    _wait(lambda: a.metric("cachefs_shared_publish_queue_blocks") == 0
+          and _published(a) > 0, what="publishes")
+    for page in tclient.get_paginator("list_objects_v2").paginate(Bucket=tname):
+        for o in page.get("Contents", []):
+            tclient.delete_object(Bucket=tname, Key=o["Key"])
+    tclient.delete_bucket(Bucket=tname)
+    for key in names:
+        assert (b.path / key).read_bytes() == data[key]
+    assert _fuse_errors(b) == 0
+
+    def shared() -> dict[str, Any]:  # (the status snapshot is refreshed every second)
+        status = json.loads(run_cachefs("status", "--json", str(b.path)).stdout)
+        return status["shared"] if "shared" in status else status["mounts"][0]["shared"]
+
+    _wait(lambda: shared()["lookups"]["error"] > 0, what="status")
+    got = shared()
+    assert got["breaker"] != "closed" or not got["publishing"], got
+    assert b.gets() == _blocks(data)  # each block once, from the origin
+    text = run_cachefs("status", str(b.path)).stdout
+    assert "breaker open" in text or "publishing off" in text, text
