@@ -598,3 +598,41 @@ def test_the_tier_bucket_deleted_while_nodes_read(bucket, tier, seaweed, mount_f
     assert b.gets() == _blocks(data)  # each block once, from the origin
     text = run_cachefs("status", str(b.path)).stdout
     assert "breaker open" in text or "publishing off" in text, text
+
+
+def test_warm_against_a_tier_that_is_down(bucket, tier, seaweed, mount_factory):
+    """A tier down during warms: a plain warm loads every file from the origin and
+    succeeds; a shard's warm loads its share, says the tier did not take it and exits
+    non-zero; run again once the tier is back, it publishes the share without fetching
+    it again."""
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name, files=6, seed=41)
+    blocks = _blocks(data)
+    with FaultProxy(seaweed.endpoint) as proxy:
+        plain = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname,
+                                                            "--shared-cache-timeout", "2s"))
+        node = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname,
+                                                           "--shared-cache-timeout", "2s"))
+        proxy.set_down(True)
+        r = run_cachefs("warm", str(plain.path))
+        assert r.returncode == 0, r.stderr
+        r = run_cachefs("warm", str(plain.path), "--check")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        _read_all(plain, data)
+        assert plain.gets() == blocks
+
+        r = run_cachefs("warm", str(node.path), "--shard", "0/1")
+        assert r.returncode != 0, r.stdout
+        assert "shared cache tier" in r.stdout + r.stderr and "Traceback" not in r.stderr
+        assert node.gets() == blocks
+        proxy.set_down(False)
+        deadline = time.monotonic() + 60
+        while True:  # (the breaker lets a trial through after its cooldown)
+            r = run_cachefs("warm", str(node.path), "--shard", "0/1")
+            if r.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert node.gets() == blocks
+        assert len(_tier_objects(tclient, tname)) == blocks
