@@ -625,6 +625,10 @@ def test_warm_against_a_tier_that_is_down(bucket, tier, seaweed, mount_factory):
         r = run_cachefs("warm", str(node.path), "--shard", "0/1")
         assert r.returncode != 0, r.stdout
         assert "shared cache tier" in r.stdout + r.stderr and "Traceback" not in r.stderr
+        # Each failure says why: the tier does not answer (not: "could not be put", alone).
+        out = r.stdout + r.stderr
+        failures = [line for line in out.splitlines() if line.startswith("failed:")]
+        assert failures and all("does not answer" in line for line in failures), out
         assert node.gets() == blocks
         proxy.set_down(False)
         deadline = time.monotonic() + 60

@@ -385,6 +385,7 @@ def test_refused_writes_stop_publishing_but_not_reads(caplog) -> None:
         await a.put(ref(0), block(0))
         await a.drain()
         assert not a.can_publish()
+        assert a.why_unpublished() == "it refuses writes (read-only credentials)"
         store.fail = None
         await a.put(ref(1), block(1))  # dropped: publishing is off for a while
         assert len(a.queue) == 0
@@ -412,6 +413,7 @@ def test_throttled_writes_pause_publishing_and_leave_reads_alone(caplog) -> None
         await a.drain()
         assert not a.can_publish() and a.breaker.state == CLOSED
         assert not a.describe()["publishing"]
+        assert a.why_unpublished() == "it throttles writes (throttled (SlowDown))"
         assert await a.get(ref(0)) == block(0)  # reads go on
         assert lookups("skipped") == skipped
         store.fail_writes = None
@@ -429,6 +431,7 @@ def test_throttled_writes_pause_publishing_and_leave_reads_alone(caplog) -> None
         await a.put(ref(2), block(2))
         await a.drain()
         assert a.breaker.state != CLOSED
+        assert a.why_unpublished() == "it does not answer (reset)"
     skipped = lookups("skipped")
     run(main, a, b)
     messages = [r.getMessage() for r in caplog.records]

@@ -15,7 +15,8 @@ node put them there already, else from the origin; each is then made sure to
 be in the shared tier (published, waiting for it). After all ``n`` nodes ran
 their share, every block crossed regions once and every node can read
 everything from the shared tier. A block of the share that could not be put
-there fails its object (run the warm again).
+there fails its object, with why (the tier does not answer, refuses or throttles
+writes); run the warm again.
 
 Tasks: one producer walks the requested paths (listing directories through
 the metadata cache) into a bounded channel; ``parallel`` workers warm one
@@ -211,8 +212,11 @@ async def _warm(metadata: Metadata, prefetcher: Prefetcher, root: str,
                         progress.bytes_done += n
                         metrics.WARM_BYTES_DONE.inc(n)
                     if unpublished:
+                        assert shared is not None
+                        why = shared.why_unpublished()
                         raise CachefsError(f"{unpublished} block(s) of this node's share could "
-                                           "not be put into the shared cache tier")
+                                           "not be put into the shared cache tier"
+                                           + (f": {why}" if why else ""))
                     if not_kept:
                         raise CachefsError(f"not kept: the cache is full ({not_kept} block(s) "
                                            "not admitted; --cache-size, or its disk)")

@@ -255,6 +255,7 @@ class SharedTier:
         self._throttled = 0
         self._throttled_until = 0.0
         self._throttle_pause = s.breaker_cooldown
+        self._last_error = ""  # the last failure or refusal, for why_unpublished
         # Recent lease outcomes (True: another node held it); background lease writes.
         self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
         self._announcing = 0
@@ -373,7 +374,21 @@ class SharedTier:
         raise BudgetExceeded(f"no answer within {budget * HARD_LIMIT:g}s")
 
     def _failed(self, exc: StoreError) -> None:
+        self._last_error = str(exc)
         self.breaker.failure(str(exc))
+
+    def why_unpublished(self) -> str:
+        """Why blocks are not published now, for a person (``cachefs warm --shard``):
+        the tier does not answer, refuses or throttles writes; "" when none is known."""
+        why = f" ({self._last_error})" if self._last_error else ""
+        if self.breaker.is_open:
+            return f"it does not answer{why}"
+        now = time.monotonic()
+        if self._publish_off_until and now < self._publish_off_until:
+            return f"it refuses writes{why}"
+        if self._throttled_until and now < self._throttled_until:
+            return f"it throttles writes{why}"
+        return f"its last failure: {self._last_error}" if self._last_error else ""
 
     def can_publish(self) -> bool:
         if self.breaker.is_open:
@@ -401,6 +416,7 @@ class SharedTier:
 
     def _write_failed(self, exc: StoreError) -> None:
         """A write failed: refusals stop publishing for a while, the rest feed the breaker."""
+        self._last_error = str(exc)
         refused = isinstance(exc, (AccessDenied, CredentialsError)) or (
             not isinstance(exc, TransientStoreError))
         if not refused:
