@@ -640,3 +640,30 @@ def test_warm_against_a_tier_that_is_down(bucket, tier, seaweed, mount_factory):
         assert r.returncode == 0, r.stdout + r.stderr
         assert node.gets() == blocks
         assert len(_tier_objects(tclient, tname)) == blocks
+
+
+def test_two_clusters_with_other_block_sizes_share_one_tier_prefix(
+        bucket, tier, seaweed, mount_factory):
+    """Clusters of 64 KiB and 128 KiB blocks on one tier bucket and prefix never read each
+    other's blocks as theirs: each fills its own, and a second node of each reads its
+    cluster's from the tier, every byte right."""
+    client, name = bucket
+    _, tname = tier
+    data = _dataset(client, name, files=6, seed=51)
+    small = _shared_args(seaweed.endpoint, tname)
+    large = [*small, "--block-size", "128K"]
+    a64 = mount_factory(f"s3://{name}", *small)
+    _read_all(a64, data)
+    _wait(lambda: a64.metric("cachefs_shared_publish_queue_blocks") == 0, what="publishes")
+    a128 = mount_factory(f"s3://{name}", *large)
+    _read_all(a128, data)
+    assert a128.gets() > 0  # nothing of the other cluster's was taken as its own
+    assert a128.metric('cachefs_shared_lookups_total{result="hit"}') == 0
+    _wait(lambda: a128.metric("cachefs_shared_publish_queue_blocks") == 0, what="publishes")
+    for args in (small, large):
+        node = mount_factory(f"s3://{name}", *args)
+        _read_all(node, data)
+        assert node.gets() == 0
+        bad = ('cachefs_shared_lookups_total{result="corrupt"}',
+               'cachefs_shared_lookups_total{result="foreign"}')
+        assert sum(node.metric(r) for r in bad) == 0
