@@ -234,3 +234,23 @@ def test_known_label_sets_cover_the_code_and_are_created() -> None:
         assert ("cachefs_skipped_keys_total", (("reason", reason),)) in samples
     for policy in metrics.PREFETCH_POLICIES:
         assert ("cachefs_prefetch_wasted_bytes_total", (("policy", policy),)) in samples
+
+
+#: Shared-tier families the dashboard need not query, and why.
+SHARED_NOT_ON_DASHBOARD = {
+    "cachefs_shared_enabled": "1 on every mount with a tier: the row itself shows whether",
+    "cachefs_shared_publish_queue_blocks": "the same queue is shown in bytes, with its bound",
+}
+
+
+def test_every_shared_tier_metric_is_on_the_dashboard() -> None:
+    """The shared tier's row shows every family the tier exports (an on-call looking at a
+    tier that flaps or is hammered with lease writes had no panel for either)."""
+    used = {name for _, expr in all_exprs() for name, _ in selectors(expr)}
+    families = {obj._name for obj in vars(metrics).values()
+                if isinstance(obj, MetricWrapperBase) and obj._name.startswith("cachefs_shared")}
+    assert len(families) >= 12
+    missing = {family for family in families - set(SHARED_NOT_ON_DASHBOARD)
+               if not any(family + suffix in used
+                          for suffix in ("", "_total", "_bucket", "_count", "_sum"))}
+    assert not missing, f"shared-tier metrics not on the dashboard: {sorted(missing)}"
