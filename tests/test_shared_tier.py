@@ -598,6 +598,8 @@ def test_the_tier_bucket_deleted_while_nodes_read(bucket, tier, seaweed, mount_f
     assert b.gets() == _blocks(data)  # each block once, from the origin
     text = run_cachefs("status", str(b.path)).stdout
     assert "breaker open" in text or "publishing off" in text, text
+    # ... and why, with the tier's answer: an operator sees the bucket is gone.
+    assert "does not exist" in text or "access denied" in text, text
 
 
 def test_warm_against_a_tier_that_is_down(bucket, tier, seaweed, mount_factory):

@@ -231,6 +231,8 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
                   f"({format_size(sh['published_bytes'])}), queue {sh['queue_blocks']} blocks "
                   f"({format_size(sh['queue_bytes'])}), {sh['dropped_blocks']} dropped; leases "
                   f"won {leases.get('won', 0)}, waited {leases.get('lost_served', 0)}")
+            if sh.get("why"):  # (the breaker open or publishing off: the tier's answer)
+                print(f"          {sh['why']}")
         if r["sweep_files"] or r["sweep_stops_by_reason"]:
             stops = ", ".join(f"{k} {v}" for k, v in sorted(r["sweep_stops_by_reason"].items()))
             print(f"  sweep   {r['sweep_files']} files ({format_size(r['sweep_bytes'])}) fetched "

@@ -359,6 +359,7 @@ class SharedTier:
         return {"url": self.label, "endpoint": self.client.endpoint,
                 "express_sessions": self.client.sessions is not None,
                 "breaker": self.breaker.state, "publishing": publishing,
+                "why": "" if publishing and not self.breaker.is_open else self.why_unpublished(),
                 "leases": self.leases_on, "conditional_writes": self.conditional_writes}
 
     # -- requests ---------------------------------------------------------------------------
