@@ -669,3 +669,29 @@ def test_two_clusters_with_other_block_sizes_share_one_tier_prefix(
         bad = ('cachefs_shared_lookups_total{result="corrupt"}',
                'cachefs_shared_lookups_total{result="foreign"}')
         assert sum(node.metric(r) for r in bad) == 0
+
+
+def test_warm_shard_waits_out_a_tier_throttling_its_writes(bucket, tier, seaweed,
+                                                           mount_factory):
+    """Every node of a cluster warm publishing at once is what makes a tier answer 503
+    SlowDown: a shard's warm waits the throttle out and puts its whole share there, instead
+    of failing the files whose blocks met it."""
+    client, name = bucket
+    tclient, tname = tier
+    data = _dataset(client, name, files=6, seed=61)
+    blocks = _blocks(data)
+    with FaultProxy(seaweed.endpoint) as proxy:
+        node = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname))
+        refused = threading.Semaphore(8)  # the first 8 block writes are throttled
+
+        def plan(method: str, path: str, n: int) -> str:
+            if method == "PUT" and "/v1/" in path and refused.acquire(blocking=False):
+                return "503"
+            return "pass"
+
+        proxy.plan = plan
+        r = run_cachefs("warm", str(node.path), "--shard", "0/1")
+        assert proxy.faults["503"] >= 3
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert len(_tier_objects(tclient, tname)) == blocks
+        assert node.gets() == blocks

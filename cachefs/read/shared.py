@@ -112,6 +112,8 @@ FORMAT = "v1"
 STAMP = "cachefs-block"  # user metadata key (x-amz-meta-cachefs-block)
 PUBLISH_RETRY = 300.0  # seconds publishing stays off after a refused write
 THROTTLE_MAX = 60.0  # longest pause of publishing while the store throttles writes (s)
+WARM_PUBLISH_ATTEMPTS = 6  # writes of one block a warm tries while the store throttles them
+WARM_RETRY_FIRST = 0.5  # its first wait before trying again (s), doubled each time
 HARD_LIMIT = 3  # budgets after which the trio side abandons a request
 LEASE_HISTORY = 32  # leases won in a row after contention before misses stop waiting on them
 MAX_ANNOUNCING = 64  # lease writes in flight in the background, at most
@@ -598,7 +600,10 @@ class SharedTier:
         Asks the store every time (a HEAD), unless this node's own publish of the block
         is under way: a warm run again is how an operator puts back what the tier lost
         (a store restarted on emptied disks, a bucket emptied by hand or by a lifecycle
-        rule), so what this node once saw there proves nothing."""
+        rule), so what this node once saw there proves nothing. A write the tier
+        throttles is tried again, after the tier's pause and at least 0.5, 1, 2... s,
+        ``WARM_PUBLISH_ATTEMPTS`` times in all: a cluster warm is every node publishing at
+        once, which is what makes a tier throttle."""
         key = self.layout.block_key(ref)
         pending = self.queue.pending(key)
         if pending is not None:
@@ -618,7 +623,16 @@ class SharedTier:
         data = await read_local()
         if data is None or len(data) != ref.length:
             return False
-        return await self._publish(Publish(key, ref, data, overwrite=headers is not None))
+        item = Publish(key, ref, data, overwrite=headers is not None)
+        for attempt in range(WARM_PUBLISH_ATTEMPTS):
+            if attempt:
+                paused = max(0.0, self._throttled_until - time.monotonic())
+                await trio.sleep(min(THROTTLE_MAX, max(paused, WARM_RETRY_FIRST * 2 ** (attempt - 1))))
+            if await self._publish(item):
+                return True
+            if not self._throttled or self._publish_off_until or self.breaker.is_open:
+                return False  # refused or failing, not throttled: no point waiting
+        return False
 
     def shard_of(self, ref: BlockRef, nodes: int) -> int:
         return self.layout.shard_of(ref, nodes)
