@@ -695,3 +695,32 @@ def test_warm_shard_waits_out_a_tier_throttling_its_writes(bucket, tier, seaweed
         assert r.returncode == 0, r.stdout + r.stderr
         assert len(_tier_objects(tclient, tname)) == blocks
         assert node.gets() == blocks
+
+
+def test_the_tier_restarted_between_reads_costs_no_lookup(bucket, tier, seaweed,
+                                                          mount_factory):
+    """The tier's server stopped and started again while a node was idle (or it closed
+    idle keep-alive connections, as servers do): the node's next lookups find their pooled
+    connections dead. They are sent again on new ones: every block still comes from the
+    tier, none from the origin, and the breaker stays closed."""
+    client, name = bucket
+    _, tname = tier
+    data = _dataset(client, name, files=12, seed=71)
+    names = sorted(data)
+    keys = [names[i] for i in (0, 6, 3, 9, 1, 7, 4, 10, 2, 8, 5, 11)]  # (no lookahead)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    _read_all(a, data)
+    _wait(lambda: _published(a) >= _blocks(data)
+          and a.metric("cachefs_shared_publish_queue_blocks") == 0, what="publishes")
+    with FaultProxy(seaweed.endpoint) as proxy:
+        b = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname))
+        for key in keys[:6]:
+            assert (b.path / key).read_bytes() == data[key]
+        assert b.gets() == 0
+        proxy.set_down(True)  # the pooled connections are reset
+        proxy.set_down(False)
+        for key in keys[6:]:
+            assert (b.path / key).read_bytes() == data[key]
+        assert b.gets() == 0, b.log()
+        assert b.metric('cachefs_shared_lookups_total{result="error"}') == 0
+        assert b.metric("cachefs_shared_breaker_opens_total") == 0

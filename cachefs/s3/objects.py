@@ -23,6 +23,13 @@ Directory buckets: requests are signed with the session's credentials
 (``x-amz-s3session-token``); an answer saying the session expired or is
 invalid drops the session and the request is sent once more with a new one.
 
+Kept-alive connections: one taken from the pool that turns out dead (the store
+restarted, or closed it after idling: a reset, a broken pipe, or a close before
+any answer) is dropped and the request is sent once more on a new connection;
+only that, so a store that is down still fails a request at once. (Every request
+here may be sent twice: a PUT writes the same bytes, a lease's second write
+finds the first and answers "taken", which costs a wait, never a wrong byte.)
+
 Timeouts: ``connect_timeout`` bounds a connection attempt and every request's
 ``timeout`` (default ``read_timeout``) bounds each wait for the server (sending,
 the answer's first byte, each later read): a store that stops answering fails
@@ -188,11 +195,13 @@ class ObjectClient:
                     "so at mount)", self.bucket, region, old, region, region)
 
     # -- connections ------------------------------------------------------------------
-    def _connect(self) -> http.client.HTTPConnection:
-        try:
-            return self._pool.get_nowait()
-        except queue.Empty:
-            pass
+    def _connect(self, *, pooled: bool = True) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection, and whether it was kept alive from an earlier request."""
+        if pooled:
+            try:
+                return self._pool.get_nowait(), True
+            except queue.Empty:
+                pass
         conn = self._connector.new()
         try:
             conn.connect()
@@ -204,7 +213,7 @@ class ObjectClient:
         assert conn.sock is not None
         conn.sock.settimeout(self._read_timeout)
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        return conn, False
 
     def _release(self, conn: http.client.HTTPConnection, generation: int) -> None:
         if generation != self._generation:  # (to an endpoint no longer used)
@@ -264,12 +273,22 @@ class ObjectClient:
         conn: http.client.HTTPConnection | None = None
         generation = self._generation
         try:
-            conn = self._connect()
-            assert conn.sock is not None
-            conn.sock.settimeout(self._read_timeout if timeout is None else timeout)
-            conn.request(method, self._connector.target(path), body=body or None,
-                         headers={**headers, **self._connector.request_headers()})
-            resp = conn.getresponse()
+            for fresh in (False, True):
+                conn, reused = self._connect(pooled=not fresh)
+                assert conn.sock is not None
+                conn.sock.settimeout(self._read_timeout if timeout is None else timeout)
+                try:
+                    conn.request(method, self._connector.target(path), body=body or None,
+                                 headers={**headers, **self._connector.request_headers()})
+                    resp = conn.getresponse()
+                except ConnectionError:  # (RemoteDisconnected too: closed before an answer)
+                    if not reused:
+                        raise
+                    conn.close()  # a kept-alive connection the store dropped: a new one
+                    conn = None
+                    metrics.SHARED_REQUESTS.labels(op).inc()
+                    continue
+                break
             data = resp.read()
             status = resp.status
             got = {k.lower(): v for k, v in resp.getheaders()}
@@ -289,6 +308,7 @@ class ObjectClient:
                                       reason="connection") from exc
         finally:
             metrics.SHARED_LATENCY.labels(op).observe(time.monotonic() - t0)
+        assert conn is not None  # (answered)
         if reusable:
             self._release(conn, generation)
         else:
