@@ -93,6 +93,7 @@ from cachefs.startup import (
     check_mountpoint,
     lock_cache_dir,
     lock_mountpoint,
+    node_identity,
     prepare_cache_dir,
 )
 
@@ -277,7 +278,7 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
     settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),
                               queue_bytes=publish_queue_bytes)
     return SharedTier(client, SharedLayout(url.prefix, cfg.source.bucket, cfg.block_size),
-                      label=str(url), settings=settings)
+                      label=str(url), settings=settings, node=node_identity(cfg.cache_dir))
 
 
 class _EarlyStop:

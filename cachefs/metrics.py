@@ -544,14 +544,17 @@ SHARED_PUBLISH_ENABLED = Gauge(
 SHARED_LEASES = Counter(
     "cachefs_shared_leases", "Fetch leases by outcome: won (this node fetches from the origin), "
     "lost_served (another node's fetch was waited for), lost_timeout (waited, then fetched "
-    "from the origin), raced (answered after its miss went ahead, found taken: two nodes "
-    "fetched the block), error, skipped (none written: too many in flight)", ["result"],
+    "from the origin), reclaimed (found taken by this node itself, before a restart or "
+    "earlier: it fetches from the origin at once), raced (answered after its miss went "
+    "ahead, found taken: two nodes fetched the block), error, skipped (none written: too "
+    "many in flight)", ["result"],
     registry=REGISTRY)
 
 SHARED_LOOKUP_RESULTS = ("hit", "miss", "corrupt", "foreign", "error", "timeout", "skipped")
 SHARED_PUBLISH_RESULTS = ("stored", "present", "dropped_full", "dropped_unavailable", "failed",
                           "withdrawn", "withdraw_failed")
-SHARED_LEASE_RESULTS = ("won", "lost_served", "lost_timeout", "raced", "error", "skipped")
+SHARED_LEASE_RESULTS = ("won", "lost_served", "lost_timeout", "reclaimed", "raced", "error",
+                        "skipped")
 TIERS = ("memory", "disk", "shared", "s3")
 
 

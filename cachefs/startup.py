@@ -42,6 +42,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -248,9 +249,10 @@ def prepare_cache_dir(path: Path, cache_size: int, *, tighten: bool = True) -> N
 
 
 #: The entries cachefs keeps at the top of its cache directory (and its own start-up
-#: probe's, ``.write-test-PID``). ``lost+found`` (a disk of its own) is no one's data.
-CACHE_ENTRIES = frozenset({"objects", "meta.lmdb", "lock", "cachefs.log"})
-_NOBODYS = ("lost+found", ".write-test-")
+#: probe's, ``.write-test-PID``, and a node identity being written, ``.node-id-PID``).
+#: ``lost+found`` (a disk of its own) is no one's data.
+CACHE_ENTRIES = frozenset({"objects", "meta.lmdb", "lock", "cachefs.log", "node-id"})
+_NOBODYS = ("lost+found", ".write-test-", ".node-id-")
 
 
 def tighten_cache_dir(path: Path) -> int:
@@ -373,6 +375,46 @@ def lock_mountpoint(path: Path) -> Iterator[Callable[[], None]]:
         yield release
     finally:
         release()
+
+
+NODE_ID = "node-id"  # the file in the cache directory that keeps the node's token
+
+
+def node_identity(path: Path) -> str:
+    """This node's identity in the shared tier (what its fetch leases hold): the host's
+    name and a random token made once and kept in the cache directory ``path`` (file
+    ``node-id``), so that a daemon restarted on its cache directory -- after a crash, a
+    SIGKILL, an upgrade -- is the node it was and takes its own leases over at once.
+    Two daemons on one host have two cache directories, so two tokens; a cache directory
+    copied to another host is another node there by the host's name. Call with the cache
+    directory locked (:func:`lock_cache_dir`). A token that cannot be read or kept is
+    made anew (one log line): the cost is one ``lease_wait`` per block this node had
+    leased before, as with no identity at all."""
+    file = path / NODE_ID
+    try:
+        token = file.read_text().strip()
+    except FileNotFoundError:
+        token = ""
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("cannot read the node identity %s (%s); making a new one", file, exc)
+        token = ""
+    if len(token) != 32 or any(c not in "0123456789abcdef" for c in token):
+        token = os.urandom(16).hex()
+        temp = path / f".{NODE_ID}-{os.getpid()}"
+        try:
+            fd = open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                os.write(fd, f"{token}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, file)
+        except OSError as exc:
+            log.warning("cannot keep the node identity in %s (%s): a restart will not "
+                        "recognise this run's fetch leases", file, exc)
+            with contextlib.suppress(OSError):
+                temp.unlink()
+    return f"{socket.gethostname()}:{token}"
 
 
 @contextlib.contextmanager

@@ -724,3 +724,61 @@ def test_the_tier_restarted_between_reads_costs_no_lookup(bucket, tier, seaweed,
         assert b.gets() == 0, b.log()
         assert b.metric('cachefs_shared_lookups_total{result="error"}') == 0
         assert b.metric("cachefs_shared_breaker_opens_total") == 0
+
+
+def test_a_node_restarted_after_a_kill_takes_over_its_own_fetch_leases(
+        bucket, tier, seaweed, mount_factory):
+    """A node SIGKILLed while it holds fetch leases (its origin GETs hung) and restarted on
+    the same cache directory is the same node: its leases are its own (taken over at once,
+    ``reclaimed``), not another node's to wait for (``lost_timeout``, a ``lease_wait``
+    per block for up to the lease window). Every byte is served and each block is fetched
+    once."""
+    from tests.test_crash import kill_daemon
+
+    client, name = bucket
+    tclient, tname = tier
+    big = random.Random(29).randbytes(4 * BS)
+    client.put_object(Bucket=name, Key="big.bin", Body=big)
+    a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname), start=False)
+
+    def leases() -> list[str]:
+        out = tclient.list_objects_v2(Bucket=tname, Prefix="cache/leases/")
+        return [o["Key"] for o in out.get("Contents", []) if "probe" not in o["Key"]]
+
+    with FaultProxy(a.endpoint) as proxy:
+        a.endpoint = proxy.url
+        a.start()
+        assert (a.path / "big.bin").stat().st_size == len(big)
+        proxy.plan = lambda method, path, n: ("stall" if method == "GET" and "big.bin" in path
+                                              else "pass")
+        reader = threading.Thread(target=_read_quietly, args=(a.path / "big.bin",),
+                                  daemon=True)
+        reader.start()
+        _wait(lambda: len(leases()) >= 1 and proxy.faults["stall"] >= 1, what="a held lease")
+        kill_daemon(a.path)
+        reader.join(30)
+        assert not reader.is_alive()
+        held = leases()
+        window = int(time.time() // 600)
+        proxy.plan = lambda method, path, n: "pass"
+        a.start()  # the same cache directory: the same node
+        assert (a.path / "big.bin").read_bytes() == big
+        turned_over = int(time.time() // 600) != window or any(
+            not k.endswith(f".{window}") for k in held)
+
+        def count(result: str) -> float:
+            return a.metric(f'cachefs_shared_leases_total{{result="{result}"}}')
+
+        assert count("lost_timeout") == 0 and count("lost_served") == 0, a.log()
+        assert count("raced") == 0 and count("error") == 0
+        if not turned_over:  # (a lease window turning over makes them new leases)
+            assert count("reclaimed") == len(held), a.log()
+        assert count("won") + count("reclaimed") == 4
+        assert a.gets() == 4
+
+
+def _read_quietly(path: Path) -> None:
+    try:
+        path.read_bytes()
+    except OSError:  # its daemon is killed mid-read
+        pass

@@ -96,12 +96,12 @@ class MemoryObjects:
         self.objects.pop(key, None)
 
 
-def tier(client: MemoryObjects, **settings: Any) -> SharedTier:
+def tier(client: MemoryObjects, node: str | None = None, **settings: Any) -> SharedTier:
     base: dict[str, Any] = dict(timeout=2.0, publish_timeout=2.0, queue_bytes=16 * BS,
                                 lease_wait=0.5, breaker_cooldown=0.2)
     base.update(settings)
     return SharedTier(client, SharedLayout("pfx/", "src", BS),  # type: ignore[arg-type]
-                      label="s3://cache/pfx/", settings=SharedSettings(**base))
+                      label="s3://cache/pfx/", settings=SharedSettings(**base), node=node)
 
 
 def run(fn: Callable[..., Any], *tiers: SharedTier) -> Any:
@@ -280,6 +280,33 @@ def test_lease_loser_gives_up_after_the_wait() -> None:
         assert await b.get(ref(1)) is None  # b waits 0.2 s, then goes to the origin
     timeouts = leases("lost_timeout")
     run(main, a, b)
+    assert leases("lost_timeout") == timeouts + 1
+
+
+def test_a_restarted_node_takes_over_its_own_leases_and_waits_for_others() -> None:
+    """A lease found taken is this node's own when it holds the node's identity (a run
+    before a restart): taken over at once (reclaimed), and no contention is seen; another
+    node's lease is still waited for."""
+    store = MemoryObjects()
+    before = tier(store, node="host:1111")
+    again, other = tier(store, node="host:1111"), tier(store, node="host:2222", lease_wait=0.2)
+
+    async def first_run() -> None:
+        assert await before.get(ref(0)) is None  # its lease; then it dies holding it
+        assert await before.get(ref(1)) is None
+        await trio.sleep(0.2)  # (the lease writes land)
+
+    async def second_run() -> None:
+        t0 = trio.current_time()
+        assert await again.get(ref(0)) is None
+        assert trio.current_time() - t0 < 0.2  # no lease wait (0.5 s here)
+        assert not again._contended()
+        assert await other.get(ref(1)) is None  # another node's lease: waited for
+
+    run(first_run, before)
+    reclaimed, timeouts = leases("reclaimed"), leases("lost_timeout")
+    run(second_run, again, other)
+    assert leases("reclaimed") == reclaimed + 1
     assert leases("lost_timeout") == timeouts + 1
 
 

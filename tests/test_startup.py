@@ -103,6 +103,25 @@ def test_a_cache_dir_open_to_others_is_tightened_with_one_log_line(tmp_path, cap
         assert stat.S_IMODE((cache / name).stat().st_mode) == 0o600
 
 
+def test_a_node_identity_is_made_once_per_cache_dir_and_kept(tmp_path, monkeypatch):
+    """The shared tier's node identity (what fetch leases hold) survives restarts on one
+    cache directory, differs between cache directories and between hosts, and is kept
+    private; an unreadable one is made anew."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        startup.prepare_cache_dir(d, 1 << 20)
+    first = startup.node_identity(a)
+    assert startup.node_identity(a) == first  # a restart: the same node
+    assert startup.node_identity(b) != first  # another daemon on this host
+    assert stat.S_IMODE((a / "node-id").stat().st_mode) == 0o600
+    assert sorted(p.name for p in a.iterdir()) == ["node-id"]  # no temporary left
+    monkeypatch.setattr(startup.socket, "gethostname", lambda: "other-host")
+    copied = startup.node_identity(a)  # the directory copied to another host
+    assert copied != first and copied.split(":")[1] == first.split(":")[1]
+    (a / "node-id").write_text("garbage")
+    assert startup.node_identity(a) not in (first, copied)
+
+
 def test_a_cache_dir_inside_a_file_is_one_clear_error(tmp_path):
     from cachefs.errors import CacheError
 

@@ -30,7 +30,12 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   (``PREFIX/leases/H/I.WINDOW``) with ``If-None-Match: *``. The winner fetches
   the block from the origin and publishes it; a node whose lease write gets
   412 polls the shared tier for up to ``lease_wait`` seconds and then fetches
-  from the origin itself. Lease keys change every ``lease_window`` seconds
+  from the origin itself. A lease holds its node's identity (``node``: made once
+  and kept in the node's cache directory, with the host's name, see
+  :func:`cachefs.startup.node_identity`), so a lease found taken is read once
+  (one small GET) and, when it is this node's own -- written before a crash
+  and restart on the same cache directory, or earlier in this run -- taken
+  over at once (``reclaimed``) instead of waited for. Lease keys change every ``lease_window`` seconds
   (wall clock), so a lease of a node that died expires without a delete (and
   costs at most one ``lease_wait`` per block before that: the node that gave up
   waiting fetches and publishes the block itself); a long window keeps leases
@@ -237,7 +242,7 @@ class SharedTier:
     name = "shared"
 
     def __init__(self, client: ObjectClient, layout: SharedLayout, *, label: str,
-                 settings: SharedSettings | None = None) -> None:
+                 settings: SharedSettings | None = None, node: str | None = None) -> None:
         self.client = client
         self.layout = layout
         self.label = label  # s3://bucket/prefix, for log lines and status
@@ -262,7 +267,9 @@ class SharedTier:
         self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
         self._announcing = 0
         self._nursery: trio.Nursery | None = None
-        self._node = f"{socket.gethostname()}:{os.getpid()}"
+        # What this node's leases hold: the same across its restarts (the daemon passes
+        # its cache directory's identity); without one, this run's alone.
+        self._node = node or f"{socket.gethostname()}:{os.urandom(8).hex()}"
         metrics.SHARED_ENABLED.set(1)
         metrics.SHARED_PUBLISH_ENABLED.set(1)
 
@@ -481,8 +488,8 @@ class SharedTier:
         return any(self._contention)
 
     async def _write_lease(self, lease: str) -> bool | None:
-        """One conditional lease write: True won, False another node holds it, None the
-        write failed (counted)."""
+        """One conditional lease write: True won (or this node's own already), False
+        another node holds it, None the write failed (counted)."""
         try:
             won = await self._call(self.settings.timeout, self.client.put, lease,
                                    self._node.encode(), if_none_match=True, op="lease")
@@ -491,10 +498,24 @@ class SharedTier:
             self._write_failed(exc)
             return None
         self._wrote()
+        if not won and await self._own_lease(lease):
+            metrics.SHARED_LEASES.labels("reclaimed").inc()
+            return True  # (no contention: no other node is fetching the block)
         self._contention.append(not won)
         if won:
             metrics.SHARED_LEASES.labels("won").inc()
         return won
+
+    async def _own_lease(self, lease: str) -> bool:
+        """Whether the lease found taken is this node's own (see the module docstring);
+        False when it cannot be read."""
+        try:
+            resp = await self._call(self.settings.timeout, self.client.get, lease)
+        except StoreError as exc:
+            self._failed(exc)
+            return False
+        self.breaker.success()
+        return resp is not None and resp.body == self._node.encode()
 
     async def _background_lease(self, lease: str, key: str, write: _LeaseWrite) -> None:
         """Write a lease whose miss may not wait for the answer (see _lease_or_wait)."""
