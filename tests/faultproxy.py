@@ -13,6 +13,8 @@ action:
 * ``truncate``    send the headers (full Content-Length) and half the body, then close
 * ``short``       send half the body with a Content-Length saying so
 * ``flip``        forward an object GET's body with 8 bytes flipped (same length)
+* ``no412``       answer a conditional PUT the upstream refused (412, an object is there)
+                  200, as a store that ignores ``If-None-Match`` does (it is not written)
 * ``relist``      answer a listing with its first page, said to be truncated, with the same
                   continuation token every time (a server bug: the listing never ends)
 
@@ -213,6 +215,8 @@ class FaultProxy:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                if action == "no412" and self.command == "PUT" and status == 412:
+                    status, headers, data = 200, [("ETag", '"0"')], b""
                 if action == "short" and data:
                     data = data[:len(data) // 2]
                 if (action == "flip" and data and self.command == "GET" and "?" not in self.path

@@ -782,3 +782,49 @@ def _read_quietly(path: Path) -> None:
         path.read_bytes()
     except OSError:  # its daemon is killed mid-read
         pass
+
+
+@pytest.mark.parametrize("honours", [True, False], ids=["honours", "ignores"])
+def test_the_tier_checked_again_once_it_answers_after_a_start_without_it(
+        bucket, tier, seaweed, mount_factory, honours):
+    """A node mounted while its tier did not answer checks the tier (access, and whether it
+    honours If-None-Match, which fetch leases need) once the tier answers: 'cachefs status'
+    says so, and on a store that ignores the header fetch leases go off (one log line)
+    instead of every miss writing a lease that always 'wins'."""
+    client, name = bucket
+    _, tname = tier
+    data = _dataset(client, name, files=6, seed=83)
+    with FaultProxy(seaweed.endpoint) as proxy:
+        proxy.set_down(True)
+        if not honours:
+            proxy.plan = lambda method, path, n: "no412"
+        m = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname),
+                          "--shared-cache-timeout", "2s")
+        _wait(lambda: "start-up check failed" in m.log(), what="the failed start-up check")
+
+        def shared() -> dict[str, Any]:
+            r = run_cachefs("status", str(m.path), "--json")
+            assert r.returncode == 0, r.stderr
+            return dict(json.loads(r.stdout)["shared"])
+
+        assert shared()["conditional_writes"] is None
+        proxy.set_down(False)
+        names = sorted(data)
+        i = 0
+
+        def checked() -> bool:
+            nonlocal i
+            if i < len(names):  # reads are what a node does; the tier answers them
+                assert (m.path / names[i]).read_bytes() == data[names[i]]
+                i += 1
+            return shared()["conditional_writes"] is not None
+
+        _wait(checked, timeout=60, what="the tier checked again")
+        state = shared()
+        assert state["conditional_writes"] is honours and state["leases"] is honours, state
+        for key in names:
+            assert (m.path / key).read_bytes() == data[key]
+        log = m.log()
+        assert log.count("ignores If-None-Match") == (0 if honours else 1), log
+        if honours:
+            assert "ready (conditional writes honoured, fetch leases on)" in log

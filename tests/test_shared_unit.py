@@ -361,6 +361,34 @@ def test_leases_are_off_when_the_store_ignores_if_none_match(caplog) -> None:
     assert any("ignores If-None-Match" in r.getMessage() for r in caplog.records)
 
 
+def test_a_failed_start_up_check_is_made_again_once_the_store_answers(caplog) -> None:
+    """A store down at start is checked again once it answers a request (not before a
+    cooldown); a store that answers but refuses the check's writes is checked again at
+    a doubling interval, not at each request it answers."""
+    down, refusing = MemoryObjects(honour_if_none_match=False), MemoryObjects()
+    a, b = tier(down, breaker_cooldown=0.2), tier(refusing, breaker_cooldown=0.2)
+    down.fail = EndpointUnreachable("refused")
+    refusing.fail_writes = AccessDenied("read-only credentials")
+
+    async def main() -> None:
+        await trio.sleep(0.1)
+        assert a.conditional_writes is None and b.conditional_writes is None
+        down.fail = None
+        await trio.sleep(0.4)  # (a's breaker cools down)
+        assert await a.get(ref(0)) is None  # answered: a checks again
+        await trio.sleep(0.3)
+        assert a.conditional_writes is False and not a.leases_on
+        for i in range(40):  # b's lookups are answered all along
+            assert await b.get(ref(i % 3)) is None
+            await trio.sleep(0.05)
+    run(main, a, b)
+    # ~2.8 s: checks at 0, 0.2, 0.6, 1.4, 3.0 s: again, but not once per answered lookup
+    # (40 of them), whatever the machine's load.
+    assert 3 <= refusing.counts["lease"] <= 6 and b.conditional_writes is None
+    assert sum("start-up check failed" in r.getMessage() for r in caplog.records) == 2
+    assert sum("ignores If-None-Match" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_failing_store_opens_the_breaker_and_lookups_stop(caplog) -> None:
     store = MemoryObjects()
     a = tier(store, breaker_cooldown=30.0)

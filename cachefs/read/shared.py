@@ -42,7 +42,14 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   taken at the end of one epoch valid while their blocks are published. At
   start the tier checks that the store honours ``If-None-Match`` (a second
   conditional write of one key must fail); if not, leases are off and it says
-  so once. A lease costs one in-region write per miss and pays off only when
+  so once. Until a check gets through, leases are taken as if it did (S3, S3
+  Express, SeaweedFS and MinIO do); a check that fails (the tier is down at
+  mount) is made again after the breaker's cooldown, doubled after each failure
+  up to ``PROBE_MAX``, and when the tier did not answer it, as soon as another
+  request to the tier is answered but never within a cooldown of the last
+  check: a node mounted while its tier was down checks it once it is back,
+  with at most one check (three small requests) per cooldown, not per request.
+  A lease costs one in-region write per miss and pays off only when
   another node misses the same block at the same moment, which disjoint
   readers (DistributedSampler) never do. So a miss first writes its lease in
   the background and fetches at once (nodes that miss the block a moment later
@@ -125,6 +132,7 @@ MAX_ANNOUNCING = 64  # lease writes in flight in the background, at most
 LEASE_GRACE = 0.1  # without contention, a miss waits this share of the budget for its lease
 POLL_FIRST, POLL_MAX = 0.05, 0.4  # a lease loser's polls: backoff from, up to (s)
 WITHDRAW_ATTEMPTS = 4  # deletes of a withdrawn block tried, 1 s apart
+PROBE_MAX = 60.0  # longest wait between start-up checks while they fail (s)
 
 T = TypeVar("T")
 
@@ -267,6 +275,8 @@ class SharedTier:
         self._contention: deque[bool] = deque(maxlen=LEASE_HISTORY)
         self._announcing = 0
         self._nursery: trio.Nursery | None = None
+        # Set when the tier answers a request, while a failed start-up check waits for it.
+        self._answered: trio.Event | None = None
         # What this node's leases hold: the same across its restarts (the daemon passes
         # its cache directory's identity); without one, this run's alone.
         self._node = node or f"{socket.gethostname()}:{os.urandom(8).hex()}"
@@ -383,6 +393,13 @@ class SharedTier:
                                                  limiter=self._limiter)
         raise BudgetExceeded(f"no answer within {budget * HARD_LIMIT:g}s")
 
+    def _answer_seen(self) -> None:
+        """A request to the tier was answered: the breaker closes, a failed start-up
+        check waiting for an answer may go again (see :meth:`_probe`)."""
+        self.breaker.success()
+        if self._answered is not None:
+            self._answered.set()
+
     def _failed(self, exc: StoreError) -> None:
         self._last_error = str(exc)
         self.breaker.failure(str(exc))
@@ -418,14 +435,15 @@ class SharedTier:
 
     def _wrote(self) -> None:
         """A write succeeded: the store takes writes (again)."""
-        self.breaker.success()
+        self._answer_seen()
         if self._throttled >= self.settings.breaker_threshold:
             log.info("shared cache tier %s takes writes again: publishing", self.label)
         self._throttled = 0
         self._throttle_pause = self.settings.breaker_cooldown
 
-    def _write_failed(self, exc: StoreError) -> None:
-        """A write failed: refusals stop publishing for a while, the rest feed the breaker."""
+    def _write_failed(self, exc: StoreError) -> bool:
+        """A write failed: refusals stop publishing for a while, the rest feed the breaker.
+        Returns whether the store answered it (a refusal, a throttle, a server error)."""
         self._last_error = str(exc)
         refused = isinstance(exc, (AccessDenied, CredentialsError)) or (
             not isinstance(exc, TransientStoreError))
@@ -433,14 +451,15 @@ class SharedTier:
             if isinstance(exc, TransientStoreError) and exc.reason in ("throttled",
                                                                        "server_error"):
                 self._write_throttled(exc)  # answered: nothing to say of reads
-            else:
-                self._failed(exc)
-            return
+                return True
+            self._failed(exc)
+            return False
         if not self._publish_off_until:
             log.warning("shared cache tier %s refuses writes (%s): not publishing for %.0fs; "
                         "reads from it go on", self.label, exc, PUBLISH_RETRY)
             metrics.SHARED_PUBLISH_ENABLED.set(0)
         self._publish_off_until = time.monotonic() + PUBLISH_RETRY
+        return True
 
     def _write_throttled(self, exc: StoreError) -> None:
         """A write answered with a throttle or a server error: pause publishing after
@@ -468,7 +487,7 @@ class SharedTier:
             metrics.SHARED_LOOKUPS.labels("error").inc()
             self._failed(exc)
             return None, "error"
-        self.breaker.success()
+        self._answer_seen()
         if resp is None:
             metrics.SHARED_LOOKUPS.labels("miss").inc()
             return None, "miss"
@@ -514,7 +533,7 @@ class SharedTier:
         except StoreError as exc:
             self._failed(exc)
             return False
-        self.breaker.success()
+        self._answer_seen()
         return resp is not None and resp.body == self._node.encode()
 
     async def _background_lease(self, lease: str, key: str, write: _LeaseWrite) -> None:
@@ -638,7 +657,7 @@ class SharedTier:
         except StoreError as exc:
             self._failed(exc)
             return False
-        self.breaker.success()
+        self._answer_seen()
         if headers is not None and self.layout.check_headers(ref, headers) is None:
             return True
         data = await read_local()
@@ -660,7 +679,33 @@ class SharedTier:
 
     # -- start-up ---------------------------------------------------------------------------
     async def _probe(self) -> None:
-        """Check access and whether the store honours If-None-Match (leases need it)."""
+        """Check the tier until a check gets through (see the module docstring for when
+        a failed one is made again). One warning for the first failure, one line for
+        the outcome."""
+        cooldown = self.settings.breaker_cooldown
+        delay = cooldown
+        failures = 0
+        while True:
+            failed = await self._check(failures)
+            if failed is None:
+                return
+            failures += 1
+            answered = self._write_failed(failed)
+            self._answered = trio.Event()
+            try:
+                await trio.sleep(cooldown)  # never more often than this
+                with trio.move_on_after(max(0.0, delay - cooldown)):
+                    if answered:  # refused or throttled: the full wait
+                        await trio.sleep_forever()
+                    else:  # it did not answer: again once the tier answers a request
+                        await self._answered.wait()
+            finally:
+                self._answered = None
+            delay = min(PROBE_MAX, delay * 2)
+
+    async def _check(self, failures: int) -> StoreError | None:
+        """Check access and whether the store honours If-None-Match (leases need it);
+        the error when the check failed (the caller counts it), else None."""
         key = f"{self.layout.prefix}leases/probe-{self._node}-{os.urandom(4).hex()}"
         try:
             first = await self._call(self.settings.timeout * 5, self.client.put, key, b"1",
@@ -669,10 +714,13 @@ class SharedTier:
                                       if_none_match=True, op="lease")
             await self._call(self.settings.timeout * 5, self.client.delete, key)
         except StoreError as exc:
-            log.warning("shared cache tier %s: start-up check failed (%s); reads go to the "
-                        "origin while it fails", self.label, exc)
-            self._write_failed(exc)
-            return
+            if not failures:
+                log.warning("shared cache tier %s: start-up check failed (%s); reads go to "
+                            "the origin while it fails, and it is checked again once it "
+                            "answers", self.label, exc)
+            else:
+                log.debug("shared cache tier %s: check failed again (%s)", self.label, exc)
+            return exc
         self._wrote()
         self.conditional_writes = first and not second
         if not self.conditional_writes:
@@ -684,3 +732,4 @@ class SharedTier:
             log.info("shared cache tier %s at %s ready (conditional writes honoured, fetch "
                      "leases %s)", self.label, self.client.endpoint,
                      "on" if self.leases_on else "off")
+        return None
