@@ -233,6 +233,11 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
                   f"won {leases.get('won', 0)}, waited {leases.get('lost_served', 0)}")
             if sh.get("why"):  # (the breaker open or publishing off: the tier's answer)
                 print(f"          {sh['why']}")
+            if sh.get("leases") is False:  # (the cluster's one copy per block is not kept)
+                why = ("the tier does not honour conditional writes (If-None-Match)"
+                       if sh.get("conditional_writes") is False else "turned off")
+                print(f"          fetch leases off: {why}; nodes that miss a block at "
+                      "the same moment each fetch it from the origin")
         if r["sweep_files"] or r["sweep_stops_by_reason"]:
             stops = ", ".join(f"{k} {v}" for k, v in sorted(r["sweep_stops_by_reason"].items()))
             print(f"  sweep   {r['sweep_files']} files ({format_size(r['sweep_bytes'])}) fetched "
