@@ -50,6 +50,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
@@ -236,7 +237,11 @@ class FileSystem:
         self.backing = backing
         self.root_prefix = root_prefix
         self.max_readahead = max_readahead
-        self._root = Node(ROOT_INODE, True, root_prefix, "", b"")
+        # Directories' modification time: S3 keeps none for a prefix, and 0 (1970) made
+        # `ls -l`, `find -newer` and backup tools see every folder as 56 years old; the
+        # time this mount started, as Mountpoint for S3 shows.
+        self.dirs_mtime = time.time()
+        self._root = Node(ROOT_INODE, True, root_prefix, "", b"", mtime=self.dirs_mtime)
         self._dirs: dict[int, Node] = {}
         self._dirs_lock = threading.Lock()
         #: Runs ``fn(*args)`` on the trio thread soon (the request server sets it; the
@@ -273,7 +278,8 @@ class FileSystem:
     def _node_for(self, parent_prefix: str, entry: Entry) -> Node:
         name = entry.name.decode("utf-8", "surrogateescape")
         if entry.is_dir:
-            return Node(entry.ino, True, parent_prefix + name + "/", parent_prefix, entry.name)
+            return Node(entry.ino, True, parent_prefix + name + "/", parent_prefix, entry.name,
+                        mtime=self.dirs_mtime)
         return Node(entry.ino, False, parent_prefix + name, parent_prefix, entry.name,
                     entry.size, entry.mtime, entry.etag)
 

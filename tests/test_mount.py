@@ -7,6 +7,7 @@ import hashlib
 import os
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,21 @@ def test_tree_and_bytes_match_the_bucket(bucket, mount_factory):
     st = (m.path / "train").stat()
     assert oct(st.st_mode & 0o777) == oct(0o555)
     assert oct((m.path / "empty.bin").stat().st_mode & 0o777) == oct(0o444)
+
+
+def test_directories_show_the_mount_s_start_as_their_modification_time(bucket, mount_factory):
+    """S3 keeps no time for a prefix: directories showed 0, 1 January 1970, to `ls -l`,
+    `find -newer` and backup tools. They show the time the mount started (as Mountpoint
+    for S3 does); files keep their objects' LastModified."""
+    client, name = bucket
+    client.put_object(Bucket=name, Key="d/e/a.bin", Body=b"a")
+    before = time.time()
+    m = mount_factory(f"s3://{name}")
+    after = time.time()
+    for d in (m.path, m.path / "d", m.path / "d" / "e"):
+        assert before - 1 <= d.stat().st_mtime <= after + 1, d
+    head = client.head_object(Bucket=name, Key="d/e/a.bin")["LastModified"].timestamp()
+    assert abs((m.path / "d" / "e" / "a.bin").stat().st_mtime - head) < 1
 
 
 @pytest.mark.parametrize("prefix", ["données/été", "データ", "a,b", "x\\y,z=w%41"])
