@@ -15,6 +15,7 @@ import trio
 
 from cachefs import metrics
 from cachefs.errors import AccessDenied, EndpointUnreachable, StoreError, TransientStoreError
+from cachefs.read import shared
 from cachefs.read.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.publishq import Publish, PublishQueue
@@ -449,6 +450,43 @@ def test_refused_writes_stop_publishing_but_not_reads(caplog) -> None:
     assert a.breaker.state == CLOSED
     assert store.counts["lease"] == 2  # only the start-up probe's
     assert any("refuses writes" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tier_that_keeps_refusing_writes_is_logged_once_and_taking_them_again_once(
+        caplog, monkeypatch) -> None:
+    """A node with read-only credentials: its writes are refused at every retry of
+    publishing. It logged "publishing again" and "refuses writes" at each retry, every 5
+    minutes for its whole life, where one line was promised. Now: one warning at the first
+    refusal, nothing at the retries it refuses, one line when a write is taken again."""
+    monkeypatch.setattr(shared, "PUBLISH_RETRY", 0.05)
+    caplog.set_level(logging.INFO, "cachefs.read.shared")
+    store = MemoryObjects()
+    a = tier(store)
+
+    def lines(text: str) -> int:
+        return sum(text in r.getMessage() for r in caplog.records)
+
+    async def main() -> None:
+        await trio.sleep(0.1)
+        store.fail = AccessDenied("read-only credentials")
+        for i in range(6):  # six retries, every one refused
+            await a.put(ref(i), block(i))
+            await a.drain()
+            assert not a.can_publish()
+            await trio.sleep(0.06)
+            assert a.can_publish()  # (the retry is due)
+        await a.put(ref(6), block(6))
+        await a.drain()
+        assert lines("refuses writes") == 1
+        assert lines("takes writes again") == lines("publishing to the shared cache") == 0
+        assert metrics.REGISTRY.get_sample_value("cachefs_shared_publish_enabled") == 0
+        store.fail = None
+        await trio.sleep(0.06)
+        await a.put(ref(7), block(7))
+        await a.drain()
+        assert lines("takes writes again") == 1
+        assert metrics.REGISTRY.get_sample_value("cachefs_shared_publish_enabled") == 1
+    run(main, a)
 
 
 def test_throttled_writes_pause_publishing_and_leave_reads_alone(caplog) -> None:

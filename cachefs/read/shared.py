@@ -265,6 +265,10 @@ class SharedTier:
         self._leased = _Keys(s.remembered_keys)  # this node holds the fetch lease
         self._withdrawn = _Keys(s.remembered_keys)  # failed a check: never served from here
         self._publish_off_until = 0.0  # monotonic; publishing refused until then
+        # Writes were refused, and none has been taken since: a refusal at the retry is
+        # not logged again, the first write taken is (a node with read-only credentials
+        # logged two lines every PUBLISH_RETRY for its whole life)
+        self._refusing = False
         # Writes answered with a throttle or a server error, in a row; publishing paused
         # until (monotonic) while they go on; the next pause's length.
         self._throttled = 0
@@ -421,9 +425,8 @@ class SharedTier:
         if self.breaker.is_open:
             return False
         if self._publish_off_until and time.monotonic() >= self._publish_off_until:
-            self._publish_off_until = 0.0
+            self._publish_off_until = 0.0  # a trial: the next write tells (see _wrote)
             metrics.SHARED_PUBLISH_ENABLED.set(1)
-            log.info("publishing to the shared cache tier %s again", self.label)
         if self._publish_off_until:
             return False
         if self._throttled_until:
@@ -436,6 +439,9 @@ class SharedTier:
     def _wrote(self) -> None:
         """A write succeeded: the store takes writes (again)."""
         self._answer_seen()
+        if self._refusing:
+            self._refusing = False
+            log.info("shared cache tier %s takes writes again: publishing", self.label)
         if self._throttled >= self.settings.breaker_threshold:
             log.info("shared cache tier %s takes writes again: publishing", self.label)
         self._throttled = 0
@@ -454,10 +460,12 @@ class SharedTier:
                 return True
             self._failed(exc)
             return False
-        if not self._publish_off_until:
-            log.warning("shared cache tier %s refuses writes (%s): not publishing for %.0fs; "
-                        "reads from it go on", self.label, exc, PUBLISH_RETRY)
-            metrics.SHARED_PUBLISH_ENABLED.set(0)
+        if not self._publish_off_until and not self._refusing:
+            log.warning("shared cache tier %s refuses writes (%s): not publishing, tried "
+                        "again every %.0fs; reads from it go on", self.label, exc,
+                        PUBLISH_RETRY)
+        metrics.SHARED_PUBLISH_ENABLED.set(0)
+        self._refusing = True
         self._publish_off_until = time.monotonic() + PUBLISH_RETRY
         return True
 
