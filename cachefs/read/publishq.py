@@ -37,6 +37,10 @@ class Publish:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     stored: bool = False  # outcome: the block is in the shared tier (written or present)
     withdrawn: bool = False  # its bytes failed a check: not to be written, or deleted again
+    # Why its last write did not store it (SharedTier._publish): "throttled" (the store
+    # answered 503/500, or publishing is paused for that), "refused", "failed" (no answer)
+    # or "unavailable" (the breaker open, publishing off); "" before any failure
+    failure: str = ""
 
 
 class PublishQueue:

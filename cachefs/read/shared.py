@@ -614,9 +614,12 @@ class SharedTier:
                 self.queue.finish(item, stored)
 
     async def _publish(self, item: Publish) -> bool:
-        """Write one block; True when it is in the tier afterwards."""
+        """Write one block; True when it is in the tier afterwards (else why not is in
+        ``item.failure``: this write's own outcome, which concurrent writes do not change)."""
         if not self.can_publish() or not self.breaker.allow():
             metrics.SHARED_PUBLISHES.labels("dropped_unavailable").inc()
+            item.failure = ("throttled" if self._throttled_until and not self.breaker.is_open
+                            and not self._publish_off_until else "unavailable")
             return False
         try:
             new = await self._call(
@@ -626,7 +629,10 @@ class SharedTier:
         except StoreError as exc:
             metrics.SHARED_PUBLISHES.labels("failed").inc()
             log.debug("publishing %s failed: %s", item.key, exc)
-            self._write_failed(exc)
+            answered = self._write_failed(exc)
+            item.failure = ("throttled" if isinstance(exc, TransientStoreError)
+                            and exc.reason in ("throttled", "server_error")
+                            else "refused" if answered else "failed")
             return False
         self._wrote()
         metrics.SHARED_PUBLISHES.labels("stored" if new else "present").inc()
@@ -678,7 +684,9 @@ class SharedTier:
                 await trio.sleep(min(THROTTLE_MAX, max(paused, WARM_RETRY_FIRST * 2 ** (attempt - 1))))
             if await self._publish(item):
                 return True
-            if not self._throttled or self._publish_off_until or self.breaker.is_open:
+            # (this write's own outcome: another worker's write that succeeded meanwhile
+            # ends the tier's count of throttled writes, not this block's need to wait)
+            if item.failure != "throttled":
                 return False  # refused or failing, not throttled: no point waiting
         return False
 
