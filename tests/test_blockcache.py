@@ -793,3 +793,33 @@ def test_a_cache_over_its_capacity_is_trimmed_least_recently_used_first(  # type
     c.cache.unpin(oid)
     assert c.allocated() == 5 * UNIT
     assert c.cache.trim_to_capacity() == 0
+
+
+def test_used_bytes_are_the_last_index_write_s_when_two_threads_report_out_of_order(
+        make_cache) -> None:  # type: ignore[no-untyped-def]
+    """Two puts on two threads: the first commits its index write, the second commits
+    after it but reports its used bytes first. The cache took each thread's count as it
+    came, so the first thread's, older, stood: a full mount's cachefs_cache_used_bytes was
+    one block short of what its files took for good (a CI run of the tiny-files cache test
+    waited 60 s for it), and a full keep cache's admission counted from a stale figure."""
+    c = make_cache(capacity=8 * BLOCK)
+    b1, b2 = tiny_bid(1), tiny_bid(2)
+    committed, reported = threading.Event(), threading.Event()
+    put = c.cache.index.put
+
+    def held_put(bid, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = put(bid, *args, **kwargs)  # (committed)
+        if bid == b1:
+            committed.set()
+            reported.wait(10)  # ... and reported after the second put's report
+        return result
+
+    c.cache.index.put = held_put  # type: ignore[method-assign]
+    first = threading.Thread(target=c.cache.put_sync, args=(b1, data(1, 100)))
+    first.start()
+    assert committed.wait(10)
+    assert c.cache.put_sync(b2, data(2, 100))
+    reported.set()
+    first.join()
+    assert c.cache.used == c.cache.index.totals()[0] == 2 * c.cache.charge(100)
+    assert metrics.REGISTRY.get_sample_value("cachefs_cache_used_bytes") == c.cache.used

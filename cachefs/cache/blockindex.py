@@ -36,6 +36,7 @@ orders index writes against file writes and releases.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import time
@@ -65,16 +66,18 @@ Entry = tuple[int, int]
 
 class PutResult:
     """What :meth:`BlockIndex.put` did: whether the block was admitted, the blocks it
-    evicted (id, length), the disk space they were charged, and the used bytes after it."""
+    evicted (id, length), the disk space they were charged, and the used bytes after it,
+    with the order of the write that stored them (see :meth:`BlockIndex.next_order`)."""
 
-    __slots__ = ("admitted", "evicted", "evicted_bytes", "used")
+    __slots__ = ("admitted", "evicted", "evicted_bytes", "order", "used")
 
     def __init__(self, admitted: bool, evicted: list[tuple[bytes, int]], evicted_bytes: int,
-                 used: int | None) -> None:
+                 used: int | None, order: int = 0) -> None:
         self.admitted = admitted
         self.evicted = evicted
         self.evicted_bytes = evicted_bytes
         self.used = used
+        self.order = order
 
 
 class BlockIndex:
@@ -85,6 +88,7 @@ class BlockIndex:
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}")
         self._env = env
+        self._orders = itertools.count(1)
         self._blocks_db = env.db("blocks")
         self._lru_db = env.db("lru")
         self._meta_db = env.db("meta")
@@ -233,13 +237,22 @@ class BlockIndex:
                     # the evictions already made stand).
                     txn.put(_USED_KEY, str(used - freed).encode(), db=self._meta_db)
                     metrics.CACHE_ADMISSION_REJECTS.inc()
-                    return PutResult(False, evicted, freed, used - freed)
+                    return PutResult(False, evicted, freed, used - freed, self.next_order())
                 used -= freed
             txn.put(bid, _BLOCK.pack(length, digest, now), db=self._blocks_db)
             txn.put(_LRU_TIME.pack(now) + bid, b"", db=self._lru_db)
             used += cost
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
-        return PutResult(True, evicted, freed, used)
+            order = self.next_order()
+        return PutResult(True, evicted, freed, used, order)
+
+    def next_order(self) -> int:
+        """The order of a write of the used bytes, taken inside its write transaction:
+        LMDB runs one write transaction at a time, so these orders are the order of the
+        commits. Threads that committed one after the other may publish the used bytes
+        each read in the other order; the cache keeps the latest write's (see
+        :meth:`cachefs.cache.blocks.BlockCache._account`)."""
+        return next(self._orders)
 
     def trim(self, need: int, is_pinned: Callable[[bytes], bool],
              is_unread: Callable[[bytes], bool] | None = None) -> PutResult:
@@ -254,7 +267,8 @@ class BlockIndex:
                 return PutResult(False, [], 0, None)
             used = max(0, _int(txn.get(_USED_KEY, db=self._meta_db)) - freed)
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
-        return PutResult(False, evicted, freed, used)
+            order = self.next_order()
+        return PutResult(False, evicted, freed, used, order)
 
     def _evict_lru(self, txn: object, need: int, is_pinned: Callable[[bytes], bool],
                    is_unread: Callable[[bytes], bool] | None, now: float
@@ -299,10 +313,11 @@ class BlockIndex:
         return evicted, freed
 
     def remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None
-               ) -> tuple[list[tuple[bytes, int]], int]:
+               ) -> tuple[list[tuple[bytes, int]], int, int]:
         """Drop blocks from the index; returns (the blocks dropped with their lengths,
-        used bytes after: less their charges). With ``expect``, a block is dropped only
-        while it is still indexed as that (length, checksum)."""
+        used bytes after: less their charges, the order of this write: next_order). With
+        ``expect``, a block is dropped only while it is still indexed as that (length,
+        checksum)."""
         removed: list[tuple[bytes, int]] = []
         with self._env.write() as txn:
             used = _int(txn.get(_USED_KEY, db=self._meta_db))
@@ -318,7 +333,8 @@ class BlockIndex:
                 removed.append((bid, length))
             used = max(0, used - sum(self.charge(n) for _, n in removed))
             txn.put(_USED_KEY, str(used).encode(), db=self._meta_db)
-        return removed, used
+            order = self.next_order()
+        return removed, used, order
 
     def flush_touches(self, touched: dict[bytes, float]) -> None:
         """Write last-use times in one transaction."""

@@ -102,7 +102,7 @@ Locks, in the only order they may be taken:
    A thread holds at most one object lock.
 2. the LMDB write transaction (one writer at a time); it may be opened while an
    object lock is held, never the other way round.
-3. ``_lock``: guards ``_used``, ``_count``, ``_pinned``, ``_yielding``, ``_deferred``,
+3. ``_lock``: guards ``_used`` (and ``_used_order``), ``_count``, ``_pinned``, ``_yielding``, ``_deferred``,
    ``_touched`` and ``_written`` (which is changed, and read for a trust
    decision, only while the object's lock is held too); held only for a
    few dict operations, taken last.
@@ -194,6 +194,7 @@ class BlockCache:
         self.index.adopt_layout()
         self.index.adopt_accounting()  # (used bytes of an earlier version summed lengths)
         self._used, self._count = self.index.totals()
+        self._used_order = 0  # the index write whose used bytes _used is (see _account)
         metrics.CACHE_CAPACITY_BYTES.set(capacity)
         self._publish()
 
@@ -578,7 +579,8 @@ class BlockCache:
         result: PutResult = self.index.put(bid, length, digest, self._is_pinned, self.is_unread)
         if result.used is not None:
             delta = (1 if result.admitted else 0) - len(result.evicted)
-            self._account(result.used, delta, result.evicted_bytes, len(result.evicted))
+            self._account(result.used, result.order, delta, result.evicted_bytes,
+                          len(result.evicted))
         return result.admitted, result.evicted
 
     def trim_to_capacity(self, batch: int = TRIM_BATCH) -> int:
@@ -595,7 +597,7 @@ class BlockCache:
                                      self.is_unread)
             if result.used is None:
                 break  # only pinned blocks are left: their objects are in use
-            self._account(result.used, -len(result.evicted), result.evicted_bytes,
+            self._account(result.used, result.order, -len(result.evicted), result.evicted_bytes,
                           len(result.evicted))
             self._release_blocks(result.evicted)
             freed += result.evicted_bytes
@@ -603,9 +605,16 @@ class BlockCache:
             self.release_deferred()
         return freed
 
-    def _account(self, used: int, count_delta: int, evicted_bytes: int, evicted: int) -> None:
+    def _account(self, used: int, order: int, count_delta: int, evicted_bytes: int,
+                 evicted: int) -> None:
+        """Take the used bytes a write of the index left (``order``: its commit's, see
+        :meth:`BlockIndex.next_order`) unless a later write's are taken already: two puts
+        committed one after the other on two threads may get here in the other order,
+        and the earlier's count then stood (the cache's used bytes one block short, or
+        over, until the next write: a full ``keep`` cache turned blocks away that fit)."""
         with self._lock:
-            self._used = used
+            if order > self._used_order:
+                self._used, self._used_order = used, order
             self._count += count_delta
         if evicted:
             metrics.CACHE_EVICTIONS.inc(evicted)
@@ -615,9 +624,10 @@ class BlockCache:
     def _remove(self, bids: list[bytes], expect: dict[bytes, Entry] | None = None) -> None:
         """Drop blocks from the index, then their bytes (worker threads). With ``expect``,
         a block is dropped only while it is still indexed as that (length, checksum)."""
-        removed, used = self.index.remove(bids, expect)
+        removed, used, order = self.index.remove(bids, expect)
         with self._lock:
-            self._used = used
+            if order > self._used_order:
+                self._used, self._used_order = used, order
             self._count -= len(removed)
         self._publish()
         self._release_blocks(removed)
