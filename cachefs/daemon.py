@@ -631,8 +631,8 @@ class Daemon:
         the entry and the socket are the new mount's to make (this daemon's snapshots
         overwrote its entry, and its end removed both).
         """
-        device = await trio.to_thread.run_sync(registry.mount_device, self.cfg.mountpoint)
-        if device is None:
+        device = self._dev  # (found once the mount was made)
+        if not device:
             return
         while await trio.to_thread.run_sync(_device_mounted, device):
             await trio.sleep(UNMOUNT_POLL)

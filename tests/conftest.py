@@ -390,3 +390,36 @@ async def running(*services: Any) -> AsyncIterator[None]:
                 await service.drain()
         finally:
             nursery.cancel_scope.cancel()
+
+
+class DaemonHolds:
+    """Failpoints of a daemon under test (cachefs.failpoints), held, released and made to
+    raise through files in :attr:`dir`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def hold(self, name: str, *, forget: bool = False) -> None:
+        """Hold the threads that reach ``name``; ``forget``: a reach before this does not
+        count for :meth:`wait`."""
+        if forget:
+            (self.dir / f"{name}.reached").unlink(missing_ok=True)
+        (self.dir / f"{name}.hold").touch()
+
+    def wait(self, name: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.dir / f"{name}.reached").exists():
+            assert time.monotonic() < deadline, f"the daemon did not reach {name}"
+            time.sleep(0.01)
+
+    def release(self, name: str) -> None:
+        (self.dir / f"{name}.hold").unlink(missing_ok=True)
+
+
+def daemon_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *names: str) -> DaemonHolds:
+    """Arm failpoints ``names`` in the daemons this test starts from now on."""
+    d = tmp_path / "failpoints"
+    d.mkdir()
+    monkeypatch.setenv("CACHEFS_FAILPOINTS", ",".join(names))
+    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(d))
+    return DaemonHolds(d)

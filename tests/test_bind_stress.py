@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 
 from cachefs import passthrough as passthrough_mod
+from cachefs.control import registry
 from cachefs.fuse import native
-from tests.conftest import is_mounted, run_cachefs
+from tests.conftest import daemon_holds, is_mounted, run_cachefs
 
 pytestmark = [
     pytest.mark.fuse,
@@ -288,10 +289,7 @@ def test_a_read_of_a_handle_being_bound_does_not_bind_it_again(
     must not bind it again (a second use, which its one release never lets go of: the
     registration stays used and pinned for good, and with the kernel's passthrough the
     file stays registered with the loop too). It is answered, by Python."""
-    holds = tmp_path / "failpoints"
-    holds.mkdir()
-    monkeypatch.setenv("CACHEFS_FAILPOINTS", "upgrade.bound")
-    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(holds))
+    holds = daemon_holds(tmp_path, monkeypatch, "upgrade.bound").dir
     client, name = bucket
     data = _data(8, 4 * MiB + 55)
     client.put_object(Bucket=name, Key="rows.arrow", Body=data)
@@ -343,10 +341,7 @@ def test_a_bind_beside_the_kernel_that_fails_is_undone_and_its_read_answered(
     undone, a later READ binds the handle, and nothing is left once it is closed."""
     if not passthrough_mod.supported():
         pytest.skip("FUSE passthrough needs Linux >= 6.9")
-    holds = tmp_path / "failpoints"
-    holds.mkdir()
-    monkeypatch.setenv("CACHEFS_FAILPOINTS", "beside.registered")
-    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(holds))
+    holds = daemon_holds(tmp_path, monkeypatch, "beside.registered").dir
     client, name = bucket
     data = _data(9, 3 * MiB + 99)
     client.put_object(Bucket=name, Key="rows.arrow", Body=data)
@@ -449,17 +444,9 @@ def test_a_daemon_detached_while_bound_handles_read_ends_cleanly(
             t.join()
         for fd in fds:
             os.close(fd)
-    assert _wait_for(lambda: not _alive(pid), 30), "the daemon did not end"
+    assert _wait_for(lambda: not registry.pid_alive(pid), 30), "the daemon did not end"
     log = m.log()
     assert "Traceback" not in log, log[-6000:]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -483,7 +470,7 @@ def test_a_daemon_stopped_while_a_bound_handle_is_open_ends_cleanly(
         assert _wait_for(lambda: _check_pread(fds[0], data, rng) is None
                          and m.metric("cachefs_passthrough_upgraded_total") >= 1)
         os.kill(pid, signal.SIGTERM)
-        assert _wait_for(lambda: not _alive(pid), 30), "the daemon did not end"
+        assert _wait_for(lambda: not registry.pid_alive(pid), 30), "the daemon did not end"
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):  # (ENOTCONN: the connection is gone)

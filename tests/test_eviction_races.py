@@ -30,6 +30,7 @@ from cachefs import failpoints, metrics
 from cachefs.cache.blocks import BlockCache, block_id, object_id
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.passthrough import supported as passthrough_supported
+from tests.conftest import DaemonHolds, daemon_holds
 from tests.conftest import drop_page_cache as _drop_page_cache
 
 BLOCK = 4096
@@ -252,35 +253,12 @@ def test_touches_from_any_thread_never_race_their_flush(tmp_path: Path) -> None:
 MNT_BLOCK = 64 * 1024
 
 
-class DaemonHolds:
-    """Failpoints of a daemon under test, held and released through files."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-
-    def hold(self, name: str) -> None:
-        (self.dir / f"{name}.hold").touch()
-
-    def wait(self, name: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while not (self.dir / f"{name}.reached").exists():
-            assert time.monotonic() < deadline, f"the daemon did not reach {name}"
-            time.sleep(0.01)
-
-    def release(self, name: str) -> None:
-        (self.dir / f"{name}.hold").unlink(missing_ok=True)
-
-
 @pytest.fixture
 def holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonHolds]:
-    d = tmp_path / "failpoints"
-    d.mkdir()
-    monkeypatch.setenv("CACHEFS_FAILPOINTS",
-                       "put.index,evict.chosen,read.indexed,attach.start,attach.verified")
-    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(d))
-    h = DaemonHolds(d)
+    h = daemon_holds(tmp_path, monkeypatch, "put.index", "evict.chosen", "read.indexed",
+                     "attach.start", "attach.verified")
     yield h
-    for f in d.glob("*.hold"):
+    for f in h.dir.glob("*.hold"):
         f.unlink()
 
 

@@ -31,8 +31,9 @@ from typing import Any
 import pytest
 
 from cachefs import passthrough
+from cachefs.control import registry
 from cachefs.fuse import native
-from tests.conftest import is_mounted, run_cachefs
+from tests.conftest import daemon_holds, is_mounted, run_cachefs
 from tests.versiontags import UNIT, VersionTags
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
@@ -43,6 +44,7 @@ FILLERS = 6  # filler files, fill/g{j}.bin, 5 blocks each: more than the cache h
 CACHE = 2 << 20
 VERIFIED = 'cachefs_passthrough_read_backs_total{outcome="verified"}'
 GONE = 'cachefs_passthrough_read_backs_total{outcome="gone"}'
+POINT = "readback.block"  # (the read-back held at a block)
 FAILED = 'cachefs_passthrough_read_backs_total{outcome="failed"}'
 
 
@@ -137,32 +139,6 @@ def _daemon_pid(mp: Path) -> int:
     return int(json.loads(proc.stdout)["pid"])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-class Hold:
-    """The failpoint ``readback.block`` of the mount's daemon (through files)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.hold = directory / "readback.block.hold"
-        self.reached = directory / "readback.block.reached"
-
-    def arm(self) -> None:
-        self.reached.unlink(missing_ok=True)
-        self.hold.touch()
-
-    def wait(self) -> None:
-        _wait(self.reached.exists, message="no read-back reached a block")
-
-    def release(self) -> None:
-        self.hold.unlink(missing_ok=True)
-
-
 def _checked(m: Any) -> dict[str, float]:
     """The daemon's counters say nothing was found corrupt and no read-back failed."""
     metrics = m.metrics()
@@ -195,12 +171,8 @@ def test_a_read_back_under_eviction_a_new_version_and_a_stop(
         client.put_object(Bucket=name, Key=f"big/f{f}.bin", Body=tagged(1, f))
     for j in range(FILLERS):
         client.put_object(Bucket=name, Key=f"fill/g{j}.bin", Body=_filler(j))
-    holds = tmp_path / "failpoints"
-    holds.mkdir()
     monkeypatch.setenv("CACHEFS_TEST_MAX_OBJECT_BYTES", str(4 * BLOCK))
-    monkeypatch.setenv("CACHEFS_FAILPOINTS", "readback.block")
-    monkeypatch.setenv("CACHEFS_FAILPOINT_DIR", str(holds))
-    hold = Hold(holds)
+    holds = daemon_holds(tmp_path, monkeypatch, POINT)
     m = mount_factory(f"s3://{name}", "--block-size", "64K", "--cache-size", str(CACHE),
                       "--cache-policy", "lru", "--metadata-ttl", "1s",
                       *(["--passthrough", "off"] if reader == "native" else []))
@@ -208,12 +180,12 @@ def test_a_read_back_under_eviction_a_new_version_and_a_stop(
 
     # 1. Blocks evicted under the read-back: the cache filled with the filler files.
     _restart_with_large_files_cached(m)
-    hold.arm()
+    holds.hold(POINT, forget=True)
     readers = Readers(m.path)
-    hold.wait()  # (a reader's open queued a large file; its read-back is held)
+    holds.wait(POINT, timeout=60)  # (a reader's open queued a large file; its read-back is held)
     for j in list(range(FILLERS)) * 2:
         assert _read_whole(m.path / "fill" / f"g{j}.bin", True) == _filler(j)
-    hold.release()
+    holds.release(POINT)
     _wait(lambda: m.metric(GONE) + m.metric(VERIFIED) >= 1)
     time.sleep(1)  # (the readers go on: read-backs queued again, given up or passed)
     outcomes += readers.stop()
@@ -223,16 +195,16 @@ def test_a_read_back_under_eviction_a_new_version_and_a_stop(
 
     # 2. A new version of a large file put in S3 under the read-back of the old one.
     _restart_with_large_files_cached(m)
-    hold.arm()
+    holds.hold(POINT, forget=True)
     readers = Readers(m.path)
-    hold.wait()
+    holds.wait(POINT, timeout=60)
     for f in range(LARGE):
         client.put_object(Bucket=name, Key=f"big/f{f}.bin", Body=tagged(2, f))
     for f in range(LARGE):
         _wait(lambda f=f: os.stat(m.path / "big" / f"f{f}.bin").st_size  # type: ignore[misc]
               == units_of(2) * UNIT, message="the new version is not listed")
     time.sleep(1)  # (the readers read the new versions while the old one is read back)
-    hold.release()
+    holds.release(POINT)
     _wait(lambda: m.metric(GONE) + m.metric(VERIFIED) >= 1)
     time.sleep(1)
     outcomes += readers.stop()
@@ -245,9 +217,9 @@ def test_a_read_back_under_eviction_a_new_version_and_a_stop(
     # 3. The daemon stopped while the read-back is held mid-file: it ends cleanly once the
     # thread is let go (the stop makes the read-back give up at its next block).
     _restart_with_large_files_cached(m)
-    hold.arm()
+    holds.hold(POINT, forget=True)
     readers = Readers(m.path)
-    hold.wait()
+    holds.wait(POINT, timeout=60)
     time.sleep(0.5)
     outcomes += readers.stop()
     _checked(m)
@@ -255,11 +227,11 @@ def test_a_read_back_under_eviction_a_new_version_and_a_stop(
     stopping = threading.Thread(target=m.stop)
     stopping.start()
     time.sleep(1)  # (the unmount is under way; the daemon joins its threads)
-    hold.release()
+    holds.release(POINT)
     stopping.join(timeout=120)
     assert not stopping.is_alive()
     assert not is_mounted(m.path), "the mount was left behind"
-    _wait(lambda: not _alive(pid), message="the daemon did not end")
+    _wait(lambda: not registry.pid_alive(pid), message="the daemon did not end")
     log = m.log()
     assert "Traceback" not in log, log[-6000:]
     print(f"readers: {dict(outcomes)}")

@@ -429,18 +429,27 @@ def _wipe_tier(tclient: Any, tname: str) -> int:
     return len(keys)
 
 
+def _node_warmed_into_the_tier(bucket: Any, tier: Any, seaweed: Any, mount_factory: Any,
+                               files: int, seed: int) -> tuple[Any, dict[str, bytes], int]:
+    """A node over a dataset of ``files`` objects, its whole share warmed into the tier
+    (``warm --shard 0/1``); returns (the node, the dataset, its number of blocks)."""
+    client, name = bucket
+    _, tname = tier
+    data = _dataset(client, name, files=files, seed=seed)
+    node = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
+    first = run_cachefs("warm", str(node.path), "--shard", "0/1")
+    assert first.returncode == 0, first.stderr
+    return node, data, _blocks(data)
+
+
 def test_warm_shard_again_after_the_tier_lost_its_blocks_puts_them_back(
         bucket, tier, seaweed, mount_factory):
     """An operator's remedy for a tier that lost its data (a store restarted on emptied
     disks, a bucket emptied by hand or by a lifecycle rule) is to run the warm again: it
     must put the share back, not report from memory that the blocks are there."""
-    client, name = bucket
+    _, name = bucket
     tclient, tname = tier
-    data = _dataset(client, name, files=6, seed=7)
-    blocks = _blocks(data)
-    node = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
-    first = run_cachefs("warm", str(node.path), "--shard", "0/1")
-    assert first.returncode == 0, first.stderr
+    node, data, blocks = _node_warmed_into_the_tier(bucket, tier, seaweed, mount_factory, 6, 7)
     assert len(_tier_objects(tclient, tname)) == blocks
     assert _wipe_tier(tclient, tname) == blocks
 
@@ -494,13 +503,9 @@ def test_warm_shard_replaces_a_tier_block_cut_short_under_its_stamp(
         bucket, tier, seaweed, mount_factory):
     """A block object cut short that kept its metadata (the stamp names the block and its
     full length) is not "in the tier" for a warm: the warm puts the whole block back."""
-    client, name = bucket
+    _, name = bucket
     tclient, tname = tier
-    data = _dataset(client, name, files=4, seed=8)
-    blocks = _blocks(data)
-    node = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname))
-    first = run_cachefs("warm", str(node.path), "--shard", "0/1")
-    assert first.returncode == 0, first.stderr
+    node, data, blocks = _node_warmed_into_the_tier(bucket, tier, seaweed, mount_factory, 4, 8)
     objects = _tier_objects(tclient, tname)
     assert len(objects) == blocks
     key = sorted(objects)[0]
