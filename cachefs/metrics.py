@@ -345,6 +345,11 @@ PASSTHROUGH_YIELDED = Counter(
     "cachefs_passthrough_yielded", "Idle registered cache files closed because the cache "
     "evicted their blocks (room for new blocks)",
     registry=REGISTRY)
+PASSTHROUGH_CHANGED = Counter(
+    "cachefs_passthrough_changed", "Registered cache files found changed since they were "
+    "verified (written to by another process, or damaged) at an open: closed and verified "
+    "again when idle, the open refused (EIO) while handles still read them",
+    registry=REGISTRY)
 PASSTHROUGH_UNKNOWN_RELEASES = Counter(
     "cachefs_passthrough_unknown_releases", "Releases of a handle's registered file that "
     "the bookkeeping did not know (a bug: logged once; what is registered is left as it "

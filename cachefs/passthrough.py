@@ -16,7 +16,13 @@ Contracts:
   page cache, where the kernel's reads then find it -- unless this daemon wrote
   every block of that file itself from checked bytes and released none since
   (:meth:`~cachefs.cache.blocks.BlockCache.verify_object`: written marks), as
-  for the files a cold pass fetches just before their open. A registered file stays
+  for the files a cold pass fetches just before their open. The file's stamp (inode
+  and change time) taken before it was verified is kept with the registration and
+  checked again at each open (here, :meth:`Passthrough.open`, and in the native loop's
+  template opens and reads): a file someone else wrote to since is closed and verified
+  again when idle, and its opens fail with EIO while handles still use it (closed once
+  they are gone); the cache's own writes of checked blocks into it (written marks with
+  the new stamp) are not a change. A registered file stays
   registered while handles use it and, idle, until it is among the least
   recently used beyond ``max_idle`` files (``--registered-files``: by default
   scaled to the memory, at least :data:`MAX_IDLE_BACKINGS`; fewer when the
@@ -155,7 +161,8 @@ import trio
 from cachefs import failpoints, metrics
 from cachefs.background import own_threads
 from cachefs.cache.blocks import BlockCache
-from cachefs.errors import ObjectChanged
+from cachefs.cache.objectfiles import FileStamp, file_stamp, path_stamp
+from cachefs.errors import CacheError, ObjectChanged
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.prefetcher import PrefetchLedger
 
@@ -245,7 +252,11 @@ class OpenLoop(Protocol):
     answers the opens of inodes it has a template for."""
 
     def add_template(self, ino: int, *, token: int, prefix: str, kernel_backing: int = 0,
-                     native_backing: int = 0, size: int = 0) -> bool:
+                     native_backing: int = 0, size: int = 0, path: str | None = None,
+                     stamp: FileStamp | None = None) -> bool:
+        ...
+
+    def stamp_file(self, backing_id: int, stamp: FileStamp) -> bool:
         ...
 
     def drop_template(self, ino: int) -> bool:
@@ -278,6 +289,11 @@ class _Backing:
     # None until the first: most registrations have one or none, and an empty set is
     # 216 bytes, times up to --registered-files).
     templates: set[int] | None = None
+    # The file's stamp when it was verified (None: not taken); see _still_intact.
+    stamp: FileStamp | None = None
+    # Found changed by someone else while handles used it: its opens are refused (EIO)
+    # and it is closed once they are gone, never left idle.
+    changed: bool = False
 
 
 class Passthrough:
@@ -659,6 +675,10 @@ class Passthrough:
         kernel refuses the inode a handle without the backing; the FUSE layer then marks
         the passed-through handle direct I/O, which brings its reads to the daemon.)"""
         oid = self.fetcher.object_id(obj)
+        known = self._backings.get(oid)  # (a peek: a dict read; what it finds is used
+        # under the lock below, and a change after this check is one after the open)
+        if known is not None and known.stamp is not None and not self._still_intact(known, obj):
+            self._found_changed(known)
         shared = False
         while True:
             with self._lock:
@@ -673,7 +693,10 @@ class Passthrough:
                     if active[0] != oid:  # an inode is one version (cachefs.fs): never true
                         raise ObjectChanged(f"{obj.key}: inode {ino} is passed through to "
                                             "another version's file")
-                    backing_id = self._use(ino, self._backings[active[0]])
+                    in_use = self._backings[active[0]]
+                    if in_use.changed:
+                        raise self._changed_error(obj)
+                    backing_id = self._use(ino, in_use)
                     shared = True
                     break
                 if self._direct.get(ino):
@@ -682,6 +705,8 @@ class Passthrough:
                     return self._direct_open(ino, "o_direct")
                 backing = self._backings.get(oid)
                 if backing is not None and backing.ready.is_set() and backing.backing_id:
+                    if backing.changed:
+                        raise self._changed_error(obj)
                     backing_id = self._use(ino, backing)
                     shared = False
                     break
@@ -723,6 +748,51 @@ class Passthrough:
             self.read_back_later(obj)
         with self._lock:
             return self._direct_open(ino, outcome, obj)
+
+    def _still_intact(self, backing: _Backing, obj: ObjectVersion) -> bool:
+        """Whether ``backing``'s file is as it was verified (any thread, no lock of this
+        class held: a stat, and on a change an index read under the object's lock): the
+        same stamp (:data:`~cachefs.cache.objectfiles.FileStamp`), or a change that was the
+        cache's own writes of checked blocks (a block the index dropped while the pin kept
+        its bytes, fetched and written again: its written marks carry the file's stamp
+        now), after which the backing takes the new stamp. A file no longer at its path
+        (replaced by another inode, or gone) is not the one registered, which the kernel
+        and the loop still read: that is no change to it."""
+        verified = backing.stamp
+        now = path_stamp(self.cache.object_path(backing.oid))
+        if verified is None or now is None or now[0] != verified[0] or now == verified:
+            return True
+        if self.cache.marked_intact(self.fetcher.block_ids(obj), now):
+            backing.stamp = now
+            if self.native and self._loop is not None:
+                self._loop.stamp_file(backing.backing_id, now)
+            # (a kernel backing's template takes the new stamp when the open it lets
+            # through renews it: add_template)
+            return True
+        return False
+
+    def _found_changed(self, backing: _Backing) -> None:
+        """Someone changed ``backing``'s file since it was verified (any thread, without
+        ``_lock``): an idle registration is closed, so the open that found it verifies the
+        file again (reading it back: the damaged block is dropped and fetched again); one
+        in use is marked ``changed`` (its opens fail with EIO until its handles are gone,
+        then it is closed)."""
+        with self._lock:
+            if self._backings.get(backing.oid) is not backing or backing.changed:
+                return
+            metrics.PASSTHROUGH_CHANGED.inc()
+            if backing.opens == 0 and backing.oid in self._idle and self._close(backing.oid):
+                log.warning("a registered cache file was changed by another writer since "
+                            "it was verified: verifying it again")
+                return
+            backing.changed = True
+            log.warning("a registered cache file was changed by another writer while "
+                        "handles read it: its opens fail (EIO) until they are closed")
+
+    @staticmethod
+    def _changed_error(obj: ObjectVersion) -> CacheError:
+        return CacheError(f"{obj.key}: its cache file was changed by another writer while "
+                          "open (closed once its handles are)")
 
     def upgrade_due(self, obj: ObjectVersion) -> bool:
         """Whether :meth:`upgrade` of a handle of ``obj`` may succeed now: the object is
@@ -860,6 +930,8 @@ class Passthrough:
                     loop_id = files.backing_open(fd)
                 finally:
                     os.close(fd)
+                if loop_id and backing.stamp is not None and self._loop is not None:
+                    self._loop.stamp_file(loop_id, backing.stamp)
             except OSError as exc:
                 if exc.errno in _OUT_OF_DESCRIPTORS:
                     self.out_of_descriptors()
@@ -990,7 +1062,8 @@ class Passthrough:
                                           native_backing=backing.backing_id, size=obj.size)
             else:
                 added = loop.add_template(ino, token=token, prefix=prefix,
-                                          kernel_backing=backing.backing_id)
+                                          kernel_backing=backing.backing_id,
+                                          path=self.cache.object_path(oid), stamp=backing.stamp)
             if added and not known:
                 self._templates[ino] = oid
                 if backing.templates is None:
@@ -1091,7 +1164,9 @@ class Passthrough:
         self._idle[backing.oid] = None
         # Idle: its pin yields to eviction (room for new blocks is worth more).
         self.cache.convert_pin(backing.oid, yielding=True)
-        if backing.evicted:
+        if backing.changed and self._close(backing.oid):
+            return  # (changed under its handles: verified afresh at the next open)
+        if backing.evicted or backing.changed:
             self._evicted_idle.add(backing.oid)
         self._trim_idle()
 
@@ -1213,7 +1288,7 @@ class Passthrough:
         needs no reading back is registered (written marks)."""
         outcome: str | OSError = "unverified"
         try:
-            backing.backing_id, outcome = self._attach(
+            backing.backing_id, outcome, backing.stamp = self._attach(
                 backing.oid, bids, read_back=read_back and backing.size <= MAX_OBJECT_BYTES)
         finally:
             with self._lock:
@@ -1235,12 +1310,13 @@ class Passthrough:
         return outcome
 
     def _attach(self, oid: bytes, bids: list[bytes], *,
-                read_back: bool = True) -> tuple[int, str | OSError]:
+                read_back: bool = True) -> tuple[int, str | OSError, FileStamp | None]:
         """Pin, open, verify and register the object's file with the kernel (the
-        opening worker's thread). Returns (backing id, "") or (0, why the open is served by the daemon:
+        opening worker's thread). Returns (backing id, "", the file's stamp taken before
+        it was verified) or (0, why the open is served by the daemon:
         "not_cached", "unverified", "size" (without ``read_back``, a file that would
         have to be read to be verified), "refused", or the kernel's error when it cannot
-        pass files through at all)."""
+        pass files through at all, None)."""
         failpoints.hit("attach.start")
         # Pinned first: from here no eviction punches the bytes verified below.
         self.cache.pin(oid)
@@ -1251,34 +1327,38 @@ class Passthrough:
             except OSError as exc:
                 if exc.errno in _OUT_OF_DESCRIPTORS:
                     self.out_of_descriptors()
-                    return 0, "refused"
-                return 0, "not_cached"  # evicted since the index said it was cached
+                    return 0, "refused", None
+                return 0, "not_cached", None  # evicted since the index said it was cached
             try:
-                verified = self.cache.verify_object(bids, fd, read_back=read_back)
+                stamp = file_stamp(fd)
+                verified = self.cache.verify_object(bids, fd, read_back=read_back, stamp=stamp)
                 if verified is None:
-                    return 0, "unverified" if read_back else "size"
+                    return 0, "unverified" if read_back else "size", None
                 failpoints.hit("attach.verified")
                 try:
                     device = self._device
                     if device is None:
-                        return 0, "refused"
+                        return 0, "refused", None
                     backing_id = device.backing_open(fd)
+                    if self.native and stamp is not None and self._loop is not None:
+                        # (the loop's reads and opens of it check it is unchanged)
+                        self._loop.stamp_file(backing_id, stamp)
                 except OSError as exc:
                     if exc.errno in _UNSUPPORTED and not self.native:
-                        return 0, exc
+                        return 0, exc, None
                     if exc.errno in _OUT_OF_DESCRIPTORS:
                         self.out_of_descriptors()
-                        return 0, "refused"
+                        return 0, "refused", None
                     log.warning("cannot register a cache file for reads without the daemon's "
                                 "Python (%s); serving it", exc.strerror or exc)
-                    return 0, "refused"
+                    return 0, "refused", None
             finally:
                 os.close(fd)  # the kernel (or the native loop) holds its own reference
         finally:
             if not backing_id:
                 self.cache.unpin(oid)
         metrics.PASSTHROUGH_VERIFIED_BYTES.inc(verified)
-        return backing_id, ""
+        return backing_id, "", stamp
 
     def _switch_off(self, error: OSError) -> None:
         with self._lock:

@@ -423,7 +423,12 @@ def test_a_cache_file_is_written_at_its_offset_in_a_private_directory(make_cache
     assert c.stored(bid(2)) == data(2) and c.stored(bid(0)) == bytes(BLOCK)
     assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
     oid = object_id("bucket", "key", "etag", BLOCK)
-    assert c.cache.files.write_at(oid, memoryview(b"xy"), 1) == path.stat().st_ino
+    before = path.stat()
+    inode, was, now = c.cache.files.write_at(oid, memoryview(b"xy"), 1)
+    after = path.stat()
+    # (the file's inode, and its change times just before and after the write)
+    assert (inode, was, now) == (after.st_ino, before.st_ctime_ns, after.st_ctime_ns)
+    assert now != was
     assert c.stored(bid(0), 3) == b"\0xy"
     # A failure is the failing call's OSError, naming the file.
     other = next(o for o in (object_id("bucket", "key", f"e{i}", BLOCK) for i in range(1000))
@@ -613,21 +618,28 @@ def test_an_object_this_cache_wrote_is_verified_without_reading_it_back(make_cac
     blocks = [block_id("bucket", "obj", "e", BLOCK, i) for i in range(3)]
     for i, b in enumerate(blocks):
         assert c.put(b, data(i, BLOCK if i < 2 else 100))
-    # Damage behind the cache's back, in the same life: written marks are trusted (the
-    # file is not read back), so the check counts a trusted object and no corruption...
-    c.damage(blocks[1], 5)
+    # Written marks are trusted (the file is not read back): a trusted object, nothing read.
     trusted, corrupt = trusted_count(), corrupt_count()
     assert _verify_with_fd(c, blocks) == 2 * BLOCK + 100
     assert trusted_count() == trusted + 1 and corrupt_count() == corrupt
-    # ...without a descriptor (no pin: daemon-side checks) every block is read...
-    assert c.cache.verify_object(blocks) is None
-    assert corrupt_count() == corrupt + 1
-    # ...and a new daemon (the marks live in memory only) reads every block again.
-    c.put(blocks[1], data(1))
+    # Damage behind the cache's back, in the same life, changed the file's stamp: the
+    # marks are void and the check reads every block, and finds it...
+    c.damage(blocks[1], 5)
+    assert _verify_with_fd(c, blocks) is None
+    assert trusted_count() == trusted + 1 and corrupt_count() == corrupt + 1
+    # ...and once the block is written again (the cache's own write: its mark carries
+    # the file's stamp again, but the other blocks' marks went with the damage) the
+    # next check reads the object back, finds it right, and the one after trusts it.
+    assert c.put(blocks[1], data(1))
+    assert _verify_with_fd(c, blocks) == 2 * BLOCK + 100
+    assert trusted_count() == trusted + 1 and corrupt_count() == corrupt + 1
+    assert _verify_with_fd(c, blocks) == 2 * BLOCK + 100  # (read back: marked as checked)
+    assert trusted_count() == trusted + 2
+    # A new daemon (the marks live in memory only) reads every block again.
     c.damage(blocks[0], 7)
     c.reopen()
     assert _verify_with_fd(c, blocks) is None
-    assert trusted_count() == trusted + 1 and corrupt_count() == corrupt + 2
+    assert trusted_count() == trusted + 2 and corrupt_count() == corrupt + 2
 
 
 def test_without_read_back_only_an_object_this_cache_wrote_is_verified(make_cache) -> None:  # type: ignore[no-untyped-def]

@@ -10,6 +10,7 @@ counts the file's prefetched blocks as used, as the loop's own open would."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -52,7 +53,7 @@ class _Cache:
         return True
 
     def verify_object(self, bids: list[bytes], fd: int | None = None, *,
-                      read_back: bool = True) -> int | None:
+                      read_back: bool = True, stamp: Any = None) -> int | None:
         self.read_back.append(read_back)
         return OBJ.size if read_back or self.trusted else None
 
@@ -105,7 +106,10 @@ def test_a_file_registered_ahead_gets_a_template_and_python_opens_count_as_used(
     assert not p.add_template_ahead(INO, OBJ, token=1, prefix="d/"), "not registered yet"
     assert p.prepare(OBJ) == "registered"
     assert p.add_template_ahead(INO, OBJ, token=1, prefix="d/")
-    assert loop.templates[INO] == {"token": 1, "prefix": "d/", "kernel_backing": 7}
+    template = loop.templates[INO]
+    stamp = os.stat(template["path"])  # (the file as verified: the loop checks it at opens)
+    assert template == {"token": 1, "prefix": "d/", "kernel_backing": 7,
+                        "path": str(tmp_path / "a"), "stamp": (stamp.st_ino, stamp.st_ctime_ns)}
     assert p.templates == 1
     # The loop left the first open to Python (it raced the template): the file's
     # prefetched block is counted as used all the same.

@@ -1,4 +1,4 @@
-/* A cache file's write in one call: open (making its directory if missing), pwrite
+/* A cache file's write in one call: open (making its directory if missing), fstat, pwrite
  * until done, fstat, close -- with the interpreter lock released once.
  *
  * Why: a cold small file's bytes are written by the S3 worker thread that fetched them
@@ -10,7 +10,8 @@
  *
  * Contract: exactly ObjectFiles.write_at's (cachefs/cache/objectfiles.py): the file is
  * created 0600 and its directory 0700 (an existing directory is fine); the bytes are
- * written at the offset; the file's inode number is returned; any failure raises
+ * written at the offset; (inode number, the file's status change time in ns before the
+ * write, and after it) is returned (cachefs/cache/objectfiles.py, FileStamp); any failure raises
  * OSError with the failing call's errno and the path, and leaves the file closed.
  * Touches only its arguments; the buffer is held (PyBuffer) for the call.
  */
@@ -55,11 +56,17 @@ static PyObject *write_at(PyObject *self, PyObject *args) {
     }
     int err = 0;
     unsigned long long ino = 0;
+    long long before = 0, changed = 0;
     Py_BEGIN_ALLOW_THREADS
     int fd = open_for_write(path);
+    struct stat st;
     if (fd < 0) {
         err = errno;
+    } else if (fstat(fd, &st) < 0) {
+        err = errno;
+        close(fd);
     } else {
+        before = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
         const char *p = data.buf;
         size_t left = (size_t)data.len;
         off_t at = (off_t)offset;
@@ -75,12 +82,13 @@ static PyObject *write_at(PyObject *self, PyObject *args) {
             left -= (size_t)n;
             at += n;
         }
-        struct stat st;
         if (!err) {
             if (fstat(fd, &st) < 0)
                 err = errno;
-            else
+            else {
                 ino = (unsigned long long)st.st_ino;
+                changed = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+            }
         }
         close(fd);
     }
@@ -90,12 +98,12 @@ static PyObject *write_at(PyObject *self, PyObject *args) {
         errno = err;
         return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
     }
-    return PyLong_FromUnsignedLongLong(ino);
+    return Py_BuildValue("(KLL)", ino, before, changed);
 }
 
 static PyMethodDef methods[] = {
     {"write_at", write_at, METH_VARARGS,
-     "write_at(path, data, offset) -> inode: write a cache file in one call."},
+     "write_at(path, data, offset) -> (inode, ctime_ns before, after): write a cache file in one call."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -35,23 +35,27 @@ Contracts:
   cache wrote every block of it itself in this process's life, or read it back
   whole for such a check, and released none since (*written marks*, below).
 * Written marks: when :meth:`put_sync` has written and indexed a block, it
-  records (the file's inode, the block's offset, its index entry) under the
+  records (the file's stamp, the block's offset, its index entry) under the
   object's lock, in the same critical section; so does a pinned
   :meth:`verify_object` that read every block back through its descriptor and
   found it right (a registration closed for its bounds and made again later in
-  this life is not read back twice). A release of any of the
+  this life is not read back twice). The stamp
+  (:data:`~cachefs.cache.objectfiles.FileStamp`: the inode and its change time)
+  is the file's after the write, or before the read-back: a write keeps the
+  object's earlier marks only when the file's stamp just before it was the marks'
+  (no one else changed the file in between). A release of any of the
   object's bytes (punch or file removal) drops the object's marks under that
-  same lock. So a mark whose inode is the inode of an open descriptor of the
-  file and whose entry is the block's index entry says what reading the block
-  back would say: the file holds the bytes the entry's checksum was taken of.
+  same lock. So a mark whose stamp is the file's stamp now (the stamp of an
+  open descriptor of it) and whose entry is the block's index entry says what
+  reading the block back would say: the file holds the bytes the entry's
+  checksum was taken of -- whoever wrote to the file since changed its stamp.
   :meth:`verify_object` trusts them only for a pinned object (no release can
   run after the pin) and only while holding the object's lock, and the marks
   live in memory only: a new daemon, or a mark pushed out of the bounded table
-  (:data:`WRITTEN_MARKS`), verifies by reading, as before. The difference from
-  a read-back is damage at rest between the write (or the last read-back) and
-  the open, within one daemon's life; a registered passthrough file is not
-  re-read afterwards either (verification is once per object per daemon life,
-  while its marks last).
+  (:data:`WRITTEN_MARKS`), verifies by reading, as before. What marks cannot
+  see is damage the file system does not record (the disk's own bit rot under
+  an unchanged stamp), within one daemon's life; a registered file's stamp is
+  checked again at its opens (:mod:`cachefs.passthrough`).
 * An index that cannot be read (any LMDB error, a value of the wrong shape)
   makes a lookup a miss, counted in ``cachefs_cache_index_errors_total`` and
   logged (at most once a minute), never an error.
@@ -132,7 +136,7 @@ from cachefs.cache.blockid import (
 )
 from cachefs.cache.blockindex import POLICIES, BlockIndex, Entry, PutResult
 from cachefs.cache.lmdbenv import LmdbEnv
-from cachefs.cache.objectfiles import ObjectFiles, pread, unlink
+from cachefs.cache.objectfiles import FileStamp, ObjectFiles, file_stamp, pread, unlink
 from cachefs.cache.objectlocks import ObjectLocks
 from cachefs.errors import CacheError
 
@@ -184,10 +188,10 @@ class BlockCache:
         self._touched: dict[bytes, float] = {}
         self._write_error_logged = 0.0  # (monotonic; 0: never)
         self._write_errors_unlogged = 0
-        # Written marks: object id -> (its file's inode, {block offset: index entry}) for
+        # Written marks: object id -> (its file's stamp, {block offset: index entry}) for
         # blocks this cache wrote and has not released since (module docstring). Changed
         # under the object's lock and _lock; oldest written first.
-        self._written: OrderedDict[bytes, tuple[int, dict[int, Entry]]] = OrderedDict()
+        self._written: OrderedDict[bytes, tuple[FileStamp, dict[int, Entry]]] = OrderedDict()
         self.max_written_marks = WRITTEN_MARKS
         # An index written by an earlier layout is dropped (the cache is best-effort);
         # its files are removed by remove_orphans().
@@ -384,7 +388,7 @@ class BlockCache:
         return None
 
     def verify_object(self, bids: list[bytes], fd: int | None = None, *,
-                      read_back: bool = True,
+                      read_back: bool = True, stamp: FileStamp | None = None,
                       keep_going: Callable[[bytes, Entry, int], bool] | None = None
                       ) -> int | None:
         """Check every block of one object against the index (worker thread).
@@ -392,8 +396,10 @@ class BlockCache:
         Reads the object's file, or ``fd`` when given (an open descriptor of it, the
         one then handed to the kernel, so the bytes checked are the bytes served; the
         caller holds a :meth:`pin` of the object). With ``fd``, blocks this cache wrote
-        into that very file and has not released since are not read back (written
-        marks, see the module docstring); without ``read_back``, only such a file is
+        into that very file and has not released since, the file unchanged since, are
+        not read back (written marks, see the module docstring; ``stamp``, when given,
+        is the file's stamp the caller took of ``fd``, checked against them and
+        recorded by a read-back instead of one taken here); without ``read_back``, only such a file is
         verified (None for any other, nothing read). ``keep_going``, when given, is asked
         before each block is read back (with its id, the index entry the check started
         from, and the bytes checked so far): False gives the check up (None; nothing is
@@ -407,8 +413,11 @@ class BlockCache:
         entries = self.index.entries(bids) if bids else None
         if entries is None:
             return None
-        inode = _inode(fd) if fd is not None else None  # (of the file the marks name)
-        if inode is not None and self._written_intact(bids, entries, inode):
+        if fd is not None and stamp is None:
+            stamp = file_stamp(fd)  # (of the file the marks name; before any read-back)
+        if fd is None:
+            stamp = None
+        if stamp is not None and self._written_intact(bids, entries, stamp):
             metrics.CACHE_OBJECTS_TRUSTED.inc()
             self.touch(bids)
             return sum(entry[0] for entry in entries)
@@ -433,38 +442,53 @@ class BlockCache:
                     if self._recheck(bid, entry, fd) is None:
                         return None
                 total += entry[0]
-            if inode is not None:
-                self._mark_checked(bids, entries, inode)
+            if stamp is not None:
+                self._mark_checked(bids, entries, stamp)
         finally:
             if own:
                 os.close(fd)
         self.touch(bids)
         return total
 
-    def _mark_checked(self, bids: list[bytes], entries: list[Entry], inode: int) -> None:
-        """Mark the blocks just read back through a descriptor of file ``inode`` and found
-        right as if written here (the caller holds a pin, so no punch has run since the
-        read: the next one drops these marks first, under the object's lock taken here
-        too). A registration of the object made again in this life -- one closed for the
-        bounds, reopened next epoch -- then trusts them instead of reading the file back."""
+    def _mark_checked(self, bids: list[bytes], entries: list[Entry], stamp: FileStamp) -> None:
+        """Mark the blocks just read back through a descriptor of the file ``stamp`` (taken
+        before the read) names and found right as if written here (the caller holds a pin,
+        so no punch has run since the read: the next one drops these marks first, under
+        the object's lock taken here too); earlier marks of the object are replaced. A
+        registration of the object made again in this life -- one closed for the bounds,
+        reopened next epoch -- then trusts them instead of reading the file back, unless
+        the file changed since (a write after the read-back gives it another stamp)."""
         oid = split_block_id(bids[0])[0]
-        with self._file_lock(oid):
-            for bid, entry in zip(bids, entries, strict=True):
-                self._mark_written(oid, inode, split_block_id(bid)[1], entry)
+        with self._file_lock(oid), self._lock:
+            self._written[oid] = (stamp, {split_block_id(bid)[1]: entry
+                                          for bid, entry in zip(bids, entries, strict=True)})
+            self._written.move_to_end(oid)
+            if len(self._written) > self.max_written_marks:
+                self._written.popitem(last=False)
 
-    def _written_intact(self, bids: list[bytes], entries: list[Entry], inode: int) -> bool:
-        """Whether file ``inode`` (an open descriptor's) holds every block of ``bids`` as
-        this cache wrote it: each block marked written into that file with its current
-        index entry, and none released since. Taken under the object's lock, so no
-        release is half-done; the caller's pin keeps any later one from running."""
+    def _written_intact(self, bids: list[bytes], entries: list[Entry],
+                        stamp: FileStamp) -> bool:
+        """Whether the file ``stamp`` (an open descriptor's, taken now) names holds every
+        block of ``bids`` as this cache wrote it: each block marked written into that file
+        with its current index entry, none released since and the file changed by no one
+        since. Taken under the object's lock, so no release is half-done; the caller's pin
+        keeps any later one from running."""
         oid = split_block_id(bids[0])[0]
         with self._file_lock(oid), self._lock:
             marks = self._written.get(oid)
-            if marks is None or marks[0] != inode:
+            if marks is None or marks[0] != stamp:
                 return False
             written = marks[1]
             return all(written.get(split_block_id(bid)[1]) == entry
                        for bid, entry in zip(bids, entries, strict=True))
+
+    def marked_intact(self, bids: list[bytes], stamp: FileStamp) -> bool:
+        """Whether the file ``stamp`` (taken now) names holds every block of ``bids`` as
+        this cache last wrote or checked it, changed by no one since (written marks; any
+        thread: an index read, then the object's lock). A registered file whose stamp
+        moved is asked this: the cache's own writes move it too."""
+        entries = self.index.entries(bids) if bids else None
+        return entries is not None and self._written_intact(bids, entries, stamp)
 
     def written_blocks(self, oid: bytes) -> int:
         """How many blocks of object ``oid`` carry written marks (any thread; one dictionary
@@ -474,16 +498,22 @@ class BlockCache:
             marks = self._written.get(oid)
             return 0 if marks is None else len(marks[1])
 
-    def _mark_written(self, oid: bytes, inode: int, offset: int, entry: Entry) -> None:
-        """Record a block written and indexed (the caller holds the object's lock)."""
+    def _mark_written(self, oid: bytes, written: tuple[int, int, int], offset: int,
+                      entry: Entry) -> None:
+        """Record a block written and indexed (the caller holds the object's lock);
+        ``written`` is what :meth:`ObjectFiles.write_at` returned (the file's inode, its
+        change time before the write and after it)."""
+        inode, before, after = written
         with self._lock:
             marks = self._written.get(oid)
-            if marks is None or marks[0] != inode:  # (a new file: earlier marks are void)
-                marks = (inode, {})
+            if marks is None or marks[0] != (inode, before):
+                # (a new file, or one someone else changed since the marks: they are void)
+                blocks: dict[int, Entry] = {}
             else:
+                blocks = marks[1]
                 self._written.move_to_end(oid)
-            marks[1][offset] = entry
-            self._written[oid] = marks
+            blocks[offset] = entry
+            self._written[oid] = ((inode, after), blocks)
             if len(self._written) > self.max_written_marks:
                 self._written.popitem(last=False)
 
@@ -541,7 +571,7 @@ class BlockCache:
         entry = (len(data), checksum(data))
         with self._file_lock(oid):
             try:
-                inode = self.files.write_at(oid, data, offset)
+                written = self.files.write_at(oid, data, offset)
             except OSError as exc:
                 self._write_error("cannot write block to the cache (%s); serving from memory",
                                   exc.strerror)
@@ -553,7 +583,7 @@ class BlockCache:
                 self._write_error("cannot index block: %s", exc)
                 admitted, evicted = False, []
             if admitted:
-                self._mark_written(oid, inode, offset, entry)
+                self._mark_written(oid, written, offset, entry)
             else:
                 self._release_bytes(oid, [(offset, len(data))])
         self._release_blocks(evicted)
@@ -749,14 +779,6 @@ class BlockCache:
         if removed:
             log.info("removed %d orphan file(s) from the cache", removed)
         return removed
-
-
-def _inode(fd: int) -> int | None:
-    """The inode of ``fd``'s file; None when it cannot be had (nothing is trusted then)."""
-    try:
-        return os.fstat(fd).st_ino
-    except OSError:
-        return None
 
 
 def _uncount(pins: dict[bytes, int], oid: bytes) -> None:

@@ -46,6 +46,35 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _LEGACY_DIRS = ("blocks", "tmp")  # the one-file-per-block layout of earlier versions
 
+#: A cache file's identity and when it last changed: (inode number, status change time in
+#: ns), from one stat. Any write to the file, by anyone, and any change of its attributes
+#: gives it a new change time, so a stamp taken when bytes were written or checked and
+#: found again later says no one has changed the file since. (Since Linux 6.13, with
+#: multigrain timestamps, a change after the time was last read always gets a new one;
+#: before, a change within the same clock tick, a few ms, may keep it.)
+FileStamp = tuple[int, int]
+
+
+def stamp_of(st: os.stat_result) -> FileStamp:
+    """The :data:`FileStamp` of a stat result."""
+    return st.st_ino, st.st_ctime_ns
+
+
+def file_stamp(fd: int) -> FileStamp | None:
+    """The :data:`FileStamp` of ``fd``'s file; None when it cannot be had."""
+    try:
+        return stamp_of(os.fstat(fd))
+    except OSError:
+        return None
+
+
+def path_stamp(path: str) -> FileStamp | None:
+    """The :data:`FileStamp` of the file at ``path``; None when there is none."""
+    try:
+        return stamp_of(os.stat(path))
+    except OSError:
+        return None
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
@@ -102,9 +131,11 @@ class ObjectFiles:
         h = oid.hex()
         return f"{self._prefix}{h[:2]}{os.sep}{h}"
 
-    def write_at(self, oid: bytes, data: bytes, offset: int) -> int:
+    def write_at(self, oid: bytes, data: bytes, offset: int) -> tuple[int, int, int]:
         """Write ``data`` at ``offset`` of the object's file (created with its directory
-        if missing); returns the file's inode number. Raises OSError.
+        if missing); returns the file's inode number and its change times (ns) just
+        before and just after the write (:data:`FileStamp`: the caller tells its own
+        write from anyone else's). Raises OSError.
 
         In C when the extension is built (:data:`NATIVE_WRITES`): the same calls, with
         the interpreter lock released once for all of them instead of once each. It is
@@ -130,11 +161,13 @@ class ObjectFiles:
                     os.mkdir(os.path.dirname(path), 0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            before = os.fstat(fd).st_ctime_ns
             view = memoryview(data)
             while view:
                 n = os.pwrite(fd, view, offset)
                 view, offset = view[n:], offset + n
-            return os.fstat(fd).st_ino
+            st = os.fstat(fd)
+            return st.st_ino, before, st.st_ctime_ns
         finally:
             os.close(fd)
 

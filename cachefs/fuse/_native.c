@@ -11,7 +11,9 @@
  *         writev of the answer (O_DIRECT for an object's last bytes when none of them
  *         is in the page cache: read_file()). A read the file cannot answer in full
  *         (an error, a short
- *         read inside the object) goes to Python, which serves and checks it as usual.
+ *         read inside the object) goes to Python, which serves and checks it as usual;
+ *         so does one of a file whose stamp moved since Python verified it (someone
+ *         wrote to it: struct stamp, checked after each read).
  *   IOCTL answered ENOTTY (Python's open() sends one per file: isatty()).
  *   LOOKUP of a name whose answer Python remembered here (remember_lookup()): the same
  *         bytes again, while they are fresh. Python says for how long (the rest of the
@@ -28,7 +30,8 @@
  *         template says (the kernel's backing id, or bound to the template's file here),
  *         while the epochs the template was given with are current (as a remembered
  *         lookup's: once its directory's listing changes, Python answers, and may find
- *         the inode no longer listed).
+ *         the inode no longer listed), and while its file has the stamp it was verified
+ *         with (template_file_holds()).
  *   RELEASE of a handle opened here.
  *         Each is an event for Python (take_events(): a ring of MAX_EVENTS, queued before
  *         the answer is written; an eventfd is written when the ring stops being empty),
@@ -60,10 +63,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -132,12 +138,23 @@ struct read_in {
     uint32_t flags, padding;
 };
 
+/* A cache file's inode and status change time (ns) when Python verified it: any write to
+ * the file since, by anyone, gives it another change time (cachefs/cache/objectfiles.py,
+ * FileStamp). A file whose stamp moved is left to Python, which verifies it again. The
+ * two fields are stored and loaded with atomics, not as a pair: a torn pair only sends a
+ * request to Python. An ino of 0 means no stamp (nothing checked). */
+struct stamp {
+    uint64_t ino;
+    int64_t changed;
+};
+
 /* A registered cache file's one descriptor, shared by every bound file reading it
  * (register_file()): closed when the last of them is disposed of. */
 struct shared_fd {
     int fd;
     int refs;  /* bound files using it (atomic: dispose() runs without the mutex) */
     int no_direct;  /* set (atomically) once the file refused to be opened O_DIRECT */
+    struct stamp stamp;  /* the file's as verified (stamp_file(); atomic; 0: unchecked) */
 };
 
 struct bound_file {
@@ -154,6 +171,10 @@ struct open_template {
     uint32_t open_flags;
     int32_t backing_id;  /* the kernel's (passthrough), or 0 */
     struct bound_file *file;  /* the loop's (native reads), or NULL */
+    /* The kernel's backing's file, checked at each open (the loop has no descriptor of
+     * it): its path and stamp, or NULL (a bound file's stamp is its shared_fd's). */
+    char *path;
+    struct stamp stamp;
     uint64_t handles;  /* handles the loop opened with it and not released yet */
 };
 
@@ -215,6 +236,7 @@ struct table {
     /* statistics (atomic adds) */
     struct op_stats ops[KINDS];
     uint64_t read_bytes, ioctls, fallbacks, lookups_remembered, open_handovers, direct_reads;
+    uint64_t changed_files;  /* opens and reads of a file whose stamp moved (Python's) */
     int no_cachestat;  /* cachestat(2) was refused once: no read asks again (atomic) */
     int n_bounds;
     double bounds[MAX_BUCKETS];
@@ -303,6 +325,29 @@ static int map_init(struct map *m) {
     return m->slots == NULL ? -1 : 0;
 }
 
+/* Whether the file of descriptor ``fd`` (or, when fd < 0, at ``path``) still has the
+ * stamp ``want`` (a copy, loaded with atomics); true when there is none to check. A file
+ * that cannot be stated has moved (Python decides). No lock held: a system call. */
+static int stamp_holds(const struct stamp *want, int fd, const char *path) {
+    if (want->ino == 0)
+        return 1;
+    struct stat st;
+    if ((fd >= 0 ? fstat(fd, &st) : stat(path, &st)) != 0)
+        return 0;
+    int64_t changed = (int64_t)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+    return (uint64_t)st.st_ino == want->ino && changed == want->changed;
+}
+
+static void load_stamp(const struct stamp *from, struct stamp *to) {
+    to->ino = __atomic_load_n(&from->ino, __ATOMIC_ACQUIRE);
+    to->changed = __atomic_load_n(&from->changed, __ATOMIC_ACQUIRE);
+}
+
+static void store_stamp(struct stamp *to, uint64_t ino, int64_t changed) {
+    __atomic_store_n(&to->ino, ino, __ATOMIC_RELEASE);
+    __atomic_store_n(&to->changed, changed, __ATOMIC_RELEASE);
+}
+
 /* A bound file reading the shared descriptor ``sh`` (one more user of it), ``size``
  * bytes long, with one reference; NULL (ENOMEM) if out of memory. */
 static struct bound_file *share_file(struct shared_fd *sh, uint64_t size) {
@@ -350,6 +395,7 @@ static void table_free(PyObject *capsule) {
         struct open_template *tpl = t->templates.slots[i].tpl;
         if (t->templates.slots[i].fh != 0 && tpl != NULL) {
             dispose(unref(tpl->file));
+            free(tpl->path);
             free(tpl);
         }
     }
@@ -483,6 +529,7 @@ static PyObject *register_file(PyObject *self, PyObject *args) {
     }
     sh->refs = 0;
     sh->no_direct = 0;
+    store_stamp(&sh->stamp, 0, 0);
     struct bound_file *holder = share_file(sh, 0);  /* (the registration's reference) */
     if (holder == NULL) {
         close(sh->fd);
@@ -545,6 +592,27 @@ static PyObject *take_out_call(PyObject *args, int files) {
  * was one); handles and templates using it keep its descriptor until they let go. */
 static PyObject *unregister_file(PyObject *self, PyObject *args) {
     return take_out_call(args, 1);
+}
+
+/* stamp_file(table, file_id, ino, changed) -> bool: the stamp registration ``file_id``'s
+ * file had when Python verified it (whether there is such a registration): from now its
+ * reads and opens here check that the file still has it (stamp_holds()). */
+static PyObject *stamp_file(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long id, ino;
+    long long changed;
+    if (!PyArg_ParseTuple(args, "OKKL", &capsule, &id, &ino, &changed))
+        return NULL;
+    struct table *t = get_table(capsule);
+    if (t == NULL)
+        return NULL;
+    pthread_mutex_lock(&t->lock);
+    struct slot *r = id != 0 ? find_slot(&t->files, id) : NULL;
+    int found = r != NULL && r->fh != 0;
+    if (found)
+        store_stamp(&r->file->shared->stamp, ino, changed);
+    pthread_mutex_unlock(&t->lock);
+    return PyBool_FromLong(found);
 }
 
 /* Under the lock: the descriptor of registration ``file_id``, or NULL if there is none. */
@@ -651,6 +719,7 @@ static PyObject *stats(PyObject *self, PyObject *args) {
         {"events", events},
         {"open_handovers", __atomic_load_n(&t->open_handovers, __ATOMIC_RELAXED)},
         {"direct_reads", __atomic_load_n(&t->direct_reads, __ATOMIC_RELAXED)},
+        {"changed_files", __atomic_load_n(&t->changed_files, __ATOMIC_RELAXED)},
     };
     for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(counts[i].value);
@@ -810,6 +879,16 @@ static int serve_read(struct table *t, int fd, const struct in_header *h, const 
             break;
         }
         got += (size_t)r;
+    }
+    if (ok) {
+        /* Checked after the read: a write changes the stamp before it changes bytes, so
+         * bytes read before a change that this check does not see were the verified ones. */
+        struct stamp want_stamp;
+        load_stamp(&f->shared->stamp, &want_stamp);
+        if (!stamp_holds(&want_stamp, f->shared->fd, NULL)) {
+            __atomic_fetch_add(&t->changed_files, 1, __ATOMIC_RELAXED);
+            ok = 0;  /* changed since it was verified: Python reads and checks each block */
+        }
     }
     pthread_mutex_lock(&t->lock);
     struct bound_file *gone = unref(f);
@@ -1022,7 +1101,8 @@ struct release_in {
     uint64_t lock_owner;
 };
 
-/* add_template(table, ino, token, dir_key, open_flags, backing_id, file_id, size) -> bool:
+/* add_template(table, ino, token, dir_key, open_flags, backing_id, file_id, size[, path,
+ *              stamp_ino, stamp_changed]) -> bool:
  * answer OPENs of inode ``ino`` here (read-only opens without O_DIRECT): a new handle,
  * answered with ``open_flags`` and ``backing_id`` (the kernel's passthrough backing, or
  * 0), and bound to registration ``file_id`` up to ``size`` bytes unless it is 0 -- while
@@ -1031,14 +1111,18 @@ struct release_in {
  * changes, its opens go to Python, which may find the inode no longer listed. If the
  * inode has a template already, only its epochs are renewed. False if ``token`` is not
  * current, or ``file_id`` is not registered (nothing done). Each handle opened and
- * released here is an event for Python (take_events()). */
+ * released here is an event for Python (take_events()). With the kernel's backing, ``path``
+ * and the stamp are its file's as verified, checked at each open (a renewal renews them);
+ * a bound file's are its registration's (stamp_file()). */
 static PyObject *add_template(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long ino, size, token, dir_key, file_id;
+    unsigned long long ino, size, token, dir_key, file_id, stamp_ino = 0;
+    long long stamp_changed = 0;
+    const char *path = NULL;
     unsigned int open_flags;
     int backing_id;
-    if (!PyArg_ParseTuple(args, "OKKKIiKK", &capsule, &ino, &token, &dir_key, &open_flags,
-                          &backing_id, &file_id, &size))
+    if (!PyArg_ParseTuple(args, "OKKKIiKK|zKL", &capsule, &ino, &token, &dir_key, &open_flags,
+                          &backing_id, &file_id, &size, &path, &stamp_ino, &stamp_changed))
         return NULL;
     struct table *t = get_table(capsule);
     if (t == NULL)
@@ -1057,6 +1141,14 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     tpl->dir_epoch = (uint32_t)token;
     tpl->open_flags = open_flags;
     tpl->backing_id = backing_id;
+    if (path != NULL && stamp_ino != 0) {
+        tpl->path = strdup(path);
+        if (tpl->path == NULL) {
+            free(tpl);
+            return PyErr_NoMemory();
+        }
+        store_stamp(&tpl->stamp, stamp_ino, stamp_changed);
+    }
     int added = 0, renewed = 0, failed = 0;
     pthread_mutex_lock(&t->lock);
     if (token == epoch_token(t, dir_slot)) {  /* (under the mutex: see remember_lookup) */
@@ -1066,6 +1158,12 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
             s->tpl->epoch = tpl->epoch;  /* the same inode is the same file: renew */
             s->tpl->dir_slot = tpl->dir_slot;
             s->tpl->dir_epoch = tpl->dir_epoch;
+            if (tpl->path != NULL && s->tpl->path != NULL) {
+                char *old = s->tpl->path;  /* (swapped: freed below with tpl) */
+                s->tpl->path = tpl->path;
+                tpl->path = old;
+                store_stamp(&s->tpl->stamp, stamp_ino, stamp_changed);
+            }
             renewed = 1;
         } else if (file_id != 0 && sh == NULL) {
             /* (not registered: not added) */
@@ -1080,6 +1178,7 @@ static PyObject *add_template(PyObject *self, PyObject *args) {
     pthread_mutex_unlock(&t->lock);
     if (!added) {
         dispose(tpl->file);
+        free(tpl->path);
         free(tpl);
         if (failed)
             return PyErr_NoMemory();
@@ -1115,6 +1214,8 @@ static PyObject *drop_template(PyObject *self, PyObject *args) {
     }
     pthread_mutex_unlock(&t->lock);
     dispose(gone);
+    if (tpl != NULL)
+        free(tpl->path);
     free(tpl);
     return PyBool_FromLong(dropped);
 }
@@ -1185,6 +1286,29 @@ static void signal_events(struct table *t) {
     }
 }
 
+/* Whether the file of inode ``ino``'s template (if any) still has the stamp it was
+ * verified with. What to check is copied under the mutex and checked after it (a system
+ * call): a descriptor number that a dropped template's file gave up meanwhile names
+ * another file or none, whose stamp differs -- Python then answers, as for a change. */
+static int template_file_holds(struct table *t, uint64_t ino) {
+    struct stamp want = {0, 0};
+    int fd = -1;
+    char path[PATH_MAX];
+    path[0] = 0;
+    pthread_mutex_lock(&t->lock);
+    struct slot *ts = find_slot(&t->templates, ino);
+    struct open_template *tpl = ts->fh != 0 ? ts->tpl : NULL;
+    if (tpl != NULL && tpl->file != NULL) {
+        load_stamp(&tpl->file->shared->stamp, &want);
+        fd = tpl->file->shared->fd;
+    } else if (tpl != NULL && tpl->path != NULL) {
+        load_stamp(&tpl->stamp, &want);
+        snprintf(path, sizeof(path), "%s", tpl->path);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return stamp_holds(&want, fd, path);
+}
+
 /* An OPEN: 1 when answered from the inode's template, 0 when Python must answer it. */
 static int serve_open(struct table *t, int fd, const struct in_header *h, const char *body,
                       size_t body_len) {
@@ -1195,6 +1319,10 @@ static int serve_open(struct table *t, int fd, const struct in_header *h, const 
     if (in.flags & LOOP_OPEN_REFUSED)
         return 0;
     double t0 = now();
+    if (!template_file_holds(t, h->nodeid)) {
+        __atomic_fetch_add(&t->changed_files, 1, __ATOMIC_RELAXED);
+        return 0;  /* changed since it was verified: Python decides */
+    }
     struct open_out out = {0, 0, 0};
     int answered = 0, was_empty = 0;
     pthread_mutex_lock(&t->lock);
@@ -1375,6 +1503,7 @@ static PyMethodDef methods[] = {
     {"forget_dir", forget_dir, METH_VARARGS, "Give no remembered lookup of a directory again."},
     {"add_template", add_template, METH_VARARGS, "Answer an inode's opens."},
     {"drop_template", drop_template, METH_VARARGS, "Stop answering an inode's opens."},
+    {"stamp_file", stamp_file, METH_VARARGS, "Check a registered file's stamp from now."},
     {"set_event_fd", set_event_fd, METH_VARARGS, "An eventfd told of new events."},
     {"take_events", take_events, METH_VARARGS, "The handles opened and released since."},
     {"remember_lookup", remember_lookup, METH_VARARGS, "Answer a name's lookups."},

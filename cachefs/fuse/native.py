@@ -134,6 +134,15 @@ class NativeReads:
         _native.register_file(self._table, backing_id, fd)
         return backing_id
 
+    def stamp_file(self, backing_id: int, stamp: tuple[int, int]) -> bool:
+        """From now, the loop's reads and opens of registered file ``backing_id`` check
+        that it still has ``stamp`` (its inode and change time when it was verified,
+        :data:`cachefs.cache.objectfiles.FileStamp`): once it does not (someone wrote to
+        it), they are Python's, which reads and checks each block. False if there is no
+        such registration."""
+        assert _native is not None
+        return _native.stamp_file(self._table, backing_id, stamp[0], stamp[1])
+
     def backing_close(self, backing_id: int) -> None:
         """Forget a registered file (handles and templates using it keep its descriptor
         until they let go)."""
@@ -156,7 +165,8 @@ class NativeReads:
 
     # -- opens answered by the loop -------------------------------------------------------
     def add_template(self, ino: int, *, token: int, prefix: str, kernel_backing: int = 0,
-                     native_backing: int = 0, size: int = 0) -> bool:
+                     native_backing: int = 0, size: int = 0, path: str | None = None,
+                     stamp: tuple[int, int] | None = None) -> bool:
         """Let the loop answer read-only opens (without O_DIRECT) of inode ``ino`` itself:
         passed through to the kernel's backing ``kernel_backing``, or bound to the file
         registered here as ``native_backing`` (up to ``size`` bytes) -- while the epoch
@@ -164,14 +174,20 @@ class NativeReads:
         saw the inode listed) lasts: once the listing changes, its opens go to Python
         again (the inode may be gone). An inode with a template has only its epoch
         renewed. False if ``token`` is not current or the registration is gone. Every
-        handle the loop opens and releases is an event (:meth:`drain`)."""
+        handle the loop opens and releases is an event (:meth:`drain`). With
+        ``kernel_backing``, ``path`` and ``stamp`` name its file as it was verified: each
+        open checks it still has that stamp, and leaves the open to Python if not (the
+        stamp of a ``native_backing`` is its registration's, :meth:`stamp_file`)."""
         assert _native is not None
         key = _dir_key(prefix)
         if native_backing:
             return _native.add_template(self._table, ino, token, key, abi.FOPEN_KEEP_CACHE,
                                         0, native_backing, size)
+        if path is None or stamp is None:
+            return _native.add_template(self._table, ino, token, key, abi.FOPEN_PASSTHROUGH,
+                                        kernel_backing, 0, 0)
         return _native.add_template(self._table, ino, token, key, abi.FOPEN_PASSTHROUGH,
-                                    kernel_backing, 0, 0)
+                                    kernel_backing, 0, 0, path, stamp[0], stamp[1])
 
     def drop_template(self, ino: int) -> bool:
         """The loop no longer opens ``ino`` (True), or it keeps the template because
