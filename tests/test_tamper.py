@@ -12,6 +12,7 @@ native loop serves.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -116,4 +117,30 @@ def test_a_file_changed_under_an_open_native_handle_is_not_served(shard, mount_f
         assert os.pread(fd, len(data), 0) == data
     finally:
         os.close(fd)
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
+
+
+def test_a_file_changed_under_an_open_passthrough_handle_refuses_new_opens_until_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernel reads a passed-through handle's file itself, so a change under an open
+    handle is the handle's to see; a new open of the file then fails with EIO (the kernel
+    would give it the same file), and once the handle is closed the next open reads the
+    object's bytes (the file verified again, the damaged block fetched again)."""
+    name, data = shard
+    m = _mount(mount_factory, name, "kernel")
+    path = m.path / "shards" / "s0.tar"
+    assert read_unbuffered(path) == data
+    drop_page_cache()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 10, 0) == data[:10]
+        assert m.metric("cachefs_passthrough_opens_total") == 1
+        _damage(m, 2 * BLOCK + 9)
+        with pytest.raises(OSError) as refused:
+            os.close(os.open(path, os.O_RDONLY))
+        assert refused.value.errno == errno.EIO
+        assert m.metric("cachefs_passthrough_changed_total") == 1
+    finally:
+        os.close(fd)
+    drop_page_cache()
+    assert read_unbuffered(path) == data
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
