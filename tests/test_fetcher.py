@@ -15,6 +15,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cachefs import metrics
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.errors import AccessDenied, NoSuchKey, ObjectChanged, TransientStoreError
@@ -23,7 +24,7 @@ from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, SWEEP, Prefetcher, PrefetchLedger
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Backoff, Origin
-from cachefs.s3.store import ObjectStore
+from cachefs.s3.store import Exchange, ObjectStore
 from tests.conftest import running
 
 BS = 64  # tiny blocks: many block boundaries with little data
@@ -810,13 +811,16 @@ def test_no_write_from_a_get_thread_once_the_fetcher_has_stopped(
 
 
 # -- reads joined from request workers to a load under way ------------------------------------------
+@pytest.mark.parametrize("start", ["read", "ahead"])
 @pytest.mark.parametrize("fault", [None, "denied", "changed"])
 def test_workers_joining_a_load_under_way_share_its_one_get_and_are_answered_once(
-        rig: Rig, mem: MemoryStore, fault: str | None) -> None:
+        rig: Rig, mem: MemoryStore, fault: str | None, start: str) -> None:
     # A FUSE request worker answers a READ of a one-block file whose GET is running by
     # joining that GET (Fetcher.join_now): many workers and a trio-side reader at once
     # make one GET; each joined reader is answered exactly once, on the trio thread, with
     # its slice of the bytes or with the load's error; none starts a load of its own.
+    # The load is started by the trio-side reader (a task), or ahead of the readers for
+    # a file found not on disk (a GET driven by callbacks, Origin.get_soon).
     data = payload(BS)
     mem.put("k", data)
     obj = version(mem, "k")
@@ -845,6 +849,11 @@ def test_workers_joining_a_load_under_way_share_its_one_get_and_are_answered_onc
             with contextlib.suppress(AccessDenied, ObjectChanged):
                 await f.read(obj, 0, BS)
 
+        changed: list[ObjectVersion] = []
+        f.on_changed = changed.append
+        if start == "ahead":
+            f.budget.force_reserve(BS)
+            f.load_ahead(obj, 0, f.block_id(obj, 0), reserved=BS)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio_reader)
             await trio.sleep(0.02)  # the load is under way
@@ -866,6 +875,9 @@ def test_workers_joining_a_load_under_way_share_its_one_get_and_are_answered_onc
                 assert data_i is None and isinstance(
                     error, AccessDenied if fault == "denied" else ObjectChanged)
         assert mem.calls["get"] == 1
+        assert changed == ([obj] if fault == "changed" else [])
+        assert f.budget.used == 0
+        assert f.cache.contains(f.block_id(obj, 0)) == (fault is None)
         # Once the load has ended nothing is joined: the worker reads memory or disk.
         assert not f.join_now(obj, 0, BS, lambda *_: None)
 
@@ -998,3 +1010,157 @@ def test_a_piece_of_a_changed_object_raises_and_tells_the_change(
         assert told == [old]
 
     rig.run(body)
+
+
+# -- cold small files loaded ahead: GETs driven by callbacks ---------------------------------
+class _Spawned:
+    """A trio instrument counting the tasks spawned while it is on."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.n += 1
+
+
+def test_cold_small_files_loaded_ahead_take_no_task_and_one_get_each(
+        tmp_path: Path, mem: MemoryStore) -> None:
+    """The load of a one-block object found not on local disk (a directory walk's
+    lookahead) spawns no task on the trio thread: its whole-object GET is driven by
+    callbacks (Origin.get_soon) and written to disk in its worker thread. Each load makes
+    one GET; readers that come while it runs join it; when it ends its bytes are on
+    disk and in memory, its flight and its memory reservation gone."""
+    objs = []
+    for i in range(40):
+        mem.put(f"f{i}", payload(BS - i % 7, seed=i))
+        objs.append(version(mem, f"f{i}"))
+    slow_gets(mem, 0.05)
+    gets, joins = _hops("s3_get"), metrics.SINGLE_FLIGHT_JOINS._value.get()
+    rig = Rig(tmp_path, mem, connections=64)  # (48 background connections: 40 at once)
+
+    async def body(f: Fetcher) -> None:
+        spawned = _Spawned()
+        fetched: list[bytes] = []
+        trio.lowlevel.add_instrument(spawned)
+        try:
+            for obj in objs:
+                f.budget.force_reserve(obj.size)
+                f.load_ahead(obj, 0, f.block_id(obj, 0), reserved=obj.size,
+                             fetched=fetched.append)
+            assert all(f.is_fetching(f.block_id(obj, 0)) for obj in objs)
+        finally:
+            trio.lowlevel.remove_instrument(spawned)
+        # readers of the first ten join their loads (no GET of their own)
+        got: dict[int, bytes] = {}
+
+        async def reader(i: int) -> None:
+            got[i] = await f.read(objs[i], 0, BS)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(reader, i)
+        await f.drain()
+        assert spawned.n == 0
+        assert sorted(fetched) == sorted(f.block_id(obj, 0) for obj in objs)
+        for i, obj in enumerate(objs):
+            bid = f.block_id(obj, 0)
+            assert f.cache.get_now(bid) == payload(BS - i % 7, seed=i)
+            assert not f.is_loading(bid)
+        assert got == {i: payload(BS - i % 7, seed=i) for i in range(10)}
+        assert f.budget.used == 0
+
+    try:
+        rig.run(body)
+    finally:
+        rig.close()
+    assert mem.calls["get"] == 40
+    assert _hops("s3_get") - gets == 40
+    assert metrics.SINGLE_FLIGHT_JOINS._value.get() - joins == 10
+
+
+def test_a_cold_small_file_loaded_ahead_is_retried_and_fails_at_the_deadline(
+        tmp_path: Path, mem: MemoryStore) -> None:
+    """A load driven by callbacks whose first GET fails is retried until the retry
+    deadline like any load: a transient failure then an answer gives the bytes; S3
+    failing throughout fails the load's readers with the deadline's error."""
+    mem.put("ok", payload(BS - 1, seed=1))
+    mem.put("bad", payload(BS - 1, seed=2))
+    failures = {"ok": 1}
+
+    def fault(op: str, key: str) -> None:
+        if op != "get":
+            return
+        if key == "bad" or failures.get(key):
+            failures[key] = failures.get(key, 1) - 1
+            raise TransientStoreError("503 Service Unavailable", reason="server_error")
+
+    mem.fault = fault
+    rig = Rig(tmp_path, mem, deadline=1.0, backoff=Backoff(base=0.05, cap=0.1))
+    ok, bad = version(mem, "ok"), version(mem, "bad")
+
+    async def body(f: Fetcher) -> None:
+        for obj in (ok, bad):
+            f.budget.force_reserve(obj.size)
+            f.load_ahead(obj, 0, f.block_id(obj, 0), reserved=obj.size)
+        assert await f.read(ok, 0, BS) == payload(BS - 1, seed=1)
+        t0 = time.monotonic()
+        with pytest.raises(TransientStoreError, match="retry deadline"):
+            await f.read(bad, 0, BS)
+        assert time.monotonic() - t0 < 3.0
+        await f.drain()
+        assert f.cache.contains(f.block_id(ok, 0))
+        assert not f.cache.contains(f.block_id(bad, 0))
+        assert f.budget.used == 0
+
+    try:
+        rig.run(body)
+    finally:
+        rig.close()
+    assert mem.calls["get"] >= 2 + 3  # (ok: 2; bad: tried again until the deadline)
+
+
+def test_a_cold_small_file_loaded_ahead_ends_when_the_fetcher_stops(
+        rig: Rig, mem: MemoryStore) -> None:
+    """A load driven by callbacks still waiting for S3 when the fetcher ends (unmount)
+    is failed at once with "cachefs is stopping": its readers are answered, its GET
+    aborted, its memory reservation given back."""
+    mem.put("k", payload(BS - 1))
+    obj = version(mem, "k")
+    aborted = threading.Event()
+
+    def stall(key: str, exchange: Exchange) -> None:
+        while not exchange.aborted:
+            time.sleep(0.01)
+        aborted.set()
+        raise TransientStoreError("aborted", reason="stopping")
+
+    mem.on_get = stall
+    seen: list[BaseException] = []
+    budgets: list[MemoryBudget] = []
+
+    class Stop(Exception):
+        pass
+
+    async def main() -> None:
+        async with trio.open_nursery() as outer:
+            with contextlib.suppress(Stop, BaseExceptionGroup):
+                async with rig.fetcher() as f:  # (left by an exception: no drain)
+                    budgets.append(f.budget)
+                    f.budget.force_reserve(obj.size)
+                    f.load_ahead(obj, 0, f.block_id(obj, 0), reserved=obj.size)
+
+                    async def reader() -> None:
+                        with pytest.raises(TransientStoreError) as info:
+                            await f.read(obj, 0, BS)
+                        seen.append(info.value)
+
+                    outer.start_soon(reader)
+                    await trio.sleep(0.2)
+                    raise Stop()
+
+    t0 = time.monotonic()
+    trio.run(main)
+    assert time.monotonic() - t0 < 5.0  # (not at the retry deadline)
+    assert aborted.wait(5)
+    assert len(seen) == 1 and "stopping" in str(seen[0])
+    assert budgets[0].used == 0

@@ -691,3 +691,306 @@ def test_requests_giving_up_at_the_deadline_log_one_line_per_interval(caplog: An
     assert len(lines) == 2, lines
     assert "4 more S3 get requests gave up" in lines[1], lines
     assert sample("cachefs_s3_deadline_exceeded_total", {"op": "get"}) == before + 6
+
+
+# -- GETs driven by callbacks (Origin.get_soon) ----------------------------------------------
+class Spawned:
+    """A trio instrument counting the tasks spawned while it is on."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.n += 1
+
+
+async def soon(origin: Origin, key: str, etag_: str, start: int, end: int,
+               spawned: Spawned | None = None, **kw: Any) -> Any:
+    """``origin.get_soon`` under a running ``run_soon``, awaited: its Got, or its error
+    raised. ``spawned`` counts the tasks spawned between its start and its answer."""
+    told: list[tuple[Any, BaseException | None]] = []
+    answered = trio.Event()
+
+    def done(got: Any, error: BaseException | None) -> None:
+        told.append((got, error))
+        answered.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(origin.run_soon)
+        if spawned is not None:
+            trio.lowlevel.add_instrument(spawned)
+        try:
+            assert origin.get_soon(key, etag_, start, end, done=done, **kw)
+            await answered.wait()
+        finally:
+            if spawned is not None:
+                trio.lowlevel.remove_instrument(spawned)
+        await trio.sleep(0.05)  # (told once: a second call would show)
+        nursery.cancel_scope.cancel()
+    assert len(told) == 1
+    got, error = told[0]
+    if error is not None:
+        raise error
+    return got
+
+
+def test_a_get_driven_by_callbacks_answers_as_get_does_without_a_task() -> None:
+    """The whole-object GET of a cold small file, checked and handed to its sink in the
+    worker thread, answered on the trio thread with no task spawned for it."""
+    store = MemoryStore()
+    data = bytes(range(256)) * 40
+    store.put("k", data, checksum="crc64nvme")
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    sunk: list[bytes] = []
+    spawned = Spawned()
+    verified = sample("cachefs_s3_verified_bytes_total", {"check": "crc64nvme"})
+    got = trio.run(lambda: soon(origin, "k", etag(store, "k"), 0, len(data), spawned,
+                                whole=True, background=True, sink=sunk.append))
+    assert got.data == data and got.check == "crc64nvme"
+    assert sunk == [data]
+    assert store.calls["get"] == 1
+    assert spawned.n == 0
+    assert sample("cachefs_s3_verified_bytes_total", {"check": "crc64nvme"}) == \
+        verified + len(data)
+    assert origin.limit.all.available_tokens == 4  # (its connection given back)
+    assert origin.limit.background.available_tokens == 3
+
+
+def test_a_get_driven_by_callbacks_is_refused_where_get_alone_goes() -> None:
+    """No run_soon, a closed origin or a failing S3: get_soon starts nothing (the caller
+    asks get, whose paths those are)."""
+    store = store_with(k=b"k")
+    origin = Origin(store, max_connections=1, deadline=30, backoff=FAST)
+
+    def done(got: Any, error: BaseException | None) -> None:
+        raise AssertionError("told")
+
+    async def main() -> None:
+        assert not origin.get_soon("k", etag(store, "k"), 0, 1, done=done)  # no run_soon
+        async with trio.open_nursery() as nursery:
+            await nursery.start(origin.run_soon)
+            origin._outage = True
+            assert not origin.get_soon("k", etag(store, "k"), 0, 1, done=done)
+            origin._outage = False
+            origin._gave_up["s3://bucket/other"] = trio.current_time()
+            assert not origin.get_soon("k", etag(store, "k"), 0, 1, done=done)
+            origin._gave_up.clear()
+            origin.close()
+            assert not origin.get_soon("k", etag(store, "k"), 0, 1, done=done)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert store.calls["get"] == 0
+    assert origin.limit.all.available_tokens == 1
+
+
+def test_gets_driven_by_callbacks_wait_for_a_connection_behind_tasks_in_order() -> None:
+    """With no connection free, a GET of get_soon waits (no task) and is sent once one is
+    given back, after a task already waiting for one (a demand read) and before a later
+    GET of its kind; one still waiting at its deadline fails there; one still waiting
+    when cachefs stops is told so at once."""
+    store = store_with(a=b"a", b=b"b", c=b"c", t=b"t", late=b"l", stop=b"s")
+    order: list[str] = []
+
+    def fault(op: str, key: str) -> None:
+        order.append(key)
+
+    store.fault = fault
+    origin = Origin(store, max_connections=1, deadline=30, backoff=FAST)
+    told: dict[str, Any] = {}
+
+    def done_for(key: str) -> Any:
+        return lambda got, error: told.__setitem__(key, got.data if got else error)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(origin.run_soon)
+            origin.limit.all.acquire_on_behalf_of_nowait("someone")
+
+            async def task_get() -> None:
+                told["t"] = (await origin.get("t", etag(store, "t"), 0, 1)).data
+
+            nursery.start_soon(task_get)
+            await trio.sleep(0.05)  # (the task waits in the limiter)
+            for key in ("a", "b", "c"):
+                assert origin.get_soon(key, etag(store, key), 0, 1, done=done_for(key))
+            await trio.sleep(0.1)
+            assert store.calls["get"] == 0 and not told
+            origin.limit.all.release_on_behalf_of("someone")
+            while len(told) < 4:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert told == {"t": b"t", "a": b"a", "b": b"b", "c": b"c"}
+    assert order == ["t", "a", "b", "c"]
+    assert origin.limit.all.available_tokens == 1
+
+    origin = Origin(store, max_connections=1, deadline=0.5, backoff=FAST)
+
+    async def waits() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(origin.run_soon)
+            origin.limit.all.acquire_on_behalf_of_nowait("someone")
+            assert origin.get_soon("late", etag(store, "late"), 0, 1, done=done_for("late"))
+            await trio.sleep(1.0)
+            assert isinstance(told["late"], TransientStoreError)
+            assert "retry deadline" in str(told["late"])
+            assert origin._gave_up  # (remembered: get alone makes the next request ...)
+            origin._gave_up.clear()  # (... until S3 answers again)
+            assert origin.get_soon("stop", etag(store, "stop"), 0, 1, done=done_for("stop"))
+            origin.close()
+            assert isinstance(told["stop"], TransientStoreError)
+            assert "stopping" in str(told["stop"])
+            origin.limit.all.release_on_behalf_of("someone")
+            nursery.cancel_scope.cancel()
+
+    trio.run(waits)
+    assert "late" not in order and "stop" not in order
+
+
+def test_a_get_driven_by_callbacks_is_retried_after_a_failed_first_attempt() -> None:
+    store = store_with(k=b"v" * 100)
+    failures = {"left": 2}
+
+    def fault(op: str, key: str) -> None:
+        if op == "get" and failures["left"]:
+            failures["left"] -= 1
+            raise TransientStoreError("503 Service Unavailable", reason="server_error")
+
+    store.fault = fault
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    retries = sample("cachefs_s3_retries_total", {"op": "get", "reason": "server_error"})
+    got = trio.run(lambda: soon(origin, "k", etag(store, "k"), 0, 100, whole=True))
+    assert got.data == b"v" * 100
+    assert store.calls["get"] == 3
+    assert sample("cachefs_s3_retries_total", {"op": "get", "reason": "server_error"}) == \
+        retries + 2
+    assert not origin._outage  # (answered: the outage the failures began is over)
+
+
+@pytest.mark.parametrize("checksum", [None, "crc64nvme"])
+def test_altered_bytes_of_a_get_driven_by_callbacks_are_retried_never_returned(
+        checksum: str | None) -> None:
+    store = MemoryStore()
+    data = bytes(range(256)) * 40
+    store.put("k", data, checksum=checksum)
+    store.mangle = flip_once(2)
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    sunk: list[bytes] = []
+    got = trio.run(lambda: soon(origin, "k", etag(store, "k"), 0, len(data), whole=True,
+                                sink=sunk.append))
+    assert got.data == data
+    assert sunk == [data]  # (altered bytes never reach the cache)
+    assert store.calls["get"] == 3
+
+
+def test_a_get_driven_by_callbacks_fails_at_once_on_a_permanent_error() -> None:
+    store = store_with(k=b"old")
+    old = etag(store, "k")
+    store.put("k", b"new")
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)
+    with pytest.raises(ObjectChanged):
+        trio.run(lambda: soon(origin, "k", old, 0, 3, whole=True))
+    assert store.calls["get"] == 1
+    origin = Origin(store, max_connections=4, deadline=30, backoff=FAST)  # (one per run)
+    with pytest.raises(NoSuchKey):
+        trio.run(lambda: soon(origin, "gone", old, 0, 3, whole=True))
+    assert store.calls["get"] == 2
+
+
+def stall_first_n(n: int, aborted: threading.Event) -> Any:
+    """An ``on_get``: the first ``n`` requests send their headers, then silence until
+    aborted."""
+    count = {"n": 0}
+    lock = threading.Lock()
+
+    def on_get(key: str, exchange: Exchange) -> None:
+        with lock:
+            count["n"] += 1
+            mine = count["n"] <= n
+        if mine:
+            exchange.received()
+            while not exchange.aborted:
+                time.sleep(0.01)
+            aborted.set()
+            raise TransientStoreError("aborted", reason="stopping")
+    return on_get
+
+
+def test_a_silent_get_driven_by_callbacks_is_hedged_and_the_loser_aborted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(origin_mod, "HEDGE_FLOOR", 0.2)
+    store = store_with(k=b"x" * 1000)
+    aborted = threading.Event()
+    store.on_get = stall_first_n(1, aborted)
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+    sent = sample("cachefs_s3_hedges_sent_total")
+    won = sample("cachefs_s3_hedges_won_total")
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        got = await soon(origin, "k", etag(store, "k"), 0, 1000, whole=True)
+        assert got.data == b"x" * 1000
+        return time.monotonic() - t0
+
+    took = trio.run(main)
+    assert 0.2 <= took < 5.0  # (not before the hedge delay)
+    assert aborted.wait(5)
+    assert store.calls["get"] == 2
+    assert sample("cachefs_s3_hedges_sent_total") == sent + 1
+    assert sample("cachefs_s3_hedges_won_total") == won + 1
+
+
+def test_a_get_driven_by_callbacks_silent_past_the_deadline_fails_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first attempt is cut at the retry deadline (its hedge too), with the
+    deadline's error and count, and its requests are aborted."""
+    monkeypatch.setattr(origin_mod, "HEDGE_FLOOR", 0.2)
+    store = store_with(k=b"x" * 10)
+    aborted = threading.Event()
+    store.on_get = stall_first_n(100, aborted)
+    origin = Origin(store, max_connections=4, deadline=0.8, backoff=FAST)
+    exceeded = sample("cachefs_s3_deadline_exceeded_total", {"op": "get"})
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        with pytest.raises(TransientStoreError, match="retry deadline"):
+            await soon(origin, "k", etag(store, "k"), 0, 10, whole=True)
+        return time.monotonic() - t0
+
+    took = trio.run(main)
+    assert 0.8 <= took < 3.0
+    assert aborted.wait(5)
+    assert store.calls["get"] == 2  # the GET and its hedge, both cut
+    assert sample("cachefs_s3_deadline_exceeded_total", {"op": "get"}) == exceeded + 1
+
+
+@pytest.mark.parametrize("how", ["close", "cancel"])
+def test_a_get_driven_by_callbacks_ends_at_once_when_cachefs_stops(how: str) -> None:
+    """Origin.close (unmount) or the end of run_soon (the fetcher's): the GET in flight
+    is aborted and told "cachefs is stopping" at once, not at its deadline."""
+    store = store_with(k=b"x" * 10)
+    aborted = threading.Event()
+    store.on_get = stall_first_n(100, aborted)
+    origin = Origin(store, max_connections=4, deadline=600, backoff=FAST)
+    told: list[BaseException | None] = []
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(origin.run_soon)
+            assert origin.get_soon("k", etag(store, "k"), 0, 10, whole=True,
+                                   done=lambda got, error: told.append(error))
+            await trio.sleep(0.3)
+            t0 = time.monotonic()
+            if how == "close":
+                origin.close()
+                while not told:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        return time.monotonic() - t0
+
+    assert trio.run(main) < 2.0
+    assert len(told) == 1
+    assert isinstance(told[0], TransientStoreError) and "stopping" in str(told[0])
+    assert aborted.wait(5)

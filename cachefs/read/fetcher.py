@@ -22,6 +22,15 @@ Tasks and ownership:
 
 * Loads run in the fetcher's own nursery (:meth:`Fetcher.run`), not in the
   reader's task, so an interrupted reader does not abort a GET others wait on.
+  The load of a one-block object its starter found not on local disk (a
+  directory walk's lookahead, a hint), with no tier below the disk, runs as no
+  task at all: its whole-object GET is driven by callbacks
+  (:meth:`Origin.get_soon`, whose watcher task :meth:`Fetcher.run` owns), and
+  its end (:meth:`Fetcher._soon_loaded`, a callback on the trio thread) does
+  what the end of :meth:`Fetcher._load` does. Single flight, version pinning
+  (the GET's If-Match), the write in the GET's worker thread and the readers
+  joined to it are the same; when the fetcher ends, such a load still waiting
+  is failed with "cachefs is stopping" at once.
   A load that goes past the disk tier holds a
   :class:`~cachefs.read.budget.MemoryBudget` reservation until its block has
   been written back to the disk cache.
@@ -193,6 +202,10 @@ class _SinkGate:
             self._closed = True
         return self._idle.wait(timeout)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
 
 #: Called on the trio thread with (bytes, None) or (None, error): a reader joined to a load.
 Joined = Callable[[bytes | None, BaseException | None], None]
@@ -281,6 +294,7 @@ class Fetcher:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.assembled.attach(nursery)
+                await nursery.start(self.origin.run_soon)  # (the GETs of _soon_load)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -602,8 +616,8 @@ class Fetcher:
             flight = self._start_load(obj, index, bid, prefetch=True, reserved=0)
             flight.disk_ahead = True
         else:
-            flight = self._start_load(obj, index, bid, prefetch=True, reserved=reserved)
-            flight.not_on_disk = True
+            flight = self._start_load(obj, index, bid, prefetch=True, reserved=reserved,
+                                      not_on_disk=True)
         flight.fetched = fetched
 
     async def wait_loaded(self, bid: bytes) -> bool:
@@ -619,15 +633,99 @@ class Fetcher:
         return flight.source not in ("memory", "disk")
 
     def _start_load(self, obj: ObjectVersion, index: int, bid: bytes, *, prefetch: bool,
-                    reserved: int) -> _Flight:
+                    reserved: int, not_on_disk: bool = False) -> _Flight:
         assert self._nursery is not None, "Fetcher.run() is not running"
         flight = _Flight(prefetch)
+        flight.not_on_disk = not_on_disk
         self._flights[bid] = flight
         if not self._pending:
             self._idle = trio.Event()
         self._pending += 1
-        self._nursery.start_soon(self._load, obj, index, bid, flight, reserved)
+        if not (not_on_disk and reserved and obj.size <= self.block_size and index == 0
+                and len(self.tiers) == 1 and self._soon_load(obj, bid, flight, reserved)):
+            self._nursery.start_soon(self._load, obj, index, bid, flight, reserved)
         return flight
+
+    def _soon_load(self, obj: ObjectVersion, bid: bytes, flight: _Flight,
+                   reserved: int) -> bool:
+        """Start the load of a one-block object found not on local disk, with no tier
+        below the disk, as a whole-object GET driven by callbacks
+        (:meth:`Origin.get_soon`): no task on the trio thread, whose cost per cold small
+        file bounds their throughput. Its end (:meth:`_soon_loaded`) does what the end
+        of :meth:`_load` does. False when the origin starts nothing now: :meth:`_load`
+        then runs as for any load."""
+        ref = BlockRef(obj, 0, self.block_len(obj, 0), bid)
+        stored: list[bool] = []
+
+        def done(got: Got | None, error: BaseException | None) -> None:  # trio thread
+            self._soon_loaded(ref, flight, reserved, got, error, bool(stored))
+
+        if not self.origin.get_soon(obj.key, obj.etag, 0, ref.length, whole=True,
+                                    background=flight.prefetch, done=done,
+                                    sink=self._disk_sink(ref, stored)):
+            return False
+        metrics.INFLIGHT_FETCHES.inc()
+        _S3_GET_HOPS.inc()
+        flight.source = ORIGIN
+        return True
+
+    def _soon_loaded(self, ref: BlockRef, flight: _Flight, reserved: int, got: Got | None,
+                     error: BaseException | None, on_disk: bool) -> None:
+        """The GET of a load started by :meth:`_soon_load` has its answer (trio thread):
+        as :meth:`_load` ends. A block its GET's worker thread did not write to the disk
+        tier (bytes served after two answers disagreed with the ETag, the fetcher
+        stopping) is written back by a task of the fetcher's nursery, its flight kept
+        until then; once the fetcher has stopped, it is not."""
+        metrics.INFLIGHT_FETCHES.dec()
+        bid = ref.bid
+        write_back = False
+        try:
+            if got is not None:
+                _TIER_HITS[ORIGIN].inc()
+                flight.data = got.data
+                self.memory.store(bid, got.data)
+                write_back = not on_disk and not self._sinks.closed
+            else:
+                flight.error = error
+                if isinstance(error, ObjectChanged):
+                    self._tell_changed(ref.obj)
+                if self._notes is not None:
+                    self._notes.forget(bid)
+            if write_back:
+                try:
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._soon_write_back, ref, flight, reserved)
+                except RuntimeError:  # (the fetcher's nursery has ended)
+                    write_back = False
+            if not write_back:
+                self._settle(bid, flight)
+            flight.event.set()
+            self._tell_joined(flight)
+            if flight.fetched is not None:
+                try:
+                    flight.fetched(bid)
+                except Exception:  # (a policy's bug must not end the load)
+                    log.exception("telling a prefetch policy that a load ended failed")
+        finally:
+            if not write_back:
+                self._loaded(reserved)
+
+    async def _soon_write_back(self, ref: BlockRef, flight: _Flight, reserved: int) -> None:
+        """Write back the block of a load of :meth:`_soon_load` its GET did not write."""
+        try:
+            with contained("cache_write", "writing a fetched block to the disk tier"):
+                await self.tiers[0].put(ref, flight.data)  # type: ignore[arg-type]
+        finally:
+            self._settle(ref.bid, flight)
+            self._loaded(reserved)
+
+    def _loaded(self, reserved: int) -> None:
+        """A load started by :meth:`_soon_load` is over, written back included."""
+        if reserved:
+            self.budget.release(reserved)
+        self._pending -= 1
+        if not self._pending:
+            self._idle.set()
 
     async def _load(self, obj: ObjectVersion, index: int, bid: bytes, flight: _Flight,
                     reserved: int) -> None:

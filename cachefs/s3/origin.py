@@ -70,6 +70,20 @@ waiting task's own: the trio thread's cost per GET bounds cold small-file
 throughput. A thread is named ``cachefs-s3`` once, at its first request
 (:func:`_name_thread`), not per request.
 
+**GETs driven by callbacks** (:meth:`Origin.get_soon`: the fetcher's loads of
+cold small files found not on disk). Not even a waiting task: the GET is sent
+at once (or, with no connection free, when one is given back, behind the tasks
+waiting in the limiter), its landing answers it through a callback on the trio
+thread, and one task (:meth:`Origin.run_soon`, owned by the fetcher) watches
+every such GET in flight: it sends the hedge of one silent for the hedge delay
+and cuts one at the retry deadline, as :meth:`Origin._hedged` and
+:meth:`Origin._retrying` do for a task. A first attempt that fails is retried
+by a task of that watcher's nursery, from that failure and with the same
+deadline; so every other path (outage, backoff, last try, the log) is
+:meth:`Origin.get`'s own code. Such a GET is told its outcome exactly once:
+its answer, its error, or "cachefs is stopping" (:meth:`Origin.close`, or the
+watcher's end).
+
 Concurrency: everything here runs on the trio thread, except the functions
 handed to worker threads, which touch only their arguments, the Exchange and
 (to deliver their outcome) the trio token.
@@ -339,6 +353,31 @@ class _Job(Generic[T]):
         self.outages = 0
 
 
+class _Soon(_Waiting[Got]):
+    """A GET driven by callbacks (:meth:`Origin.get_soon`): the jobs of its first
+    attempt (a GET and perhaps its hedge), what its retries need, and whom to tell
+    (trio thread only). ``over`` once its first attempt has ended, however: its jobs
+    still in flight are aborted, and their landings change nothing."""
+
+    __slots__ = ("background", "cut_at", "done", "failed", "fetch", "first", "hedge", "jobs",
+                 "over", "where")
+
+    def __init__(self, fetch: Callable[[Exchange], Got], where: str, background: bool,
+                 first: float, cut_at: float, done: Callable[[Got | None, BaseException | None],
+                                                             None]) -> None:
+        super().__init__()
+        self.fetch = fetch
+        self.where = where
+        self.background = background
+        self.first = first  # trio's clock
+        self.cut_at = cut_at  # trio's clock: the retry deadline (inf: none)
+        self.done: Callable[[Got | None, BaseException | None], None] | None = done
+        self.failed: list[object] = []  # what answers that failed their check computed
+        self.jobs: list[_Job[Got]] = []
+        self.hedge: _Job[Got] | None = None
+        self.over = False
+
+
 class Origin:
     """S3 for the async rest of cachefs: see the module docstring."""
 
@@ -375,6 +414,14 @@ class Origin:
         self._md5_disagreements = 0
         self.check_etags = True
         self._token: trio.lowlevel.TrioToken | None = None
+        # GETs driven by callbacks whose first attempt is in flight (get_soon), oldest
+        # first; the nursery that owns their retries, and the scope of the one task that
+        # watches their hedge delays and deadlines (run_soon: trio thread)
+        self._soon: dict[_Soon, None] = {}
+        # ... and those waiting for a connection (or background slot), in their order
+        self._soon_queue: deque[_Soon] = deque()
+        self._soon_nursery: trio.Nursery | None = None
+        self._soon_scope: trio.CancelScope | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
@@ -383,6 +430,11 @@ class Origin:
         self._wake.set()
         for exchange in list(self._exchanges):
             exchange.abort()
+        queued, self._soon_queue = self._soon_queue, deque()
+        for rec in queued:  # (waiting for a connection: nothing to abort)
+            if not rec.over:
+                self._soon_end(rec)
+                self._soon_tell(rec, None, self._stopping(rec.where))
 
     @property
     def closed(self) -> bool:
@@ -410,10 +462,29 @@ class Origin:
         """
         where = f"s3://{self.bucket}/{key}"
         failed: list[object] = []  # what the answers that failed their check computed
+        fetch = self._get_fetch(key, etag, start, end, whole=whole, crc_kind=crc_kind,
+                                sink=sink, where=where)
+
+        async def attempt() -> Got:
+            try:
+                return await self._hedged(fetch, background=background)
+            except IntegrityError as exc:
+                return self._check_failed(exc, failed, where)
+
+        got = await self._retrying("get", where, attempt)
+        (_VERIFIED_BYTES.get(got.check) or metrics.S3_VERIFIED_BYTES.labels(got.check)).inc(
+            len(got.data))
+        return got
+
+    def _get_fetch(self, key: str, etag: str, start: int, end: int, *, whole: bool,
+                   crc_kind: str | None, sink: Callable[[bytes], None] | None,
+                   where: str) -> Callable[[Exchange], Got]:
+        """The blocking call of one attempt of :meth:`get` (run in a worker thread)."""
         check_etags = self.check_etags
+        store = self.store
 
         def fetch(exchange: Exchange) -> Got:  # worker thread
-            body = self.store.get(key, etag, start, end, whole=whole, exchange=exchange)
+            body = store.get(key, etag, start, end, whole=whole, exchange=exchange)
             if whole:
                 check = integrity.check_whole(body.data, where=where, stated=body.checksum,
                                               etag=etag, etag_md5=body.etag_md5 and check_etags)
@@ -422,22 +493,17 @@ class Origin:
                 return Got(body.data, check)
             return Got(body.data, "none",
                        integrity.crc(crc_kind, body.data) if crc_kind else None)
+        return fetch
 
-        async def attempt() -> Got:
-            try:
-                return await self._hedged(fetch, background=background)
-            except IntegrityError as exc:
-                metrics.S3_INTEGRITY_ERRORS.labels(exc.check).inc()
-                if exc.computed in failed:
-                    return self._disagreement(exc, where)
-                failed.append(exc.computed)
-                log.warning("%s", exc)
-                raise
-
-        got = await self._retrying("get", where, attempt)
-        (_VERIFIED_BYTES.get(got.check) or metrics.S3_VERIFIED_BYTES.labels(got.check)).inc(
-            len(got.data))
-        return got
+    def _check_failed(self, exc: IntegrityError, failed: list[object], where: str) -> Got:
+        """An answer of a GET failed its check: counted, and raised to be retried, unless
+        an earlier answer's bytes failed it the same way (:meth:`_disagreement`)."""
+        metrics.S3_INTEGRITY_ERRORS.labels(exc.check).inc()
+        if exc.computed in failed:
+            return self._disagreement(exc, where)
+        failed.append(exc.computed)
+        log.warning("%s", exc)
+        raise exc
 
     async def open_connections(self, n: int) -> int:
         """Open up to ``n`` connections to S3 ahead of the first requests, when the store
@@ -472,7 +538,9 @@ class Origin:
         return await self._retrying("head", f"s3://{self.bucket}/{key}", attempt)
 
     # -- retries ----------------------------------------------------------------------
-    async def _retrying(self, op: str, where: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def _retrying(self, op: str, where: str, attempt: Callable[[], Awaitable[T]], *,
+                        first: float | None = None,
+                        failure: TransientStoreError | None = None) -> T:
         """Run ``attempt`` until it succeeds, retrying transient failures with backoff until
         the retry deadline. Every attempt is cut off at the deadline (its own timeouts, and
         its hedge's, could run for seconds past it: a read then waited twice the deadline
@@ -480,9 +548,16 @@ class Origin:
         what gave up at the deadline moments ago (:data:`GAVE_UP_MEMORY`), S3 silent
         since, has :data:`LAST_TRY` seconds, not a deadline of its own: a read that failed
         is asked for again by the kernel (the page-cache read after its readahead), which
-        waited the deadline all over again; a reader's retry once S3 is back still works."""
-        first = trio.current_time()
-        gave_up = self._gave_up.get(where)
+        waited the deadline all over again; a reader's retry once S3 is back still works.
+
+        ``first`` and ``failure``: the request's first attempt was made at ``first``
+        (trio's clock) without this loop, and failed with ``failure`` (a GET driven by
+        callbacks, :meth:`get_soon`): the loop goes on from there as if its own first
+        attempt had failed so, with the same deadline (and no last try: that attempt was
+        made when no request that gave up was remembered)."""
+        if first is None:
+            first = trio.current_time()
+        gave_up = self._gave_up.get(where) if failure is None else None
         last_try = gave_up is not None and first - gave_up < min(self.deadline, GAVE_UP_MEMORY)
         deadline_at = first + (min(LAST_TRY, self.deadline) if last_try else self.deadline)
         # (a deadline of 0: one attempt, no retry, bounded by its own timeouts only)
@@ -492,6 +567,9 @@ class Origin:
             if self._closed:
                 raise self._stopping(where)
             try:
+                if failure is not None:
+                    failed, failure = failure, None
+                    raise failed
                 with trio.move_on_at(cut_at) as late:
                     result = await attempt()
                 if late.cancelled_caught:
@@ -522,15 +600,21 @@ class Origin:
                 with trio.move_on_after(delay):
                     await self._wake.wait()
                 continue
-            self._note_success(op)
-            if self._gave_up:  # S3 answers again: what gave up may be asked for again
-                self._gave_up.clear()
-            if self._outage:  # S3 answers again: requests waiting to retry go now
-                self._outage = False
-                self._outage_changes += 1
-                self._wake.set()
-                self._wake = trio.Event()
+            self._answered(op)
             return result
+
+    def _answered(self, op: str) -> None:
+        """A request of ``op`` succeeded (trio thread): the log's episode ends, what gave
+        up may be asked for again, and an outage is over."""
+        if self._episodes:
+            self._note_success(op)
+        if self._gave_up:  # S3 answers again: what gave up may be asked for again
+            self._gave_up.clear()
+        if self._outage:  # S3 answers again: requests waiting to retry go now
+            self._outage = False
+            self._outage_changes += 1
+            self._wake.set()
+            self._wake = trio.Event()
 
     def _disagreement(self, exc: IntegrityError, where: str) -> Got:
         """Two answers with the same bytes both failed their check: not the transfer but
@@ -612,9 +696,14 @@ class Origin:
         elif (isinstance(result, outcome.Error) and isinstance(result.error, TransientStoreError)
               and result.error.throttled):
             self.limit.throttled(job.exchange.sent_at)
+        if self._soon_queue:
+            self._soon_pump()
         waiting, job.waiting = job.waiting, None  # (no cycle: see _Job)
         assert waiting is not None  # (a job lands once)
         waiting.landed.append(job)
+        if isinstance(waiting, _Soon):
+            self._soon_landed(waiting, job)  # type: ignore[arg-type]
+            return
         task, waiting.task = waiting.task, None
         if task is not None:
             trio.lowlevel.reschedule(task)
@@ -646,12 +735,14 @@ class Origin:
             raise
         return job
 
-    def _give_back(self, job: _Job[T]) -> None:
+    def _give_back(self, job: _Job[T], *, pump: bool = True) -> None:
         """Return the tokens of a job that never ran."""
         self._exchanges.discard(job.exchange)
         self.limit.all.release_on_behalf_of(job)
         if job.background:
             self.limit.background.release_on_behalf_of(job)
+        if pump and self._soon_queue:
+            self._soon_pump()
 
     @staticmethod
     async def _wait(waiting: _Waiting[T], timeout: float) -> None:
@@ -755,6 +846,262 @@ class Origin:
             errors.append(job.result.error)
         permanent = [e for e in errors if not isinstance(e, TransientStoreError)]
         raise (permanent or errors)[0]
+
+    # -- GETs driven by callbacks ------------------------------------------------------
+    async def run_soon(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                       ) -> None:
+        """Own the GETs of :meth:`get_soon` until cancelled: one task watches the hedge
+        delay and retry deadline of every such GET whose first attempt is in flight, and
+        their retries run as tasks of this one's nursery. When it ends (cancelled: the
+        fetcher's end), every such GET not yet answered is told
+        TransientStoreError("cachefs is stopping") and its requests are aborted. At most
+        one runs per origin."""
+        if self._soon_nursery is not None:
+            raise RuntimeError("Origin.run_soon is running already")
+        try:
+            async with trio.open_nursery() as nursery:
+                self._soon_nursery = nursery
+                task_status.started()
+                next_at = math.inf
+                while True:
+                    with trio.CancelScope(deadline=next_at) as scope:
+                        self._soon_scope = scope
+                        await trio.sleep_forever()
+                    self._soon_scope = None
+                    next_at = self._soon_watch()
+        finally:
+            self._soon_nursery = self._soon_scope = None
+            self._soon_queue.clear()
+            for rec in list(self._soon):
+                self._soon_end(rec)
+                self._soon_tell(rec, None, self._stopping(rec.where))
+
+    def get_soon(self, key: str, etag: str, start: int, end: int, *,
+                 done: Callable[[Got | None, BaseException | None], None],
+                 whole: bool = False, background: bool = False, crc_kind: str | None = None,
+                 sink: Callable[[bytes], None] | None = None) -> bool:
+        """:meth:`get` without a task: start it and return True, and ``done(got, None)``
+        or ``done(None, error)`` is called once, later, on the trio thread, with what
+        :meth:`get` would have returned or raised. Or start nothing and return False
+        (then ask :meth:`get`): when :meth:`run_soon` is not running, cachefs is
+        stopping, S3 is failing (an outage, or a request that gave up at its deadline is
+        remembered: those paths are :meth:`get`'s alone), or no worker thread can be
+        started.
+
+        The same request, checks, hedge, limits, deadline and metrics as :meth:`get`,
+        without a task, coroutine or cancel scope per GET on the trio thread (their cost
+        bounded cold small-file throughput): the worker thread's landing
+        (:meth:`_landed`) answers, the watcher of :meth:`run_soon` sends the hedge of a
+        silent GET and cuts one at the retry deadline, and only a first attempt that
+        fails (or is cut) goes on as a task of :meth:`run_soon`'s nursery running
+        :meth:`_retrying` from that failure, with the same deadline. With no connection
+        (or background slot) free, the GET waits in ``_soon_queue``, in order, behind the
+        tasks waiting in the limiter (demand reads among them), and is sent when one is
+        given back (:meth:`_soon_pump`); its deadline runs meanwhile, as a task's does
+        while it waits in the limiter. That queue holds at most the loads its caller has
+        started (the fetcher's each hold a memory reservation). ``done`` must not raise
+        (it is logged). Trio thread."""
+        if self._soon_nursery is None or self._closed or self._outage or self._gave_up:
+            return False
+        where = f"s3://{self.bucket}/{key}"
+        fetch = self._get_fetch(key, etag, start, end, whole=whole, crc_kind=crc_kind,
+                                sink=sink, where=where)
+        now = trio.current_time()
+        rec = _Soon(fetch, where, background, now,
+                    now + self.deadline if self.deadline > 0 else math.inf, done)
+        try:
+            queued = bool(self._soon_queue) or not self._soon_send(rec)
+        except Exception:  # no thread to be had: nothing was sent (get() says why)
+            return False
+        self._soon[rec] = None
+        if queued:
+            self._soon_queue.append(rec)  # (its deadline runs: the watcher cuts it there)
+            scope = self._soon_scope
+            if scope is not None and rec.cut_at < scope.deadline:
+                scope.deadline = rec.cut_at
+        return True
+
+    def _soon_send(self, rec: _Soon) -> bool:
+        """Take a connection (and a background slot) for ``rec`` and send its GET; False
+        when none is free (a task waiting for one in the limiter goes first). Raises what
+        starting its worker thread raised (nothing was sent)."""
+        background = rec.background
+        job = _Job(self._exchange(), rec, background)
+        limit = self.limit
+        if background:
+            try:
+                limit.background.acquire_on_behalf_of_nowait(job)
+            except trio.WouldBlock:
+                return False
+        try:
+            limit.all.acquire_on_behalf_of_nowait(job)
+        except trio.WouldBlock:
+            if background:
+                limit.background.release_on_behalf_of(job)
+            return False
+        try:
+            self._start(rec.fetch, job)
+        except BaseException:  # no thread to be had: nothing was sent
+            self._give_back(job, pump=False)
+            raise
+        rec.jobs.append(job)
+        scope = self._soon_scope
+        if scope is not None:  # (the first hedge check: the delay after the start)
+            check_at = min(trio.current_time() + self.latency.hedge_delay, rec.cut_at)
+            if check_at < scope.deadline:
+                scope.deadline = check_at
+        return True
+
+    def _soon_pump(self) -> None:
+        """Send the GETs of :meth:`get_soon` waiting for a connection while one is free
+        (trio thread: after a connection was given back or the limit grew)."""
+        queue = self._soon_queue
+        while queue:
+            rec = queue[0]
+            if rec.over:  # (cut at its deadline, or cachefs stopping)
+                queue.popleft()
+                continue
+            try:
+                if not self._soon_send(rec):
+                    return
+            except Exception as exc:  # (as get() raises it)
+                self._soon_end(rec)
+                self._soon_tell(rec, None, exc)
+            queue.popleft()
+
+    def _soon_watch(self) -> float:
+        """Send the hedge of each GET of :meth:`get_soon` silent for the hedge delay, and
+        cut those past their deadline (as :meth:`_hedged` and :meth:`_retrying` do for a
+        task); returns when to look again (trio's clock)."""
+        now = trio.current_time()
+        mono = time.monotonic()
+        next_at = math.inf
+        for rec in list(self._soon):
+            if now >= rec.cut_at:
+                self._soon_end(rec)
+                self._soon_failed(rec, TransientStoreError(
+                    f"{rec.where}: no answer by the retry deadline", reason="timeout"))
+                continue
+            if rec.hedge is None and rec.jobs:
+                primary = rec.jobs[0]
+                delay = self.latency.hedge_delay
+                if primary.exchange.sent_at is not None:
+                    delay = primary.exchange.progress_at + delay - mono
+                    if delay <= 0:
+                        hedge = self._start_hedge(rec.fetch, rec, background=rec.background)
+                        if hedge is not None:
+                            rec.jobs.append(hedge)
+                            rec.hedge = hedge
+                            metrics.S3_HEDGES_SENT.inc()
+                            log.debug("hedging a GET silent for %.1f s",
+                                      mono - primary.exchange.progress_at)
+                            delay = math.inf
+                        else:
+                            delay = self.latency.hedge_delay / 4
+                next_at = min(next_at, now + max(delay, 0.01))
+            next_at = min(next_at, rec.cut_at)
+        return next_at
+
+    def _soon_landed(self, rec: _Soon, job: _Job[Got]) -> None:
+        """A job of a GET of :meth:`get_soon` has landed (trio thread, from
+        :meth:`_landed`): the first complete answer wins (the other request is aborted);
+        when every job failed, the failure goes on as :meth:`_hedged`'s would."""
+        if rec.over:
+            return
+        result = job.result
+        if isinstance(result, outcome.Value):
+            self._soon_end(rec)
+            if job is rec.hedge:
+                metrics.S3_HEDGES_WON.inc()
+            self._soon_answered(rec, result.value)
+            return
+        if len(rec.landed) < len(rec.jobs):
+            return  # the other request may still answer
+        self._soon_end(rec)
+        errors: list[StoreError] = []
+        for landed in rec.landed:
+            assert isinstance(landed.result, outcome.Error)
+            error = landed.result.error
+            if not isinstance(error, StoreError):
+                self._soon_tell(rec, None, error)  # a bug: told as it is
+                return
+            errors.append(error)
+        permanent = [e for e in errors if not isinstance(e, TransientStoreError)]
+        self._soon_failed(rec, (permanent or errors)[0])
+
+    def _soon_failed(self, rec: _Soon, exc: StoreError) -> None:
+        """The first attempt of a GET of :meth:`get_soon` failed with ``exc``: told at
+        once if it is permanent or cachefs is stopping, else retried by a task of
+        :meth:`run_soon`'s nursery (:meth:`_soon_retry`)."""
+        if isinstance(exc, IntegrityError):
+            try:
+                got = self._check_failed(exc, rec.failed, rec.where)
+            except IntegrityError:
+                pass  # retried below
+            except StoreError as stated:  # S3's statement disagrees with its bytes
+                self._soon_tell(rec, None, stated)
+                return
+            else:
+                self._soon_answered(rec, got)
+                return
+        if not isinstance(exc, TransientStoreError):
+            self._soon_tell(rec, None, exc)
+            return
+        if self._closed:
+            self._soon_tell(rec, None, self._stopping(rec.where))
+            return
+        nursery = self._soon_nursery
+        try:
+            if nursery is None:
+                raise RuntimeError("run_soon has ended")
+            nursery.start_soon(self._soon_retry, rec, exc)
+        except RuntimeError:  # (run_soon is ending: cachefs is stopping)
+            self._soon_tell(rec, None, self._stopping(rec.where))
+
+    async def _soon_retry(self, rec: _Soon, failure: TransientStoreError) -> None:
+        """Retry a GET of :meth:`get_soon` whose first attempt failed, as :meth:`get`
+        would have (a task of :meth:`run_soon`'s nursery), and tell its outcome."""
+        async def attempt() -> Got:
+            try:
+                return await self._hedged(rec.fetch, background=rec.background)
+            except IntegrityError as exc:
+                return self._check_failed(exc, rec.failed, rec.where)
+
+        try:
+            got = await self._retrying("get", rec.where, attempt, first=rec.first,
+                                       failure=failure)
+        except Exception as exc:
+            self._soon_tell(rec, None, exc)
+        except BaseException:  # cancelled: the fetcher (run_soon) is ending
+            self._soon_tell(rec, None, self._stopping(rec.where))
+            raise
+        else:
+            self._soon_answered(rec, got, retried=True)
+
+    def _soon_answered(self, rec: _Soon, got: Got, *, retried: bool = False) -> None:
+        if not retried:  # (_retrying did this for a retried one)
+            self._answered("get")
+        (_VERIFIED_BYTES.get(got.check) or metrics.S3_VERIFIED_BYTES.labels(got.check)).inc(
+            len(got.data))
+        self._soon_tell(rec, got, None)
+
+    def _soon_end(self, rec: _Soon) -> None:
+        """The first attempt of ``rec`` is over: forget it, abort its requests in flight."""
+        rec.over = True
+        self._soon.pop(rec, None)
+        for job in rec.jobs:
+            if job.result is None:
+                job.exchange.abort()  # the loser, or everything when cut or stopping
+
+    @staticmethod
+    def _soon_tell(rec: _Soon, got: Got | None, error: BaseException | None) -> None:
+        done, rec.done = rec.done, None
+        if done is None:
+            return  # (told already)
+        try:
+            done(got, error)
+        except Exception:  # (a caller's bug must not end the trio thread's callback)
+            log.exception("telling a GET's outcome failed")
 
     # -- the log ------------------------------------------------------------------------
     def _note_failure(self, op: str, exc: TransientStoreError) -> None:
