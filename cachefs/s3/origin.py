@@ -926,8 +926,11 @@ class Origin:
         when none is free (a task waiting for one in the limiter goes first). Raises what
         starting its worker thread raised (nothing was sent)."""
         background = rec.background
-        job = _Job(self._exchange(), rec, background)
         limit = self.limit
+        if limit.all.available_tokens < 1 or (
+                background and limit.background.available_tokens < 1):
+            return False  # (the usual case in the queue: no job made in vain)
+        job = _Job(self._exchange(), rec, background)
         if background:
             try:
                 limit.background.acquire_on_behalf_of_nowait(job)
