@@ -644,6 +644,36 @@ def test_whole_object_reads_never_return_altered_bytes(rig: Rig, mem: MemoryStor
     rig.run(body)
 
 
+@pytest.mark.parametrize("start", ["read", "ahead"])
+def test_whole_object_reads_of_an_etag_that_is_no_md5_are_served_and_cached(
+        rig: Rig, mem: MemoryStore, start: str) -> None:
+    """Two identical answers that both disagree with the ETag (not an MD5 of the
+    content): the bytes are served, and cached by the write-back (their GET's thread
+    wrote nothing: they failed its check), whether the load was started by the reader or
+    ahead of it (a GET driven by callbacks, Origin.get_soon)."""
+    rig.deadline = 30
+    rig.backoff = Backoff(base=0.001, cap=0.001)
+    data = payload(BS - 5)
+    info = mem.put("small", data)
+    odd = "0123456789abcdef0123456789abcdef"  # an ETag of another kind
+    with mem._lock:
+        mem._objects["small"] = (data, info._replace(etag=odd), None)
+    obj = ObjectVersion("small", odd, len(data))
+
+    async def body(f: Fetcher) -> None:
+        bid = f.block_id(obj, 0)
+        if start == "ahead":
+            f.budget.force_reserve(obj.size)
+            f.load_ahead(obj, 0, bid, reserved=obj.size)
+        assert await f.read(obj, 0, BS) == data
+        await f.drain()
+        assert mem.calls["get"] == 2
+        assert f.cache.get_now(bid) == data
+        assert f.budget.used == 0
+
+    rig.run(body)
+
+
 def test_multi_block_object_with_an_altered_block_is_dropped_from_the_cache(
         rig: Rig, mem: MemoryStore) -> None:
     data = payload(5 * BS + 7)
@@ -748,10 +778,12 @@ def test_a_whole_object_is_on_disk_when_its_read_returns_with_one_thread_hop(
     assert (_hops("s3_get") - gets, _hops("cache_write") - writes) == (1, 0)
 
 
+@pytest.mark.parametrize("start", ["read", "ahead"])
 def test_a_failing_write_in_the_get_thread_falls_back_to_the_write_back(
-        rig: Rig, mem: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        rig: Rig, mem: MemoryStore, monkeypatch: pytest.MonkeyPatch, start: str) -> None:
     """The write in the GET's thread must never fail the read: if it raises (a bug), the
-    reader gets its bytes and the block is written back the usual way."""
+    reader gets its bytes and the block is written back the usual way (a load started
+    by the reader, or ahead of it: a GET driven by callbacks, Origin.get_soon)."""
     data = payload(BS - 3)
     mem.put("small", data)
     obj = version(mem, "small")
@@ -762,7 +794,13 @@ def test_a_failing_write_in_the_get_thread_falls_back_to_the_write_back(
     monkeypatch.setattr(BlockCache, "put_now", broken)
 
     async def body(f: Fetcher) -> None:
+        if start == "ahead":
+            f.budget.force_reserve(obj.size)
+            f.load_ahead(obj, 0, f.block_id(obj, 0), reserved=obj.size)
         assert await f.read(obj, 0, BS) == data
+        if start == "ahead":
+            await f.wait_loaded(f.block_id(obj, 0))  # (until written back)
+            assert f.budget.used == 0
         await f.drain()
         assert f.cache.get_now(f.block_id(obj, 0)) == data  # by the write-back
 
