@@ -329,6 +329,7 @@ class Daemon:
         # mount gone from the mount table) under this lock: once detached, never again.
         self._registry_lock = threading.Lock()
         self._detached = False
+        self._detached_at = 0.0  # (time.time() once detached)
 
     def run(self, on_ready: Callable[[], None]) -> None:
         """Mount and serve until unmounted or signalled. Raises CachefsError on start-up
@@ -551,6 +552,9 @@ class Daemon:
             unmounted = True
         finally:
             registry.unregister(cfg.mountpoint, os.getpid())
+            with self._registry_lock:  # (no snapshot writes it again)
+                self._detached = True
+                registry.unregister_detached(os.getpid())
             sd_notify("STOPPING=1")
             device.close(
                 unmount=not unmounted or str(cfg.mountpoint) in registry.cachefs_mounts())
@@ -638,32 +642,53 @@ class Daemon:
             await trio.sleep(UNMOUNT_POLL)
         log.info("%s was unmounted; stopping S3 requests in flight", self.cfg.mountpoint)
         origin.close()
-        await trio.to_thread.run_sync(self._withdraw_entry)
+        with contained("maintenance", "withdrawing the registry entry of a detached mount"):
+            await trio.to_thread.run_sync(self._withdraw_entry)
         if self.control is not None:
             self.control.withdraw()
 
     def _withdraw_entry(self) -> None:
-        """Remove this daemon's registry entry for good (a worker thread: it waits for a
-        snapshot being written)."""
+        """Remove this daemon's registry entry for good and write its detached entry (a
+        worker thread: it waits for a snapshot being written)."""
         with self._registry_lock:
-            self._detached = True
-            registry.unregister(self.cfg.mountpoint, os.getpid())
+            if not self._detached:
+                self._detach()
+            self._register_detached()
+
+    def _detach(self) -> None:
+        """Give the mount point's entry up for good; from now on the snapshots go to the
+        detached entry (``cachefs status`` lists the daemon as detached until it ends).
+        Under the registry lock."""
+        self._detached = True
+        self._detached_at = time.time()
+        registry.unregister(self.cfg.mountpoint, os.getpid())
 
     def _publish_status(self) -> None:
         """Write the status snapshot into the registry entry, unless the mount is gone from
         the mount table: then withdraw the entry instead (the unmount watcher sees it only
         within UNMOUNT_POLL, and a new mount at the mount point may have made the entry its
-        own by then). A worker thread (a read of the mount table, a file written)."""
+        own by then) and write the detached entry, as every later snapshot does. A worker
+        thread (a read of the mount table, a file written)."""
         with self._registry_lock:
             if not self._detached and self._dev and not _device_mounted(self._dev):
-                self._detached = True
-                registry.unregister(self.cfg.mountpoint, os.getpid())
-            if not self._detached:
+                self._detach()
+            if self._detached:
+                self._register_detached()
+            else:
                 self._register()
 
+    def _register_detached(self) -> None:
+        # (a daemon ending after its unmount shows here for its last seconds, too)
+        registry.register_detached({
+            **self._entry(), "detached_at": self._detached_at,
+            "process_start": registry.process_start(os.getpid())})
+
     def _register(self) -> None:
+        registry.register(self.cfg.mountpoint, self._entry())
+
+    def _entry(self) -> dict[str, Any]:
         cfg = self.cfg
-        registry.register(cfg.mountpoint, {
+        return {
             "pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
             "source": str(cfg.source), "cache_dir": str(cfg.cache_dir),
             "metrics_addr": self.metrics_addr, "started_at": self.started_at,
@@ -678,7 +703,7 @@ class Daemon:
             "background_errors": metrics.by_label(metrics.BACKGROUND_ERRORS),
             "control_rejected": metrics.by_label(metrics.CONTROL_REJECTED),
             "sweep_stops": metrics.by_label(metrics.SWEEP_STOPS),
-        })
+        }
 
     async def _watch_signals(self, origin: Origin) -> None:
         # The stop signals unmount; SIGHUP, SIGUSR1, SIGUSR2 and the timer signals are

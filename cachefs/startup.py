@@ -417,6 +417,18 @@ def node_identity(path: Path) -> str:
     return f"{socket.gethostname()}:{token}"
 
 
+def _detached_note(pid: str) -> str:
+    """What the daemon ``pid`` holding a cache directory is doing, if its mount was
+    detached: it runs on (lazy unmount) until the files open on it are closed."""
+    for info in registry.detached_daemons():
+        if str(info.get("pid")) == pid:
+            handles = int(info.get("stats", {}).get("cachefs_open_file_handles", 0))
+            return (f", detached from {info.get('mountpoint')} by a lazy unmount: it runs "
+                    f"on until its {handles} open file handle(s) are closed ('cachefs "
+                    "status' shows it)")
+    return ""
+
+
 @contextlib.contextmanager
 def lock_cache_dir(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on the cache directory for the daemon's lifetime (released by
@@ -428,7 +440,7 @@ def lock_cache_dir(path: Path) -> Iterator[None]:
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             raise CacheError(f"cache directory {path} is in use by another cachefs daemon "
-                             f"(pid {owner})") from None
+                             f"(pid {owner}){_detached_note(owner)}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

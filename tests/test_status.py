@@ -452,3 +452,60 @@ def test_a_mount_made_over_a_lazily_unmounted_one_keeps_its_entry_and_socket(buc
     finally:
         if held is not None:
             held.close()
+
+
+def test_a_daemon_detached_by_a_lazy_unmount_is_listed_until_it_ends(bucket, mount_factory):
+    """After 'umount -l' with a file open, the daemon runs on until the file is closed,
+    holding its cache directory ('cachefs mount' of it: 'in use by another cachefs
+    daemon'), and no command showed it: 'cachefs status' said 'no cachefs mounts'. It is
+    listed now as detached, with its pid, open handles and cache directory, in text and
+    in --json, and named where the cache directory is refused, until it ends."""
+    from tests.conftest import Mount
+
+    client, name = bucket
+    client.put_object(Bucket=name, Key="a.bin", Body=b"a" * 5000)
+    old = mount_factory(f"s3://{name}/")
+    old_pid = int(registry.lookup(old.path)["pid"])
+    held = open(old.path / "a.bin", "rb")
+    try:
+        assert held.read(10) == b"a" * 10
+        subprocess.run(["fusermount3", "-u", "-z", str(old.path)], check=True)
+        assert not is_mounted(old.path) and registry.pid_alive(old_pid)
+        deadline = time.monotonic() + 15
+        while True:  # (the daemon sees its mount leave the mount table within a second)
+            rows = json.loads(run_cachefs("status", "--json").stdout)
+            mine = [r for r in rows if r["pid"] == old_pid]
+            if mine or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(mine) == 1, rows
+        row = mine[0]
+        assert row["detached"] is True and row["mountpoint"] == str(old.path)
+        assert row["cache_dir"] == str(old.cache_dir) and row["open_handles"] == 1
+        assert row["detached_seconds"] >= 0
+
+        table = run_cachefs("status")
+        assert table.returncode == 0, table.stderr
+        assert f"{old.path} (detached)" in table.stdout and f"pid {old_pid}," in table.stdout
+        assert str(old.cache_dir) in table.stdout and "1 open file handle" in table.stdout
+        one = run_cachefs("status", str(old.path))
+        assert one.returncode == 1
+        assert "not a live cachefs mount" in one.stderr
+        assert f"pid {old_pid}) runs on detached" in one.stderr
+
+        again = Mount(old.source, old.path, old.cache_dir, old.endpoint, [])
+        refused = run_cachefs("mount", again.source, str(again.path), "--cache-dir",
+                              str(again.cache_dir), "--endpoint-url", again.endpoint)
+        assert refused.returncode != 0 and not is_mounted(old.path)
+        assert f"(pid {old_pid}), detached from {old.path} by a lazy unmount" in refused.stderr
+
+        assert held.read() == b"a" * 4990  # (the detached daemon still serves its file)
+    finally:
+        held.close()
+    deadline = time.monotonic() + 30
+    while registry.pid_alive(old_pid):
+        assert time.monotonic() < deadline, "the detached daemon never ended"
+        time.sleep(0.1)
+    rows = json.loads(run_cachefs("status", "--json").stdout)
+    assert [r for r in rows if r["pid"] == old_pid] == []
+    assert list(registry.runtime_dir().glob(f"{old_pid}.detached")) == []

@@ -101,6 +101,12 @@ def describe(info: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         "metrics_addr": info.get("metrics_addr"),
         "uptime_seconds": max(0.0, now - float(info.get("started_at", now))),
         "stats_age_seconds": max(0.0, now - float(info.get("updated_at", now))),
+        "open_handles": int(stats.get("cachefs_open_file_handles", 0)),
+        # A daemon whose mount was detached (umount -l): it runs on, holding its cache
+        # directory, until the files open on it are closed; "mountpoint" is where it was.
+        "detached": "detached_at" in info,
+        "detached_seconds": (max(0.0, now - float(info["detached_at"]))
+                             if "detached_at" in info else None),
     }
 
 
@@ -169,6 +175,21 @@ def _report_dead(dead: dict[str, int]) -> None:
               file=sys.stderr)
 
 
+def _print_detached(rows: list[dict[str, Any]]) -> None:
+    """One entry per daemon that runs on after a lazy unmount: what holds it (its open
+    handles), what it holds (the cache directory) and how to end it."""
+    for r in rows:
+        pid = r["pid"]
+        print(f"{r['mountpoint']} (detached)  <-  {r['source']}  (pid {pid}, up "
+              f"{_duration(r['uptime_seconds'])}, detached {_duration(r['detached_seconds'])}"
+              " ago)")
+        print(f"  open    runs on until its {r['open_handles']} open file handle(s) are "
+              f"closed (a lazy unmount, umount -l, detached it; figures "
+              f"{_duration(r['stats_age_seconds'])} old)")
+        print(f"  cache   {r['cache_dir']} is held by it until then (a mount of it is "
+              f"refused); 'kill {pid}' ends it now, and reads of those files fail")
+
+
 def status_main(mountpoint: str | None, *, as_json: bool) -> int:
     if mountpoint == "":  # ("$MNT" unset: not the current directory, as it would resolve)
         raise ConfigError("an empty path: give a cachefs mount point (or none for every "
@@ -184,17 +205,27 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
         if dead:
             _report_dead(dead)
             return 1
+    detached = [describe(i) for i in registry.detached_daemons()]
+    if mountpoint is not None:
+        detached = [r for r in detached if r["mountpoint"] == want]
         if not infos:
             print(f"cachefs: error: {want} is not a live cachefs mount", file=sys.stderr)
+            for r in detached:
+                print(f"cachefs: its daemon (pid {r['pid']}) runs on detached with "
+                      f"{r['open_handles']} open file handle(s), holding {r['cache_dir']}: "
+                      "see 'cachefs status'", file=sys.stderr)
             return 1
     rows = [describe(i) for i in infos]
     if as_json:
-        json.dump(rows if mountpoint is None else rows[0], sys.stdout, indent=2)
+        # (every mount's row, then the detached daemons' ("detached": true); for one
+        # mount point, its mount's row alone)
+        json.dump(rows + detached if mountpoint is None else rows[0], sys.stdout, indent=2)
         print()
         _report_dead(dead)
         return 1 if _report_stale(rows) or dead else 0
     if not rows:
-        print("no live cachefs mounts" if dead else "no cachefs mounts")
+        print("no live cachefs mounts" if dead or detached else "no cachefs mounts")
+        _print_detached(detached)
         _report_dead(dead)
         return 1 if dead else 0
     for r in rows:
@@ -252,5 +283,6 @@ def status_main(mountpoint: str | None, *, as_json: bool) -> int:
                   f"read by the native loop ({r['passthrough_opens']} opens so far)")
         else:
             print("  kernel  passthrough off: every read goes through cachefs")
+    _print_detached(detached)
     _report_dead(dead)
     return 1 if _report_stale(rows) or dead else 0

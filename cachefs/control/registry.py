@@ -4,6 +4,15 @@ Each daemon writes ``RUNTIME_DIR/<id>.json`` (pid, mount point, source, cache
 dir, metrics address, start time) once its mount is live and removes it at
 exit. ``cachefs unmount`` and ``cachefs status`` read it; entries whose
 process is gone are ignored.
+
+A daemon whose mount was detached (``umount -l`` while files are open: it runs on
+until they are closed) gives its mount point's entry up -- a new mount there makes it
+its own -- and keeps ``RUNTIME_DIR/<pid>.detached`` instead (the same fields, its
+former mount point, ``detached_at``, the process's start time), rewritten with each of
+its snapshots and removed at its exit: ``cachefs status`` lists it, so an operator can
+see which process holds the cache directory and its files. Each file is written by its
+daemon only (a worker thread, under the daemon's registry lock) and replaced whole, so
+a reader sees the old or the new entry, never a torn one.
 """
 
 from __future__ import annotations
@@ -128,6 +137,64 @@ def unregister(mountpoint: Path, pid: int | None = None) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def _detached_path(pid: int) -> Path:
+    return runtime_dir() / f"{pid}.detached"
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or
+    None if it is not there: with the pid, what names one process (a pid is reused)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def register_detached(info: dict[str, Any]) -> None:
+    """Write (or rewrite) the detached daemon's entry ``info`` (its ``pid`` names it)."""
+    ensure_runtime_dir()
+    path = _detached_path(int(info["pid"]))
+    tmp = path.with_suffix(".detached-tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def unregister_detached(pid: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _detached_path(pid).unlink()
+
+
+def detached_daemons() -> list[dict[str, Any]]:
+    """The entries of daemons that run on after their mount was detached (lazy unmount),
+    oldest first. An entry whose process is gone (killed while detached) or whose pid now
+    names another process (its start time differs) is removed."""
+    found = []
+    try:
+        files = sorted(runtime_dir().glob("*.detached"))
+    except OSError:
+        return []
+    for f in files:
+        try:
+            info = json.loads(f.read_text())
+            pid = int(info.get("pid", 0))
+            started = info.get("process_start")
+        except (OSError, ValueError, TypeError, AttributeError):  # (junk: not an entry)
+            continue
+        if not pid_alive(pid) or process_start(pid) != started:
+            with contextlib.suppress(OSError):
+                f.unlink()  # (its daemon was killed: nothing else removes it)
+            continue
+        found.append(info)
+    found.sort(key=lambda i: float(i.get("detached_at", 0)))
+    return found
 
 
 def pid_alive(pid: int) -> bool:
