@@ -399,6 +399,11 @@ OPTIONS: tuple[Option, ...] = (
            "Latency budget of one shared-tier request: a slower answer counts as a failure, "
            "and 3 failures in a row send reads straight to the origin for a while (circuit "
            "breaker).", metavar="DURATION"),
+    Option("start_timeout", parse_duration, "3m",
+           "How long 'cachefs mount' waits for its daemon to be ready (without --foreground): "
+           "past it the daemon is stopped and the mount fails, leaving nothing mounted; a mount "
+           "from a large manifest may need more ('inf' waits as long as it takes).",
+           metavar="DURATION"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "Log level.",
            metavar="LEVEL"),
     Option("log_file", _opt_str, None,
@@ -450,6 +455,7 @@ class MountConfig:
     shared_cache_region: str | None
     shared_cache_profile: str | None
     shared_cache_timeout: float
+    start_timeout: float
     log_level: str
     log_file: str | None
 
@@ -552,6 +558,8 @@ def _check_ranges(cfg: MountConfig) -> None:
         raise ConfigError("--fuse-workers must be between 1 and 64")
     if cfg.retry_deadline < 1:
         raise ConfigError("--retry-deadline must be at least 1s")
+    if cfg.start_timeout < 1:
+        raise ConfigError("--start-timeout must be at least 1s")
     if not 4 * KiB <= cfg.read_ahead <= 64 * MiB:
         raise ConfigError("--read-ahead must be between 4K and 64M")
     if not 0.01 <= cfg.shared_cache_timeout <= 60:

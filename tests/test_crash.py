@@ -481,3 +481,47 @@ def test_a_mount_command_stopped_while_it_waits_stops_its_daemon(bucket, tmp_pat
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), err
     assert "stopped" in lines[0] and "Traceback" not in err
+
+
+def test_a_mount_command_that_gives_up_waiting_stops_its_daemon(bucket, tmp_path, s3_endpoint):
+    """`cachefs mount` waits for its daemon (180 s; `--start-timeout`). When it gave up
+    (a large manifest, a slow index) it said 'did not become ready' and exited 1, and the
+    daemon went on and mounted afterwards: an fstab mount or a script that had failed
+    found the mount there later, and its next try 'in use by another cachefs daemon'. A
+    mount command that fails leaves nothing: it now stops its daemon, says so and how to
+    give the start more time. (A failpoint holds the daemon with its mount made, past a
+    short wait.)"""
+    proc, mp, holds = _mount_held_once_made(bucket, tmp_path, s3_endpoint,
+                                            "--start-timeout", "2s")
+    daemon = 0
+    try:
+        _wait_held(proc, holds)
+        daemon = int((tmp_path / "cache" / "lock").read_text())
+        time.sleep(4)  # (past the wait: the command has given up and stops its daemon)
+        (holds / "mount.made.hold").unlink()
+        _, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 30
+        while registry.pid_alive(daemon) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon_alive, mounted = registry.pid_alive(daemon), is_mounted(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if daemon and registry.pid_alive(daemon):
+            os.kill(daemon, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while is_mounted(mp) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+    assert not mounted and not daemon_alive, (mounted, daemon_alive, err)
+    assert proc.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: "), err
+    assert "within 2s" in lines[0] and f"stopped its daemon (pid {daemon})" in lines[0]
+    assert "--start-timeout" in lines[0] and "Traceback" not in err
+    again = run_cachefs("mount", f"s3://{bucket[1]}", str(mp), "--cache-dir",
+                        str(tmp_path / "cache"), "--endpoint-url", s3_endpoint)
+    assert again.returncode == 0, again.stderr  # (the cache directory is free)
+    assert run_cachefs("unmount", str(mp)).returncode == 0

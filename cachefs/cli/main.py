@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import errno
 import logging
+import math
 import os
 import select
 import signal
@@ -36,7 +37,6 @@ from cachefs.errors import CachefsError, ConfigError
 log = logging.getLogger("cachefs")
 
 READY_FD_ENV = "CACHEFS_READY_FD"
-START_TIMEOUT = 180.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -305,7 +305,22 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
                                      start_new_session=True, close_fds=True)
         os.close(write_end)
         write_end = -1
-        message = _read_line(read_end, START_TIMEOUT)
+        message = _read_line(read_end, cfg.start_timeout)
+        if message is None:  # (given up: stopped like a Ctrl-C's, below)
+            for signum in STOPPED_BY:
+                signal.signal(signum, signal.SIG_IGN)
+            waited = f"{cfg.start_timeout:g}s"
+            how = ("a mount from a large manifest or of a large cache may need longer: "
+                   "--start-timeout, start_timeout= in fstab")
+            if _stop_daemon(child):
+                print(f"cachefs: error: the daemon did not become ready within {waited}: "
+                      f"stopped its daemon (pid {child.pid}); nothing is mounted ({how}); "
+                      f"see {log_path}", file=sys.stderr)
+            else:
+                print(f"cachefs: error: the daemon did not become ready within {waited}, and "
+                      f"its daemon (pid {child.pid}) is still stopping after {STOP_WAIT:.0f}s "
+                      f"({how}); see {log_path}", file=sys.stderr)
+            return 1
     except _Stopped as stop:
         for signum in STOPPED_BY:  # (a second Ctrl-C must not cut the stop short)
             signal.signal(signum, signal.SIG_IGN)
@@ -342,9 +357,9 @@ def _spawn_daemon(cfg: MountConfig, argv_in: list[str]) -> int:
             code: int | None = child.wait(timeout=5)
         except subprocess.TimeoutExpired:
             code = None
-        if code is None:
-            print(f"cachefs: error: the daemon did not become ready within {START_TIMEOUT:.0f}s; "
-                  f"see {log_path}", file=sys.stderr)
+        if code is None:  # (it closed its end and runs on: never seen)
+            print(f"cachefs: error: the daemon (pid {child.pid}) closed its start-up pipe "
+                  f"without a word; see {log_path}", file=sys.stderr)
             return 1
         print(f"cachefs: error: the daemon exited during start-up (exit {code}); see "
               f"{log_path}", file=sys.stderr)
@@ -416,16 +431,18 @@ def _stop_daemon(child: subprocess.Popen[bytes]) -> bool:
     return True
 
 
-def _read_line(fd: int, timeout: float) -> str:
+def _read_line(fd: int, timeout: float) -> str | None:
+    """The daemon's start-up line from ``fd``: "" if the pipe closed without one (the
+    daemon ended), None if none came within ``timeout`` seconds (``inf``: no limit)."""
     deadline = time.monotonic() + timeout
     buf = b""
     while b"\n" not in buf:
         left = deadline - time.monotonic()
         if left <= 0:
-            break
-        ready, _, _ = select.select([fd], [], [], left)
+            return None
+        ready, _, _ = select.select([fd], [], [], None if math.isinf(left) else left)
         if not ready:
-            break
+            return None
         chunk = os.read(fd, 4096)
         if not chunk:
             break
