@@ -607,6 +607,68 @@ def test_the_tier_bucket_deleted_while_nodes_read(bucket, tier, seaweed, mount_f
     assert "does not exist" in text or "access denied" in text, text
 
 
+@pytest.mark.slow
+def test_the_tier_bucket_made_again_takes_blocks_again_soon(bucket, tier, seaweed,
+                                                           mount_factory):
+    """The tier's bucket deleted and made again under a running node: its writes had
+    been refused (SeaweedFS answers a PUT to a missing bucket 403) and publishing stayed
+    off for 5 minutes, long after the bucket was back and its lookups answered. Once the
+    tier answers again, the node publishes again (here within a minute; blocks read from
+    the origin one at a time, at random offsets of one large file, so each is a fetch of
+    its own)."""
+    import os
+
+    client, name = bucket
+    tclient, tname = tier
+    blocks = 512
+    body = random.Random(7).randbytes(blocks * BS)
+    client.put_object(Bucket=name, Key="big/x.bin", Body=body)
+    b = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname,
+                                                    "--read-ahead", "64K"))
+    order = list(range(blocks))
+    random.Random(8).shuffle(order)
+    fd = os.open(b.path / "big" / "x.bin", os.O_RDONLY)
+
+    def shared() -> dict[str, Any]:
+        return json.loads(run_cachefs("status", "--json", str(b.path)).stdout)["shared"]
+
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+        def read_next() -> None:
+            i = order.pop()
+            assert os.pread(fd, 100, i * BS + 7) == body[i * BS + 7:i * BS + 107]
+
+        for _ in range(3):
+            read_next()
+        _wait(lambda: _published(b) >= 3, what="the first publishes")
+        for page in tclient.get_paginator("list_objects_v2").paginate(Bucket=tname):
+            for o in page.get("Contents", []):
+                tclient.delete_object(Bucket=tname, Key=o["Key"])
+        tclient.delete_bucket(Bucket=tname)
+        deadline = time.monotonic() + 30
+        while True:  # (until a write is refused and lookups fail)
+            read_next()
+            st = shared()
+            if (not st["publishing"] and st["breaker"] != "closed") or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not st["publishing"] and ("refuses writes" in st["why"]
+                                         or "does not answer" in st["why"]), st
+        tclient.create_bucket(Bucket=tname)
+        made_again = time.monotonic()
+        while not _tier_objects(tclient, tname):
+            assert time.monotonic() - made_again < 60, (
+                f"nothing published {time.monotonic() - made_again:.0f}s after the bucket "
+                f"was made again: {shared()}")
+            read_next()
+            time.sleep(0.2)
+    finally:
+        os.close(fd)
+    assert _fuse_errors(b) == 0
+
+
 def test_warm_against_a_tier_that_is_down(bucket, tier, seaweed, mount_factory):
     """A tier down during warms: a plain warm loads every file from the origin and
     succeeds; a shard's warm loads its share, says the tier did not take it and exits

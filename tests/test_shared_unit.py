@@ -4,6 +4,7 @@ in-memory object client (two tiers on one dict = two nodes on one store)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import Counter
@@ -14,7 +15,13 @@ import pytest
 import trio
 
 from cachefs import metrics
-from cachefs.errors import AccessDenied, EndpointUnreachable, StoreError, TransientStoreError
+from cachefs.errors import (
+    AccessDenied,
+    EndpointUnreachable,
+    NoSuchBucket,
+    StoreError,
+    TransientStoreError,
+)
 from cachefs.read import shared
 from cachefs.read.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from cachefs.read.fetcher import ObjectVersion
@@ -459,6 +466,7 @@ def test_a_tier_that_keeps_refusing_writes_is_logged_once_and_taking_them_again_
     minutes for its whole life, where one line was promised. Now: one warning at the first
     refusal, nothing at the retries it refuses, one line when a write is taken again."""
     monkeypatch.setattr(shared, "PUBLISH_RETRY", 0.05)
+    monkeypatch.setattr(shared, "REFUSED_RETRY_FIRST", 0.05)
     caplog.set_level(logging.INFO, "cachefs.read.shared")
     store = MemoryObjects()
     a = tier(store)
@@ -487,6 +495,71 @@ def test_a_tier_that_keeps_refusing_writes_is_logged_once_and_taking_them_again_
         assert lines("takes writes again") == 1
         assert metrics.REGISTRY.get_sample_value("cachefs_shared_publish_enabled") == 1
     run(main, a)
+
+
+def test_a_write_refused_for_a_deleted_bucket_is_tried_again_once_the_tier_answers_again(
+        caplog, monkeypatch) -> None:
+    """The tier's bucket deleted and made again while nodes run: the node's lookups
+    failed (no such bucket: the breaker opened) and its writes were refused, which kept
+    publishing off for 5 minutes, well after the bucket was back and lookups answered.
+    Writes refused during an outage of reads are tried again once the tier answers
+    reads again (no sooner than REFUSED_RETRY_MIN after the refusal)."""
+    monkeypatch.setattr(shared, "REFUSED_RETRY_MIN", 0.3)
+    caplog.set_level(logging.INFO, "cachefs.read.shared")
+    store = MemoryObjects()
+    a = tier(store, breaker_cooldown=0.2)
+
+    async def main() -> None:
+        await trio.sleep(0.1)  # (the start-up check passes)
+        store.fail = NoSuchBucket("bucket 'cache' does not exist")
+        await a.put(ref(0), block(0))
+        await a.drain()
+        assert not a.can_publish() and "refuses writes" in a.why_unpublished()
+        for i in range(3):
+            assert await a.get(ref(i)) is None
+        assert a.breaker.state == OPEN
+        store.fail = None  # the bucket is made again
+        await trio.sleep(0.25)  # (the breaker's cooldown)
+        assert await a.get(ref(1)) is None  # answered: a miss; the breaker closes
+        assert a.breaker.state == CLOSED
+        await trio.sleep(0.35)  # (past REFUSED_RETRY_MIN after the refusal)
+        assert a.can_publish()
+        await a.put(ref(2), block(2))
+        await a.drain()
+        assert "pfx/" in next(iter(store.objects)) and len(store.objects) == 1
+    run(main, a)
+    assert sum("takes writes again" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_read_only_tier_is_asked_to_take_writes_at_a_doubling_interval(monkeypatch) -> None:
+    """Writes refused while reads are answered (read-only credentials): tried again after
+    REFUSED_RETRY_FIRST, doubled at each refusal up to PUBLISH_RETRY, and the reads the
+    tier answers all along do not bring a write sooner."""
+    monkeypatch.setattr(shared, "REFUSED_RETRY_FIRST", 0.1)
+    monkeypatch.setattr(shared, "REFUSED_RETRY_MIN", 0.0)
+    monkeypatch.setattr(shared, "PUBLISH_RETRY", 0.8)
+    store = MemoryObjects()
+    a = tier(store, leases=False)
+    tries: list[float] = []
+
+    async def main() -> None:
+        await trio.sleep(0.1)
+        store.fail_writes = AccessDenied("read-only credentials")
+        start = trio.current_time()
+        while trio.current_time() - start < 4.0:
+            before = store.counts["put"]
+            await a.put(ref(0), block(0))  # (dropped unless a retry is due)
+            await a.drain()
+            if store.counts["put"] > before:
+                tries.append(trio.current_time() - start)
+            assert await a.get(ref(1)) is None  # answered
+            await trio.sleep(0.02)
+    run(main, a)
+    gaps = [round(later - t, 1) for t, later in itertools.pairwise(tries)]
+    # 0.1, 0.2, 0.4, 0.8, 0.8... (each at least the pause, plus a poll's 0.02 s or so)
+    assert len(tries) <= 8, tries
+    assert gaps[:3] == pytest.approx([0.1, 0.2, 0.4], abs=0.1), gaps
+    assert all(g >= 0.75 for g in gaps[3:]), gaps
 
 
 def test_a_warm_waits_out_a_pause_that_a_write_in_flight_ends_the_count_of() -> None:

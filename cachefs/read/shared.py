@@ -65,8 +65,13 @@ None and never raises; :meth:`SharedTier.put` never waits and never raises.
   then skipped at once until a trial request succeeds. Time spent waiting for
   a free worker thread (local congestion) is not the store's fault and does
   not count against the budget. Writes refused for good reasons (access
-  denied, store full) stop publishing and leases only (one log line), for
-  ``PUBLISH_RETRY`` seconds; reads go on. Writes the store answers with a
+  denied, store full, no such bucket) stop publishing and leases only (one log
+  line); reads go on. A write is tried again after ``REFUSED_RETRY_FIRST``
+  seconds, doubled at each refusal up to ``PUBLISH_RETRY`` (a read-only tier is
+  asked about once every 5 minutes), and sooner -- no sooner than
+  ``REFUSED_RETRY_MIN`` after the refusal -- once the tier answers again after
+  the breaker opened: a bucket deleted and made again refuses writes and fails
+  reads until it is back, and publishing resumes with the reads. Writes the store answers with a
   throttle or a server error (503 SlowDown, 500: every node publishing at once,
   a store short of space) say nothing of its reads, so they never feed the
   breaker: ``breaker_threshold`` of them in a row pause publishing and leases
@@ -122,7 +127,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = "v1"
 STAMP = "cachefs-block"  # user metadata key (x-amz-meta-cachefs-block)
-PUBLISH_RETRY = 300.0  # seconds publishing stays off after a refused write
+PUBLISH_RETRY = 300.0  # longest pause of publishing after a refused write (s)
+REFUSED_RETRY_FIRST = 15.0  # its first pause, doubled at each refused retry (s)
+REFUSED_RETRY_MIN = 10.0  # a write is tried again no sooner after a refusal (s)
 THROTTLE_MAX = 60.0  # longest pause of publishing while the store throttles writes (s)
 WARM_PUBLISH_ATTEMPTS = 6  # writes of one block a warm tries while the store throttles them
 WARM_RETRY_FIRST = 0.5  # its first wait before trying again (s), doubled each time
@@ -269,6 +276,9 @@ class SharedTier:
         # not logged again, the first write taken is (a node with read-only credentials
         # logged two lines every PUBLISH_RETRY for its whole life)
         self._refusing = False
+        # The next pause after a refused write; when (monotonic) the last one was refused.
+        self._refused_pause = REFUSED_RETRY_FIRST
+        self._refused_at = 0.0
         # Writes answered with a throttle or a server error, in a row; publishing paused
         # until (monotonic) while they go on; the next pause's length.
         self._throttled = 0
@@ -399,7 +409,12 @@ class SharedTier:
 
     def _answer_seen(self) -> None:
         """A request to the tier was answered: the breaker closes, a failed start-up
-        check waiting for an answer may go again (see :meth:`_probe`)."""
+        check waiting for an answer may go again (see :meth:`_probe`), and writes refused
+        while it did not answer are tried again (no sooner than REFUSED_RETRY_MIN after the
+        refusal)."""
+        if self.breaker.is_open and self._publish_off_until:
+            self._publish_off_until = min(self._publish_off_until,
+                                          self._refused_at + REFUSED_RETRY_MIN)
         self.breaker.success()
         if self._answered is not None:
             self._answered.set()
@@ -446,6 +461,7 @@ class SharedTier:
             log.info("shared cache tier %s takes writes again: publishing", self.label)
         self._throttled = 0
         self._throttle_pause = self.settings.breaker_cooldown
+        self._refused_pause = REFUSED_RETRY_FIRST
 
     def _write_failed(self, exc: StoreError) -> bool:
         """A write failed: refusals stop publishing for a while, the rest feed the breaker.
@@ -462,11 +478,19 @@ class SharedTier:
             return False
         if not self._publish_off_until and not self._refusing:
             log.warning("shared cache tier %s refuses writes (%s): not publishing, tried "
-                        "again every %.0fs; reads from it go on", self.label, exc,
-                        PUBLISH_RETRY)
+                        "again in %.0fs, then at doubling intervals up to %.0fs, or once it "
+                        "answers again after an outage; reads from it go on", self.label,
+                        exc, self._refused_pause, PUBLISH_RETRY)
         metrics.SHARED_PUBLISH_ENABLED.set(0)
         self._refusing = True
-        self._publish_off_until = time.monotonic() + PUBLISH_RETRY
+        now = time.monotonic()
+        pause = min(PUBLISH_RETRY, self._refused_pause)
+        if self._publish_off_until and self._refused_at and now < self._publish_off_until:
+            # (a write in flight refused after another: the pause it began stands)
+            return True
+        self._refused_at = now
+        self._publish_off_until = now + pause
+        self._refused_pause = min(PUBLISH_RETRY, pause * 2)
         return True
 
     def _write_throttled(self, exc: StoreError) -> None:
