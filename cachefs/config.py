@@ -297,6 +297,16 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None or value == "" else parse_int(value)
 
 
+def _node_name(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    name = str(value)
+    if len(name) > 253 or any(c.isspace() or not c.isprintable() for c in name):
+        raise ConfigError(f"{name!r}: a node name is at most 253 printable characters, "
+                          "without spaces")
+    return name
+
+
 def _opt_s3_url(value: Any) -> S3Url | None:
     if value is None or value == "":
         return None
@@ -399,6 +409,12 @@ OPTIONS: tuple[Option, ...] = (
            "Latency budget of one shared-tier request: a slower answer counts as a failure, "
            "and 3 failures in a row send reads straight to the origin for a while (circuit "
            "breaker).", metavar="DURATION"),
+    Option("node_name", _node_name, None,
+           "This node's name in the shared cache tier's fetch leases (default: the host's "
+           "name). In a Kubernetes pod without hostNetwork the host's name is the pod's: "
+           "give the node's (the downward API's spec.nodeName, as deploy/kubernetes does), "
+           "so a pod that replaces another on its node takes over the leases it held.",
+           metavar="NAME"),
     Option("start_timeout", parse_duration, "3m",
            "How long 'cachefs mount' waits for its daemon to be ready (without --foreground): "
            "past it the daemon is stopped and the mount fails, leaving nothing mounted; a mount "
@@ -455,6 +471,7 @@ class MountConfig:
     shared_cache_region: str | None
     shared_cache_profile: str | None
     shared_cache_timeout: float
+    node_name: str | None
     start_timeout: float
     log_level: str
     log_file: str | None

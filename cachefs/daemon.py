@@ -278,7 +278,8 @@ def make_shared_tier(cfg: MountConfig, publish_queue_bytes: int) -> SharedTier |
     settings = SharedSettings(timeout=timeout, publish_timeout=max(5.0, 5 * timeout),
                               queue_bytes=publish_queue_bytes)
     return SharedTier(client, SharedLayout(url.prefix, cfg.source.bucket, cfg.block_size),
-                      label=str(url), settings=settings, node=node_identity(cfg.cache_dir))
+                      label=str(url), settings=settings,
+                      node=node_identity(cfg.cache_dir, cfg.node_name))
 
 
 class _EarlyStop:

@@ -380,13 +380,15 @@ def lock_mountpoint(path: Path) -> Iterator[Callable[[], None]]:
 NODE_ID = "node-id"  # the file in the cache directory that keeps the node's token
 
 
-def node_identity(path: Path) -> str:
-    """This node's identity in the shared tier (what its fetch leases hold): the host's
-    name and a random token made once and kept in the cache directory ``path`` (file
-    ``node-id``), so that a daemon restarted on its cache directory -- after a crash, a
-    SIGKILL, an upgrade -- is the node it was and takes its own leases over at once.
+def node_identity(path: Path, name: str | None = None) -> str:
+    """This node's identity in the shared tier (what its fetch leases hold): its name
+    (``name``, ``--node-name``: in Kubernetes the node's, where the host's name is the
+    pod's and a replaced pod gets a new one; else the host's) and a random token made
+    once and kept in the cache directory ``path`` (file ``node-id``), so that a daemon
+    restarted on its cache directory -- after a crash, a SIGKILL, an upgrade, in a new
+    pod on the same node -- is the node it was and takes its own leases over at once.
     Two daemons on one host have two cache directories, so two tokens; a cache directory
-    copied to another host is another node there by the host's name. Call with the cache
+    copied to another host is another node there by its name. Call with the cache
     directory locked (:func:`lock_cache_dir`). A token that cannot be read or kept is
     made anew (one log line): the cost is one ``lease_wait`` per block this node had
     leased before, as with no identity at all."""
@@ -414,7 +416,7 @@ def node_identity(path: Path) -> str:
                         "recognise this run's fetch leases", file, exc)
             with contextlib.suppress(OSError):
                 temp.unlink()
-    return f"{socket.gethostname()}:{token}"
+    return f"{name or socket.gethostname()}:{token}"
 
 
 def _detached_note(pid: str) -> str:

@@ -355,6 +355,16 @@ def test_mode_from_toml_integer_is_not_silently_decimal() -> None:
     assert from_file == from_flag
 
 
+def test_node_name_from_the_environment_and_its_bounds() -> None:
+    assert make().node_name is None
+    assert make(environ={"CACHEFS_NODE_NAME": "ip-10-0-1-17.ec2.internal"}).node_name == \
+        "ip-10-0-1-17.ec2.internal"
+    assert make(environ={"CACHEFS_NODE_NAME": ""}).node_name is None  # (the var unset)
+    for bad in ("two words", "x" * 254, "tab\there"):
+        with pytest.raises(ConfigError, match="--node-name"):
+            make({"node_name": bad})
+
+
 # -- the shared cache tier ------------------------------------------------------------------
 def test_shared_cache_options_from_each_source() -> None:
     assert make().shared_cache is None

@@ -131,6 +131,10 @@ def test_daemonset_wiring() -> None:
         "cachefs", "mount", "--config", "/etc/cachefs/cachefs.toml", "--foreground"]
     assert daemon["readinessProbe"]["exec"]["command"][:3] == ["cachefs", "status", "--json"]
     assert daemon["lifecycle"]["preStop"]["exec"]["command"][:2] == ["cachefs", "unmount"]
+    # The node's name, not the pod's: a replaced pod is the same node to the shared tier.
+    env = {e["name"]: e for e in daemon["env"]}
+    assert env["CACHEFS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert not spec.get("hostNetwork")
     assert spec["terminationGracePeriodSeconds"] >= 30
     assert "cachefs unmount --config /etc/cachefs/cachefs.toml --lazy --quiet" in (
         spec["initContainers"][0]["command"][-1])

@@ -793,13 +793,33 @@ def test_the_tier_restarted_between_reads_costs_no_lookup(bucket, tier, seaweed,
         assert b.metric("cachefs_shared_breaker_opens_total") == 0
 
 
+def _in_host_named(name: str) -> Any:
+    """A preexec_fn: the mount command (and the daemon it starts) in a UTS namespace of
+    its own whose host name is ``name`` (a pod's, without hostNetwork)."""
+    import ctypes
+    import os
+    import socket
+
+    def enter() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(0x04000000) != 0:  # CLONE_NEWUTS
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+        socket.sethostname(name)
+        os.environ.pop("HOSTNAME", None)
+    return enter
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["restarted", "pod-replaced"])
 def test_a_node_restarted_after_a_kill_takes_over_its_own_fetch_leases(
-        bucket, tier, seaweed, mount_factory):
+        bucket, tier, seaweed, mount_factory, monkeypatch, replaced):
     """A node SIGKILLed while it holds fetch leases (its origin GETs hung) and restarted on
     the same cache directory is the same node: its leases are its own (taken over at once,
     ``reclaimed``), not another node's to wait for (``lost_timeout``, a ``lease_wait``
     per block for up to the lease window). Every byte is served and each block is fetched
-    once."""
+    once. ``pod-replaced``: the daemon started again in a new pod of a DaemonSet without
+    hostNetwork, whose host name (the pod's) is another, with the node's name given from
+    the downward API (CACHEFS_NODE_NAME, as deploy/kubernetes sets it): it waited for its
+    own leases, as another node's, before the node's name was used."""
     from tests.test_crash import kill_daemon
 
     client, name = bucket
@@ -807,6 +827,9 @@ def test_a_node_restarted_after_a_kill_takes_over_its_own_fetch_leases(
     big = random.Random(29).randbytes(4 * BS)
     client.put_object(Bucket=name, Key="big.bin", Body=big)
     a = mount_factory(f"s3://{name}", *_shared_args(seaweed.endpoint, tname), start=False)
+    if replaced:
+        monkeypatch.setenv("CACHEFS_NODE_NAME", "ip-10-0-1-17.ec2.internal")
+        a.preexec_fn = _in_host_named("cachefs-x7k2p")
 
     def leases() -> list[str]:
         out = tclient.list_objects_v2(Bucket=tname, Prefix="cache/leases/")
@@ -828,6 +851,8 @@ def test_a_node_restarted_after_a_kill_takes_over_its_own_fetch_leases(
         held = leases()
         window = int(time.time() // 600)
         proxy.plan = lambda method, path, n: "pass"
+        if replaced:
+            a.preexec_fn = _in_host_named("cachefs-q9w4m")
         a.start()  # the same cache directory: the same node
         assert (a.path / "big.bin").read_bytes() == big
         turned_over = int(time.time() // 600) != window or any(
@@ -842,6 +867,9 @@ def test_a_node_restarted_after_a_kill_takes_over_its_own_fetch_leases(
             assert count("reclaimed") == len(held), a.log()
         assert count("won") + count("reclaimed") == 4
         assert a.gets() == 4
+        if replaced:
+            _wait(lambda: "this node's leases hold ip-10-0-1-17.ec2.internal:" in a.log(),
+                  what="the start-up check's line")
 
 
 def _read_quietly(path: Path) -> None:

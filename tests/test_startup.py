@@ -122,6 +122,22 @@ def test_a_node_identity_is_made_once_per_cache_dir_and_kept(tmp_path, monkeypat
     assert startup.node_identity(a) not in (first, copied)
 
 
+def test_a_node_name_given_stands_for_the_host_name(tmp_path, monkeypatch):
+    """In a Kubernetes pod without hostNetwork the host's name is the pod's, and a pod
+    that replaces another on its node (a rollout) has a new one: with the node's name
+    given (--node-name, from the downward API), the identity is the node's across pods
+    on one cache directory, and still another for another node."""
+    a = tmp_path / "a"
+    startup.prepare_cache_dir(a, 1 << 20)
+    monkeypatch.setattr(startup.socket, "gethostname", lambda: "cachefs-x7k2p")
+    first = startup.node_identity(a, "ip-10-0-1-17")
+    monkeypatch.setattr(startup.socket, "gethostname", lambda: "cachefs-q9w4m")  # replaced
+    assert startup.node_identity(a, "ip-10-0-1-17") == first
+    assert first.startswith("ip-10-0-1-17:")
+    assert startup.node_identity(a, "ip-10-0-1-18") != first  # (copied to another node)
+    assert startup.node_identity(a) == f"cachefs-q9w4m:{first.split(':')[1]}"
+
+
 def test_a_cache_dir_inside_a_file_is_one_clear_error(tmp_path):
     from cachefs.errors import CacheError
 

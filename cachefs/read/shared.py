@@ -770,6 +770,6 @@ class SharedTier:
                         self.label)
         else:
             log.info("shared cache tier %s at %s ready (conditional writes honoured, fetch "
-                     "leases %s)", self.label, self.client.endpoint,
-                     "on" if self.leases_on else "off")
+                     "leases %s); this node's leases hold %s", self.label,
+                     self.client.endpoint, "on" if self.leases_on else "off", self._node)
         return None
