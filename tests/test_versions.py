@@ -418,3 +418,76 @@ def test_a_walk_opens_the_new_version_of_a_file_its_lookahead_saw_replaced(  # t
     assert (m.metric('cachefs_fuse_errors_total{errno="ESTALE",op="open"}') >= 1
             or m.metric('cachefs_s3_requests_total{op="list"}') > lists)
     assert "Traceback" not in m.log()
+
+
+# -- objects rewritten faster than a listing and an open take ----------------------------------
+_SMALL = VersionTags(lambda v: 256 * 1024 // UNIT - 64 + (v * 389) % 128)  # ~250 KB
+
+
+@pytest.mark.slow
+def test_objects_rewritten_faster_than_they_list_fail_only_with_estale(bucket, mount_factory):  # type: ignore[no-untyped-def]
+    """The documented limit of an open of a changed object (README, "How keys become
+    files"): the kernel retries an open that failed ESTALE once, and the version the
+    retry's lookup gets (the listing made since) may have been replaced too when objects
+    are rewritten dozens of times a second; then open() fails with ESTALE. Each open
+    reads one whole version, or fails with ESTALE (at the open or at a read): nothing
+    else, never a mix, never another version's length, no other error, no hang."""
+    client, name = bucket
+    files = 6
+    for f in range(files):
+        client.put_object(Bucket=name, Key=f"v/f{f}.bin", Body=_SMALL.tagged(1, f))
+    m = mount_factory(f"s3://{name}", "--metadata-ttl", "1s", "--block-size", "64K")
+    stop = threading.Event()
+    outcomes: Counter[str] = Counter()
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+    versions = iter(range(2, 1 << 30))
+
+    def writer() -> None:
+        try:
+            while not stop.is_set():
+                v = next(versions)
+                client.put_object(Bucket=name, Key=f"v/f{v % files}.bin",
+                                  Body=_SMALL.tagged(v, v % files))
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+
+    def reader(seed: int) -> None:
+        n = seed
+        try:
+            while not stop.is_set():
+                f = n % files
+                n += 1
+                try:
+                    fd = os.open(m.path / "v" / f"f{f}.bin", os.O_RDONLY)
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        raise
+                    got = "open_estale"
+                else:
+                    try:
+                        got = _SMALL.classify(_read_fd(fd, MIB), f)
+                    except OSError as exc:
+                        if exc.errno != errno.ESTALE:
+                            raise
+                        got = "read_estale"
+                    finally:
+                        os.close(fd)
+                with lock:
+                    outcomes[got] += 1
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    threads += [threading.Thread(target=reader, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(30)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a reader or writer hung"
+    print(dict(outcomes), next(versions) - 2, "versions written")
+    assert not failures, failures
+    assert outcomes["ok"] > 0, outcomes
+    assert set(outcomes) <= {"ok", "open_estale", "read_estale"}, outcomes
