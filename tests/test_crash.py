@@ -366,6 +366,33 @@ def _wait_held(proc: subprocess.Popen[str], holds: Path) -> None:
         time.sleep(0.01)
 
 
+def _outcome_once_let_go(proc: subprocess.Popen[str], mp: Path, holds: Path,
+                         daemon: int) -> tuple[str, bool, bool]:
+    """Let the daemon held with its mount made go on; once the mount command has ended
+    and the daemon is gone (or 30 s passed): (the command's stderr, whether the daemon
+    still runs, whether the mount is there)."""
+    (holds / "mount.made.hold").unlink()
+    _, err = proc.communicate(timeout=120)
+    deadline = time.monotonic() + 30
+    while registry.pid_alive(daemon) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return err, registry.pid_alive(daemon), is_mounted(mp)
+
+
+def _clean_up(proc: subprocess.Popen[str], mp: Path, daemon: int) -> None:
+    """Whatever a failed test left: the mount command, the daemon, the mount."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if daemon and registry.pid_alive(daemon):
+        os.kill(daemon, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while is_mounted(mp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if is_mounted(mp):
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGXCPU],
                          ids=["sigterm", "sigint", "sigquit", "sigxcpu"])
 def test_a_stop_signal_just_after_the_mount_is_made_unmounts_cleanly(bucket, tmp_path,
@@ -459,23 +486,9 @@ def test_a_mount_command_stopped_while_it_waits_stops_its_daemon(bucket, tmp_pat
         daemon = int((tmp_path / "cache" / "lock").read_text())
         proc.send_signal(sig)
         time.sleep(0.5)  # (the mount command acts on it while the daemon is held)
-        (holds / "mount.made.hold").unlink()
-        _, err = proc.communicate(timeout=120)
-        deadline = time.monotonic() + 30
-        while registry.pid_alive(daemon) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        daemon_alive, mounted = registry.pid_alive(daemon), is_mounted(mp)
+        err, daemon_alive, mounted = _outcome_once_let_go(proc, mp, holds, daemon)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if daemon and registry.pid_alive(daemon):
-            os.kill(daemon, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while is_mounted(mp) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if is_mounted(mp):
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+        _clean_up(proc, mp, daemon)
     assert not mounted and not daemon_alive, (mounted, daemon_alive, err)
     assert proc.returncode == 128 + sig, err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -498,23 +511,9 @@ def test_a_mount_command_that_gives_up_waiting_stops_its_daemon(bucket, tmp_path
         _wait_held(proc, holds)
         daemon = int((tmp_path / "cache" / "lock").read_text())
         time.sleep(4)  # (past the wait: the command has given up and stops its daemon)
-        (holds / "mount.made.hold").unlink()
-        _, err = proc.communicate(timeout=120)
-        deadline = time.monotonic() + 30
-        while registry.pid_alive(daemon) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        daemon_alive, mounted = registry.pid_alive(daemon), is_mounted(mp)
+        err, daemon_alive, mounted = _outcome_once_let_go(proc, mp, holds, daemon)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if daemon and registry.pid_alive(daemon):
-            os.kill(daemon, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while is_mounted(mp) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if is_mounted(mp):
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
+        _clean_up(proc, mp, daemon)
     assert not mounted and not daemon_alive, (mounted, daemon_alive, err)
     assert proc.returncode == 1, err
     lines = [line for line in err.splitlines() if line.strip()]

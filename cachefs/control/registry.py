@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,24 +178,30 @@ def detached_daemons() -> list[dict[str, Any]]:
     oldest first. An entry whose process is gone (killed while detached) or whose pid now
     names another process (its start time differs) is removed."""
     found = []
-    try:
-        files = sorted(runtime_dir().glob("*.detached"))
-    except OSError:
-        return []
-    for f in files:
-        try:
-            info = json.loads(f.read_text())
-            pid = int(info.get("pid", 0))
-            started = info.get("process_start")
-        except (OSError, ValueError, TypeError, AttributeError):  # (junk: not an entry)
-            continue
-        if not pid_alive(pid) or process_start(pid) != started:
+    for f, info, pid in _entries("*.detached"):
+        if not pid_alive(pid) or process_start(pid) != info.get("process_start"):
             with contextlib.suppress(OSError):
                 f.unlink()  # (its daemon was killed: nothing else removes it)
             continue
         found.append(info)
     found.sort(key=lambda i: float(i.get("detached_at", 0)))
     return found
+
+
+def _entries(pattern: str) -> Iterator[tuple[Path, dict[str, Any], int]]:
+    """The registry's files matching ``pattern``, in name order, with what each holds
+    and its daemon's pid; files that are not an entry (junk, gone meanwhile) skipped."""
+    try:
+        files = sorted(runtime_dir().glob(pattern))
+    except OSError:
+        return
+    for f in files:
+        try:
+            info = json.loads(f.read_text())
+            pid = int(info.get("pid", 0))
+        except (OSError, ValueError, TypeError, AttributeError):  # (junk: not an entry)
+            continue
+        yield f, info, pid
 
 
 def pid_alive(pid: int) -> bool:
@@ -252,20 +259,7 @@ def lookup(mountpoint: Path) -> dict[str, Any] | None:
 def all_mounts() -> list[dict[str, Any]]:
     """The entries whose daemon's pid is alive (it may name another process by now, or a
     process of another pid namespace: ``cachefs status`` looks closer)."""
-    result = []
-    try:
-        files = sorted(runtime_dir().glob("*.json"))
-    except OSError:
-        return []
-    for f in files:
-        try:
-            info = json.loads(f.read_text())
-            pid = int(info.get("pid", 0))
-        except (OSError, ValueError, TypeError, AttributeError):  # (junk: not an entry)
-            continue
-        if pid_alive(pid):
-            result.append(info)
-    return result
+    return [info for _, info, pid in _entries("*.json") if pid_alive(pid)]
 
 
 def cachefs_mounts() -> dict[str, str]:

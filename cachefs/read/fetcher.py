@@ -699,13 +699,7 @@ class Fetcher:
                     write_back = False
             if not write_back:
                 self._settle(bid, flight)
-            flight.event.set()
-            self._tell_joined(flight)
-            if flight.fetched is not None:
-                try:
-                    flight.fetched(bid)
-                except Exception:  # (a policy's bug must not end the load)
-                    log.exception("telling a prefetch policy that a load ended failed")
+            self._announce(bid, flight)
         finally:
             if not write_back:
                 self._loaded(reserved)
@@ -775,13 +769,7 @@ class Fetcher:
                 write_back = flight.error is None and found_at > skip
                 if not write_back:
                     self._settle(bid, flight)
-                flight.event.set()
-                self._tell_joined(flight)
-                if flight.fetched is not None:
-                    try:
-                        flight.fetched(bid)
-                    except Exception:  # (a policy's bug must not end the load)
-                        log.exception("telling a prefetch policy that a load ended failed")
+                self._announce(bid, flight)
             if write_back:
                 # The flight stays registered until the block is on disk: evicted from
                 # memory meanwhile, it must still not be fetched a second time.
@@ -808,6 +796,17 @@ class Fetcher:
             self._pending -= 1
             if not self._pending:
                 self._idle.set()
+
+    def _announce(self, bid: bytes, flight: _Flight) -> None:
+        """A load's outcome is in ``flight`` (trio thread): wake the tasks waiting for it,
+        tell the readers joined to it and the prefetch policy that started it."""
+        flight.event.set()
+        self._tell_joined(flight)
+        if flight.fetched is not None:
+            try:
+                flight.fetched(bid)
+            except Exception:  # (a policy's bug must not end the load)
+                log.exception("telling a prefetch policy that a load ended failed")
 
     def _settle(self, bid: bytes, flight: _Flight) -> None:
         """The load of ``bid`` is over, write-back included: forget its flight."""
