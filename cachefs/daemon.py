@@ -433,6 +433,8 @@ class Daemon:
             native.publish()
             metadata.add_listener(native.forget_dir)
         fetcher.on_settled = passthrough.settled  # predicted files registered once landed
+        # (a predicted small file is registered by the S3 thread that writes it)
+        fetcher.write_checked = passthrough.write_checked
         if cfg.passthrough == "auto" and not passthrough.wanted:
             log.info("FUSE passthrough unavailable (it needs Linux 6.9 or newer): "
                      "cachefs serves reads itself")

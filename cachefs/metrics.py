@@ -323,7 +323,8 @@ PASSTHROUGH_DECLINED = Counter(
     ["reason"], registry=REGISTRY)
 PASSTHROUGH_PREPARED = Counter(
     "cachefs_passthrough_prepared", "Files predicted to be opened next, verified and "
-    "registered ahead of their open (registered) or not, by outcome", ["outcome"],
+    "registered ahead of their open (registered; written: by the S3 thread that wrote "
+    "them) or not, by outcome", ["outcome"],
     registry=REGISTRY)
 PASSTHROUGH_READ_BACKS = Counter(
     "cachefs_passthrough_read_backs", "Cached objects an open (or a bind for the native "
@@ -771,9 +772,10 @@ S3_CHECKS = ("crc64nvme", "crc32c", "crc32", "sha256", "sha1", "etag_md5")
 S3_ALERT_KIND = "TransientStoreError"
 SKIP_REASONS = ("empty", "dot", "nul", "too_long", "shadowed", "marker_with_data")
 PASSTHROUGH_DECLINE_REASONS = ("size", "not_cached", "open_direct", "o_direct", "refused", "unverified")
-#: cachefs.passthrough.Passthrough.prepare (and "dropped": the queue was full)
-PASSTHROUGH_PREPARE_OUTCOMES = ("registered", "known", "declined", "full", "not_cached",
-                                "unverified", "refused", "dropped")
+#: cachefs.passthrough.Passthrough.prepare and .write_checked ("written"; and "dropped":
+#: the queue was full)
+PASSTHROUGH_PREPARE_OUTCOMES = ("registered", "written", "known", "declined", "full",
+                                "not_cached", "unverified", "refused", "dropped")
 #: cachefs.passthrough.Passthrough.read_back (and "dropped": the queue was full)
 PASSTHROUGH_READ_BACK_OUTCOMES = ("verified", "failed", "gone", "dropped")
 #: cachefs.read.prefetcher.POLICIES

@@ -16,8 +16,11 @@ Contracts:
   page cache, where the kernel's reads then find it -- unless this daemon wrote
   every block of that file itself from checked bytes and released none since
   (:meth:`~cachefs.cache.blocks.BlockCache.verify_object`: written marks), as
-  for the files a cold pass fetches just before their open. The file's stamp (inode
-  and change time) taken before it was verified is kept with the registration and
+  for the files a cold pass fetches just before their open; and a small file a
+  prediction waits for is registered by the S3 thread that checked its bytes, as it
+  writes them (below), which is what the written marks would say. The file's stamp
+  (inode and change time) taken before it was verified (or just after that thread's
+  write) is kept with the registration and
   checked again at each open (here, :meth:`Passthrough.open`, and in the native loop's
   template opens and reads): a file someone else wrote to since is closed and verified
   again when idle, and its opens fail with EIO while handles still use it (closed once
@@ -88,6 +91,23 @@ Contracts:
   objects up to :data:`PREPARE_MAX_BYTES` are, from a queue of at most
   :data:`PREPARE_QUEUE` (further predictions are dropped: those opens verify
   themselves). The idle bounds above bound what this pins.
+* Registered by the thread that wrote it. A predicted file still being fetched waits for
+  its load (``_awaiting``). When it is a whole object of one block (a small file: one
+  whole-object GET), the S3 thread that has just checked its bytes against S3 takes it
+  from there (:meth:`Passthrough.write_checked`, the fetcher's sink) and, instead of
+  handing it to a preparing thread once the load settles, pins the object, writes the
+  block and indexes it (:meth:`~cachefs.cache.blocks.BlockCache.put_kept`), and registers
+  the file with the descriptor it wrote through, left idle with its template ahead, like
+  a preparing thread's registration. No index read, no second open, no comparison with
+  the written marks: the pin taken before the write keeps eviction from choosing the
+  block and defers any release of the object's bytes from then on, so the file handed
+  over holds the bytes checked against S3 for this version, indexed with their
+  checksum -- what that comparison would conclude. It is published in ``_backings``
+  only once registered, so no open waits on it; an open that registered the object
+  first (through the written marks) keeps its own registration, and the S3 thread
+  closes its one. When the block is not admitted, passthrough is off or the object is
+  registered already, nothing is registered here (the tier writes it, or not, as for
+  any file).
 * An object whose file is gone by the time it is opened (evicted since the
   index was consulted) is a miss for that open only: the daemon serves it. If
   the kernel refuses a backing (no CAP_SYS_ADMIN, passthrough not granted at
@@ -118,8 +138,16 @@ use once (:meth:`cachefs.fs.FileSystem.bind_later`); it registers outside
 ``_lock`` like an open, and moves the handle from ``_direct`` to ``_active`` under it); a preparing thread calls
 ``on_prepared`` holding none of this class's locks (it
 takes the file system's, then ``_lock`` in :meth:`Passthrough.add_template_ahead`);
-predictions and settled loads arrive on the trio thread (they only queue;
-``_awaiting`` is touched on the trio thread only). ``_lock`` guards
+predictions and settled loads arrive on the trio thread (they only queue). ``_awaiting``
+is guarded by ``_awaiting_lock`` (held for a dictionary operation only, never with another
+lock: the trio thread adds to it and takes from it, an S3 thread in
+:meth:`Passthrough.write_checked` takes its object from it). That S3 thread then holds none
+of this class's locks while it writes (the cache's locks) and registers the file (the
+ioctl); it takes ``_lock`` to publish the registration, and calls ``on_prepared`` holding
+none, as a preparing thread does. Its owner is the fetcher's sink gate: the write and
+registration run inside it, and :meth:`cachefs.read.fetcher.Fetcher.run` waits for them
+before it returns (a prediction taken after :meth:`Passthrough.run` stopped the preparing
+threads finds ``_awaiting`` empty). ``_lock`` guards
 ``_backings``, ``_active``, ``_direct``, ``_beside``, ``_fetched``, ``_idle`` and ``_evicted_idle``
 (held for dictionary work and the close ioctl only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
@@ -160,6 +188,7 @@ import trio
 
 from cachefs import failpoints, metrics
 from cachefs.background import own_threads
+from cachefs.cache.blockid import split_block_id
 from cachefs.cache.blocks import BlockCache
 from cachefs.cache.objectfiles import FileStamp, file_stamp, path_stamp
 from cachefs.errors import CacheError, ObjectChanged
@@ -231,6 +260,11 @@ _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 #: The first kernel with FUSE passthrough.
 _KERNEL = (6, 9)
 
+
+#: cachefs_passthrough_prepared_total by outcome (an S3 thread counts each file it registers:
+#: the label looked up once)
+_PREPARED = {outcome: metrics.PASSTHROUGH_PREPARED.labels(outcome)
+             for outcome in metrics.PASSTHROUGH_PREPARE_OUTCOMES}
 
 #: The event of every settled registration (see _Backing.ready).
 _SETTLED = threading.Event()
@@ -351,9 +385,11 @@ class Passthrough:
         # (object, whether it may only take free room among the idle backings, inode or 0)
         self._queue: deque[tuple[ObjectVersion, bool, int]] = deque()
         # Predicted objects being fetched (and their inode, 0 if unknown), by the id of a
-        # block still loading (trio thread only; bounded: AWAITING_LOADS): queued when that
-        # load settles (see settled)
+        # block still loading (bounded: AWAITING_LOADS): added on the trio thread, taken
+        # by the S3 thread that writes the block of a small one (write_checked) or, when
+        # that load settles, queued (see settled); under _awaiting_lock
         self._awaiting: dict[bytes, tuple[ObjectVersion, int]] = {}
+        self._awaiting_lock = threading.Lock()
         # Objects to look at again once their blocks have landed on disk: (when, object,
         # spare, tries so far, inode); one fixed delay, so in order of when. Counted in the
         # bound.
@@ -442,7 +478,8 @@ class Passthrough:
             self._queue.clear()
             self._landing.clear()
             self._queue_cond.notify_all()
-        self._awaiting.clear()
+        with self._awaiting_lock:
+            self._awaiting.clear()
 
     def _stop_reading_back(self) -> None:
         self._read_back_stop.set()
@@ -566,9 +603,11 @@ class Passthrough:
             if self.fetcher.is_loading(bid):
                 # Being fetched (a cold pass's lookahead): not on disk yet. Queued when
                 # that load settles, so the open finds it registered.
-                if len(self._awaiting) < AWAITING_LOADS:
-                    self._awaiting[bid] = (obj, ino)
-                else:
+                with self._awaiting_lock:
+                    room = len(self._awaiting) < AWAITING_LOADS
+                    if room:
+                        self._awaiting[bid] = (obj, ino)
+                if not room:
                     metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
                 return
         self._enqueue(obj, False, ino)
@@ -577,10 +616,101 @@ class Passthrough:
         """The load of block ``bid`` settled (trio thread; :attr:`Fetcher.on_settled`): a
         predicted object waiting for it is queued for a preparing thread (which looks
         again later while other blocks of it are still landing)."""
-        if self._awaiting:
-            found = self._awaiting.pop(bid, None)
+        if self._awaiting:  # (read without the lock: a hint; usually empty)
+            with self._awaiting_lock:
+                found = self._awaiting.pop(bid, None)
             if found is not None:
                 self._enqueue(found[0], False, found[1])
+
+    def write_checked(self, obj: ObjectVersion, bid: bytes, data: bytes) -> bool:
+        """The bytes of ``obj``, a whole object of one block ``bid``, were just checked
+        against S3 by the S3 thread calling this (:attr:`Fetcher.write_checked`, inside
+        the fetcher's sink gate). If a prediction waits for that block, write it to the
+        cache here and register the file from the descriptor it was written through, as a
+        preparing thread would once the load settled (same pin, same bounds, the same
+        template ahead) -- without the hand-over to a preparing thread, a second open of
+        the file, the index reads and the comparison with the written marks: see
+        :meth:`_register_written`. Returns whether it wrote the block (False: the caller
+        writes it, as for any file no prediction waits for). Waits on the disk."""
+        if not self._awaiting:  # (read without the lock: a hint; empty in a warm pass)
+            return False
+        with self._awaiting_lock:
+            found = self._awaiting.pop(bid, None)
+        if found is None:
+            return False
+        ino = found[1]
+        oid = split_block_id(bid)[0]
+        if not self.enabled:
+            return False
+        if oid in self._backings:  # (read without _lock: an open registered it meanwhile)
+            self._enqueue(obj, False, ino)  # (its template, once the write has landed)
+            return False
+        outcome = self._register_written(obj, oid, bid, data)
+        _PREPARED[outcome].inc()
+        on_prepared = self.on_prepared
+        if ino and on_prepared is not None and outcome in ("written", "known"):
+            on_prepared(ino, obj)
+        return True
+
+    def _register_written(self, obj: ObjectVersion, oid: bytes, bid: bytes,
+                          data: bytes) -> str:
+        """Write the checked block ``bid`` (the whole of ``obj``) to the cache and register
+        the file with the descriptor it was written through (an S3 thread; waits on the
+        disk). Left idle like a registration made ahead. Returns "written" (registered),
+        "known" (an open registered the object meanwhile: ours is closed), "declined" (the
+        block was not admitted to the cache) or "refused".
+
+        Why no check is needed: the pin is taken before the block is written, so no
+        eviction chooses it and no release of the object's bytes runs from then on
+        (:meth:`~cachefs.cache.blocks.BlockCache.put_kept`); the bytes are the ones this
+        thread checked against S3 for this version, written into the file of the
+        descriptor handed over, and indexed with their checksum in the same critical
+        section. That is what :meth:`~cachefs.cache.blocks.BlockCache.verify_object`
+        concludes from the written marks when a preparing thread registers the file, after
+        reading the index and opening the file again. Published in ``_backings`` only once
+        registered (nothing waits on it meanwhile): an open that registered the object
+        first keeps its own registration."""
+        self.cache.pin(oid)
+        backing_id = 0
+        refused: str | OSError = "refused"
+        try:
+            kept = self.cache.put_kept(bid, data)
+            if kept is None:
+                return "declined"
+            fd, stamp = kept
+            try:
+                failpoints.hit("written.kept")  # (a test holds the S3 thread here)
+                backing_id, refused = self._backing_open(fd, stamp)
+            finally:
+                os.close(fd)  # the kernel (or the native loop) holds its own reference
+        finally:
+            if not backing_id:
+                self.cache.unpin(oid)
+        if not backing_id:
+            if isinstance(refused, OSError):
+                self._switch_off(refused)
+            return "refused"
+        with self._lock:
+            known = oid in self._backings or not self.enabled
+            if not known:
+                backing = _Backing(oid, obj.size, _SETTLED, backing_id)
+                backing.stamp = stamp
+                self._backings[oid] = backing
+                metrics.PASSTHROUGH_BACKINGS.inc()
+                self._idle_or_keep(backing)  # (its pin yields from now on)
+        if known:
+            try:
+                assert self._device is not None
+                self._device.backing_close(backing_id)
+            except OSError as exc:
+                log.warning("cannot close passthrough backing %d: %s", backing_id,
+                            exc.strerror)
+            finally:
+                self.cache.unpin(oid)
+            return "known" if self.enabled else "refused"
+        metrics.CACHE_OBJECTS_TRUSTED.inc()
+        metrics.PASSTHROUGH_VERIFIED_BYTES.inc(len(data))
+        return "written"
 
     def _enqueue(self, obj: ObjectVersion, spare: bool, ino: int = 0) -> None:
         """Queue ``obj`` (inode ``ino``, 0 if unknown) for a preparing thread (any thread;
@@ -1335,23 +1465,9 @@ class Passthrough:
                 if verified is None:
                     return 0, "unverified" if read_back else "size", None
                 failpoints.hit("attach.verified")
-                try:
-                    device = self._device
-                    if device is None:
-                        return 0, "refused", None
-                    backing_id = device.backing_open(fd)
-                    if self.native and stamp is not None and self._loop is not None:
-                        # (the loop's reads and opens of it check it is unchanged)
-                        self._loop.stamp_file(backing_id, stamp)
-                except OSError as exc:
-                    if exc.errno in _UNSUPPORTED and not self.native:
-                        return 0, exc, None
-                    if exc.errno in _OUT_OF_DESCRIPTORS:
-                        self.out_of_descriptors()
-                        return 0, "refused", None
-                    log.warning("cannot register a cache file for reads without the daemon's "
-                                "Python (%s); serving it", exc.strerror or exc)
-                    return 0, "refused", None
+                backing_id, refused = self._backing_open(fd, stamp)
+                if not backing_id:
+                    return 0, refused, None
             finally:
                 os.close(fd)  # the kernel (or the native loop) holds its own reference
         finally:
@@ -1359,6 +1475,30 @@ class Passthrough:
                 self.cache.unpin(oid)
         metrics.PASSTHROUGH_VERIFIED_BYTES.inc(verified)
         return backing_id, "", stamp
+
+    def _backing_open(self, fd: int, stamp: FileStamp | None) -> tuple[int, str | OSError]:
+        """Register the verified file ``fd`` with the kernel (or the native loop): (its
+        backing id, "") or (0, "refused", or the kernel's error when it cannot pass files
+        through at all). Out of descriptors, the idle registrations are trimmed. The
+        native loop's reads and opens of it check it keeps ``stamp``, the file's as
+        verified (when known)."""
+        device = self._device
+        if device is None:
+            return 0, "refused"
+        try:
+            backing_id = device.backing_open(fd)
+            if self.native and stamp is not None and self._loop is not None:
+                self._loop.stamp_file(backing_id, stamp)
+            return backing_id, ""
+        except OSError as exc:
+            if exc.errno in _UNSUPPORTED and not self.native:
+                return 0, exc
+            if exc.errno in _OUT_OF_DESCRIPTORS:
+                self.out_of_descriptors()
+                return 0, "refused"
+            log.warning("cannot register a cache file for reads without the daemon's "
+                        "Python (%s); serving it", exc.strerror or exc)
+            return 0, "refused"
 
     def _switch_off(self, error: OSError) -> None:
         with self._lock:

@@ -437,6 +437,38 @@ def test_a_cache_file_is_written_at_its_offset_in_a_private_directory(make_cache
     with pytest.raises(NotADirectoryError) as caught:
         c.cache.files.write_at(other, b"x", 0)
     assert caught.value.filename == c.cache.files.path(other)
+    with pytest.raises(NotADirectoryError):
+        c.cache.files.write_kept(other, b"x", 0)
+
+
+def test_a_kept_write_leaves_the_file_written_open(make_cache, cache_writes: str) -> None:  # type: ignore[no-untyped-def]
+    """write_kept (the S3 thread that registers the file it wrote, cachefs.passthrough):
+    the same write, its file left open read-write -- the very file, made private as any."""
+    c = make_cache()
+    oid = object_id("bucket", "key", "etag", BLOCK)
+    inode, was, now, fd = c.cache.files.write_kept(oid, memoryview(b"abc"), 2)
+    try:
+        path = Path(c.cache.files.path(oid))
+        assert os.fstat(fd).st_ino == inode == path.stat().st_ino
+        assert now == path.stat().st_ctime_ns and was <= now
+        assert os.pread(fd, 8, 0) == b"\0\0abc"
+        assert os.get_inheritable(fd) is False
+        assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    finally:
+        os.close(fd)
+    # put_kept: written and indexed (and marked), the descriptor the caller's
+    c.cache.pin(oid)
+    kept = c.cache.put_kept(bid(0), data(0))
+    assert kept is not None
+    fd, stamp = kept
+    try:
+        assert os.pread(fd, BLOCK, 0) == data(0)
+        assert stamp == (os.fstat(fd).st_ino, os.fstat(fd).st_ctime_ns), "the file as written"
+        assert c.cache.contains(bid(0)) and c.cache.written_blocks(oid) == 1
+    finally:
+        os.close(fd)
+        c.cache.unpin(oid)
+    assert c.get(bid(0)) == data(0)
 
 
 def test_index_failure_returns_false_and_removes_file(make_cache, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,10 @@ import trio
 from cachefs import failpoints, metrics
 from cachefs.cache.blocks import BlockCache, block_id, object_id
 from cachefs.cache.lmdbenv import LmdbEnv
+from cachefs.passthrough import Passthrough
 from cachefs.passthrough import supported as passthrough_supported
+from cachefs.read.fetcher import ObjectVersion
+from cachefs.read.prefetcher import PrefetchLedger
 from tests.conftest import DaemonHolds, daemon_holds
 from tests.conftest import drop_page_cache as _drop_page_cache
 
@@ -135,6 +138,113 @@ def test_a_pin_taken_after_victims_were_chosen_defers_the_punch(cache: BlockCach
     assert cache.deferred_bytes == 0
     assert _stored(cache, a[0]) == bytes(BLOCK), "the evicted block's bytes are freed"
     assert _stored(cache, a[1]) == _data(1)
+
+
+# -- in-process: a small file registered by the S3 thread that wrote it ---------------------
+class _IdFetcher:
+    """What Passthrough asks the fetcher (the real ids; every block is being fetched)."""
+
+    def object_id(self, obj: ObjectVersion) -> bytes:
+        return object_id("bucket", obj.key, obj.etag, BLOCK)
+
+    def block_ids(self, obj: ObjectVersion) -> list[bytes]:
+        return [block_id("bucket", obj.key, obj.etag, BLOCK, 0)]
+
+    def block_count(self, obj: ObjectVersion) -> int:
+        return 1
+
+    def is_loading(self, bid: bytes) -> bool:
+        return True
+
+
+class _Kernel:
+    """The device's BACKING_OPEN: what file each id was given (its inode and bytes)."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, tuple[int, bytes]] = {}
+        self.next_id = 0
+
+    def backing_open(self, fd: int) -> int:
+        self.next_id += 1
+        self.open[self.next_id] = (os.fstat(fd).st_ino, os.pread(fd, 2 * BLOCK, 0))
+        return self.next_id
+
+    def backing_close(self, backing_id: int) -> None:
+        del self.open[backing_id]
+
+
+def _writer(cache: BlockCache) -> tuple[Passthrough, _Kernel, ObjectVersion, bytes]:
+    """A Passthrough over ``cache`` waiting for object "a" (predicted while fetched)."""
+    p = Passthrough(_IdFetcher(), cache, PrefetchLedger(), enabled=True)  # type: ignore[arg-type]
+    kernel = _Kernel()
+    p.wanted = True
+    p.attach_device(kernel)  # type: ignore[arg-type]
+    cache.on_evicted_while_pinned = p.evicted
+    obj = ObjectVersion("a", "e", BLOCK - 100)
+    p.predicted(obj, 42)
+    return p, kernel, obj, block_id("bucket", "a", "e", BLOCK, 0)
+
+
+def test_a_file_registered_by_its_writer_is_pinned_from_before_its_write(cache: BlockCache) -> None:
+    """The S3 thread that checked a predicted small file writes it and registers the file
+    from the descriptor it wrote through, reading no index and no file back: safe only
+    because the pin is taken before the write. Two other blocks put between the write and
+    the registration (the cache holds two) must evict around it, not it -- else the kernel
+    would be handed a file whose block the index no longer names (its bytes beyond the
+    cache's size, never told to the registration, or punched). Once registered and idle,
+    its pin yields: an eviction then takes it, and the registration goes."""
+    p, kernel, obj, a = _writer(cache)
+    body = _data(1, obj.size)
+    between: list[bool] = []
+
+    def evict_meanwhile() -> None:  # (the S3 thread, after the put, before BACKING_OPEN)
+        assert cache.put_sync(_bid("b", 0), _data(2))
+        assert cache.put_sync(_bid("c", 0), _data(3))  # evicts b: a is pinned
+        between.append(cache.contains(a))
+
+    failpoints.arm("written.kept", evict_meanwhile)
+    try:
+        assert p.write_checked(obj, a, body)
+    finally:
+        failpoints.disarm("written.kept")
+    assert between == [True], "the block was evicted between its write and its registration"
+    oid = object_id("bucket", "a", "e", BLOCK)
+    path = cache.object_path(oid)
+    assert kernel.open == {1: (os.stat(path).st_ino, body)}, "not the file written"
+    assert cache.contains(a) and not cache.contains(_bid("b", 0))
+    assert p._backings[oid].backing_id == 1 and oid in p._idle
+    assert (cache._pinned, cache._yielding) == ({}, {oid: 1}), "idle: its pin yields"
+    assert not p._awaiting
+    assert metrics.REGISTRY.get_sample_value(
+        "cachefs_passthrough_prepared_total", {"outcome": "written"}) >= 1
+    # Idle, it yields: the next put evicts it (the least recently used), and the
+    # registration is closed, which lets its bytes go.
+    assert cache.put_sync(_bid("d", 0), _data(4))
+    assert not cache.contains(a)
+    assert kernel.open == {} and oid not in p._backings
+    assert (cache._pinned, cache._yielding) == ({}, {})
+    cache.release_deferred()
+    assert not os.path.exists(path)
+
+
+def test_an_open_registering_the_file_first_keeps_its_registration(cache: BlockCache) -> None:
+    """An open of the file between its write and its registration by the S3 thread (the
+    index names it now) registers it itself, through the written marks; the S3 thread's
+    registration is then closed and its pin let go: one registration per object."""
+    p, kernel, obj, a = _writer(cache)
+    body = _data(5, obj.size)
+    answers: list[int] = []
+    failpoints.arm("written.kept", lambda: answers.append(p.open(7, obj)))
+    try:
+        assert p.write_checked(obj, a, body)
+    finally:
+        failpoints.disarm("written.kept")
+    oid = object_id("bucket", "a", "e", BLOCK)
+    assert answers == [1] and p._backings[oid].backing_id == 1
+    assert kernel.open == {1: (os.stat(cache.object_path(oid)).st_ino, body)}
+    assert (cache._pinned, cache._yielding) == ({oid: 1}, {}), "the open's pin only"
+    p.release(7, 1)
+    assert (cache._pinned, cache._yielding) == ({}, {oid: 1})
 
 
 def test_a_deferred_release_keeps_a_block_stored_again(cache: BlockCache) -> None:

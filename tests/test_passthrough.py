@@ -187,7 +187,8 @@ def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory
     m = mount_factory(f"s3://{name}", "--block-size", "64K")
     for key in sorted(files):
         assert _read(m.path / key) == files[key]
-    registered = _counter(m, 'cachefs_passthrough_prepared_total{outcome="registered"}')
+    registered = (_counter(m, 'cachefs_passthrough_prepared_total{outcome="registered"}')
+                  + _counter(m, 'cachefs_passthrough_prepared_total{outcome="written"}'))
     assert registered >= len(files) // 2, f"only {registered} files registered ahead"
     # Every file was written by this daemon: none was read back to be verified.
     assert _counter(m, "cachefs_cache_objects_trusted_total") >= registered
@@ -197,6 +198,44 @@ def test_files_fetched_ahead_are_registered_once_they_land(bucket, mount_factory
     for key in sorted(files):  # the next epoch: the registrations serve the opens
         assert _read(m.path / key) == files[key]
     assert _counter(m, "cachefs_passthrough_opens_total") == opens + len(files)
+
+
+@pytest.mark.drops_caches
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_files_fetched_ahead_are_registered_by_the_threads_that_wrote_them(bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
+    """A cold walk in directory order: a small file the lookahead fetches is registered
+    by the S3 thread that checked and wrote its bytes, from the descriptor it wrote them
+    through (no preparing thread, no second open, no index read), with its open template
+    -- and every byte the kernel (or the native loop) then reads from the cache file is
+    the object's, in this epoch and the next."""
+    name, files = _walk_files(bucket, seed=700, size=30_000)
+    extra = ("--passthrough", "off") if reader == "native" else ()
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", *extra)
+    keys = sorted(files)
+    for key in keys:
+        assert _read(m.path / key) == files[key]
+    _wait_for(m, "cachefs_open_file_handles", 0)
+    s = m.metrics()
+    written = s.get('cachefs_passthrough_prepared_total{outcome="written"}', 0)
+    assert written >= len(files) // 2, f"only {written} files registered by their S3 thread"
+    # (the preparing threads registered at most the files the walk opened before their
+    # fetch was predicted)
+    assert s['cachefs_passthrough_prepared_total{outcome="registered"}'] < len(files) // 2
+    assert s["cachefs_cache_objects_trusted_total"] >= written
+    # (its template ahead: refused for a file the walk had opened before it landed, whose
+    # handle the daemon served -- one I/O mode per inode)
+    assert s["cachefs_native_open_templates"] > 0
+    assert s["cachefs_cache_corrupt_blocks_total"] == 0
+    assert m.gets() == len(files)
+    for epoch in range(2):  # (the registrations serve the opens, from the files written)
+        _drop_page_cache()
+        for key in keys:
+            assert _read(m.path / key) == files[key], f"epoch {epoch}: {key}"
+    _wait_for(m, "cachefs_open_file_handles", 0)
+    s = m.metrics()
+    assert s["cachefs_cache_corrupt_blocks_total"] == 0
+    assert m.gets() == len(files)
+    assert s["cachefs_passthrough_opens_total"] >= 2 * len(files)
 
 
 @pytest.mark.drops_caches

@@ -14,6 +14,12 @@
  * write, and after it) is returned (cachefs/cache/objectfiles.py, FileStamp); any failure raises
  * OSError with the failing call's errno and the path, and leaves the file closed.
  * Touches only its arguments; the buffer is held (PyBuffer) for the call.
+ *
+ * write_kept is the same write leaving the file open (ObjectFiles.write_kept): the file
+ * is opened read-write and (inode, change time before, after, descriptor) returned, the descriptor the caller's to
+ * close (O_CLOEXEC); on a failure it is closed, as above. The S3 thread that wrote a
+ * small file hands that descriptor to the kernel for passthrough (cachefs/passthrough.py:
+ * registered by the thread that wrote it), without opening the file again.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,8 +31,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static int open_for_write(const char *path) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+static int open_for_write(const char *path, int mode) {
+    int fd = open(path, mode | O_CREAT | O_CLOEXEC, 0600);
     if (fd >= 0 || errno != ENOENT)
         return fd;
     /* The object's directory (objects/<two hex digits>) does not exist yet. */
@@ -40,10 +46,12 @@ static int open_for_write(const char *path) {
     dir[slash - path] = '\0';
     if (mkdir(dir, 0700) < 0 && errno != EEXIST)
         return -1;
-    return open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    return open(path, mode | O_CREAT | O_CLOEXEC, 0600);
 }
 
-static PyObject *write_at(PyObject *self, PyObject *args) {
+/* The write of both functions: the file's inode, change times and, with keep, its
+ * descriptor (kept open; else closed), or NULL with the exception set. */
+static PyObject *write_file(PyObject *args, int keep) {
     const char *path;
     Py_buffer data;
     long long offset;
@@ -57,14 +65,16 @@ static PyObject *write_at(PyObject *self, PyObject *args) {
     int err = 0;
     unsigned long long ino = 0;
     long long before = 0, changed = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int fd = open_for_write(path);
+    int fd;
     struct stat st;
+    Py_BEGIN_ALLOW_THREADS
+    fd = open_for_write(path, keep ? O_RDWR : O_WRONLY);
     if (fd < 0) {
         err = errno;
     } else if (fstat(fd, &st) < 0) {
         err = errno;
         close(fd);
+        fd = -1;
     } else {
         before = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
         const char *p = data.buf;
@@ -90,7 +100,10 @@ static PyObject *write_at(PyObject *self, PyObject *args) {
                 changed = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
             }
         }
-        close(fd);
+        if (err || !keep) {
+            close(fd);
+            fd = -1;
+        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
@@ -98,12 +111,30 @@ static PyObject *write_at(PyObject *self, PyObject *args) {
         errno = err;
         return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
     }
-    return Py_BuildValue("(KLL)", ino, before, changed);
+    if (!keep)
+        return Py_BuildValue("(KLL)", ino, before, changed);
+    PyObject *result = Py_BuildValue("(KLLi)", ino, before, changed, fd);
+    if (result == NULL)
+        close(fd);
+    return result;
+}
+
+static PyObject *write_at(PyObject *self, PyObject *args) {
+    return write_file(args, 0);
+}
+
+static PyObject *write_kept(PyObject *self, PyObject *args) {
+    return write_file(args, 1);
 }
 
 static PyMethodDef methods[] = {
     {"write_at", write_at, METH_VARARGS,
-     "write_at(path, data, offset) -> (inode, ctime_ns before, after): write a cache file in one call."},
+     "write_at(path, data, offset) -> (inode, ctime_ns before, after): write a cache file "
+     "in one call."},
+    {"write_kept", write_kept, METH_VARARGS,
+     "write_kept(path, data, offset) -> (inode, ctime_ns before, after, fd): write_at, the "
+     "file left open "
+     "read-write."},
     {NULL, NULL, 0, NULL},
 };
 

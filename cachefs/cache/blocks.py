@@ -56,6 +56,11 @@ Contracts:
   see is damage the file system does not record (the disk's own bit rot under
   an unchanged stamp), within one daemon's life; a registered file's stamp is
   checked again at its opens (:mod:`cachefs.passthrough`).
+  :meth:`BlockCache.put_kept` hands the caller the descriptor a block was just
+  written through, and the file's stamp after the write, for an object the
+  caller pinned before the write: the same conclusion without the marks'
+  comparison (the file of that descriptor holds the bytes of the entry indexed
+  with them, and no release can run until the unpin).
 * An index that cannot be read (any LMDB error, a value of the wrong shape)
   makes a lookup a miss, counted in ``cachefs_cache_index_errors_total`` and
   logged (at most once a minute), never an error.
@@ -564,32 +569,71 @@ class BlockCache:
         return self.put_sync(bid, data)
 
     def put_sync(self, bid: bytes, data: bytes) -> bool:
+        return self._put(bid, data, keep=False) is not None
+
+    def put_kept(self, bid: bytes, data: bytes) -> tuple[int, FileStamp] | None:
+        """:meth:`put_now` of an object's only block, leaving its file open: a read-write
+        descriptor of the very file the block was written into and indexed from (the
+        caller's to close), with the file's stamp after the write, or None when the block
+        was not written (not admitted, disk or index trouble; nothing left open). The
+        caller holds a plain :meth:`pin` of the object taken before this call, so from
+        the write on no eviction chooses the block and no release of the object's bytes
+        runs until the unpin: the descriptor's
+        file holds the bytes the index entry's checksum was taken of, as a
+        :meth:`verify_object` of it through its written marks would find. (The S3 thread
+        that checked the bytes registers the file for passthrough with it:
+        :mod:`cachefs.passthrough`.)"""
+        if self.policy == "keep" and self._used + self.charge(len(data)) > self.capacity:
+            metrics.CACHE_ADMISSION_REJECTS.inc()
+            return None
+        return self._put(bid, data, keep=True)
+
+    def _put(self, bid: bytes, data: bytes, *, keep: bool) -> tuple[int, FileStamp] | None:
+        """Write and index a block: None when not admitted, else (with ``keep`` the file's
+        open descriptor, without it 0; the file's stamp after the write): see
+        :meth:`put_kept`."""
         if self.charge(len(data)) > self.capacity:
             metrics.CACHE_ADMISSION_REJECTS.inc()
-            return False
+            return None
         oid, offset = split_block_id(bid)
         entry = (len(data), checksum(data))
+        fd = 0
         with self._file_lock(oid):
             try:
-                written = self.files.write_at(oid, data, offset)
+                if keep:
+                    inode, before, after, fd = self.files.write_kept(oid, data, offset)
+                else:
+                    inode, before, after = self.files.write_at(oid, data, offset)
             except OSError as exc:
                 self._write_error("cannot write block to the cache (%s); serving from memory",
                                   exc.strerror)
                 self._release_bytes(oid, [(offset, len(data))])
-                return False
+                return None
             try:
-                admitted, evicted = self._index_put(bid, *entry)
-            except CacheError as exc:
-                self._write_error("cannot index block: %s", exc)
-                admitted, evicted = False, []
-            if admitted:
-                self._mark_written(oid, written, offset, entry)
-            else:
-                self._release_bytes(oid, [(offset, len(data))])
-        self._release_blocks(evicted)
-        if self._deferred:
-            self.release_deferred()
-        return admitted
+                try:
+                    admitted, evicted = self._index_put(bid, *entry)
+                except CacheError as exc:
+                    self._write_error("cannot index block: %s", exc)
+                    admitted, evicted = False, []
+                if admitted:
+                    self._mark_written(oid, (inode, before, after), offset, entry)
+                else:
+                    self._release_bytes(oid, [(offset, len(data))])
+            except BaseException:
+                if keep:
+                    os.close(fd)
+                raise
+            if keep and not admitted:
+                os.close(fd)
+        try:
+            self._release_blocks(evicted)
+            if self._deferred:
+                self.release_deferred()
+        except BaseException:
+            if keep and admitted:
+                os.close(fd)
+            raise
+        return (fd, (inode, after)) if admitted else None
 
     def _write_error(self, message: str, *args: object) -> None:
         """Count a block not stored; log the first, then at most one line every

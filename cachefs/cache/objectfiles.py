@@ -32,7 +32,7 @@ try:  # the write in one call, one release of the interpreter lock (see _cachefi
 except ImportError:  # built without extensions (no compiler at install time)
     _cachefile = None  # type: ignore[assignment]
 
-#: Whether :meth:`ObjectFiles.write_at` runs in C.
+#: Whether :meth:`ObjectFiles.write_at` (and :meth:`~ObjectFiles.write_kept`) runs in C.
 NATIVE_WRITES = _cachefile is not None
 
 log = logging.getLogger(__name__)
@@ -141,15 +141,37 @@ class ObjectFiles:
         the interpreter lock released once for all of them instead of once each. It is
         called by the S3 threads of cold GETs, hundreds at a time, and each release of
         a contended lock costs the thread a sleep and a wake-up."""
-        path = self.path(oid)
         if _cachefile is not None:
+            path = self.path(oid)
             try:
                 return _cachefile.write_at(path, data, offset)
             except FileNotFoundError:  # (the objects directory itself is gone: see below)
                 self._make_objects_dir()
                 return _cachefile.write_at(path, data, offset)
+        inode, before, after, fd = self._write(oid, data, offset, os.O_WRONLY)
+        os.close(fd)
+        return inode, before, after
+
+    def write_kept(self, oid: bytes, data: bytes, offset: int) -> tuple[int, int, int, int]:
+        """:meth:`write_at`, leaving the file open: (its inode number, its change times
+        before and after the write, a read-write descriptor of it, the caller's to
+        close). Raises OSError (nothing left open)."""
+        if _cachefile is not None:
+            path = self.path(oid)
+            try:
+                return _cachefile.write_kept(path, data, offset)
+            except FileNotFoundError:
+                self._make_objects_dir()
+                return _cachefile.write_kept(path, data, offset)
+        return self._write(oid, data, offset, os.O_RDWR)
+
+    def _write(self, oid: bytes, data: bytes, offset: int,
+               mode: int) -> tuple[int, int, int, int]:
+        """The write of :meth:`write_at` in Python: (inode, change time before, after, the
+        open descriptor)."""
+        path = self.path(oid)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, mode | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
             try:
                 os.mkdir(os.path.dirname(path), 0o700)
@@ -159,7 +181,7 @@ class ObjectFiles:
                 self._make_objects_dir()
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(os.path.dirname(path), 0o700)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, mode | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             before = os.fstat(fd).st_ctime_ns
             view = memoryview(data)
@@ -167,9 +189,10 @@ class ObjectFiles:
                 n = os.pwrite(fd, view, offset)
                 view, offset = view[n:], offset + n
             st = os.fstat(fd)
-            return st.st_ino, before, st.st_ctime_ns
-        finally:
+            return st.st_ino, before, st.st_ctime_ns, fd
+        except BaseException:
             os.close(fd)
+            raise
 
     def punch(self, oid: bytes, ranges: list[tuple[int, int]]) -> None:
         """Free the byte ranges (they read back as zeros). Blocks start on multiples of

@@ -53,7 +53,8 @@ Tasks and ownership:
 * A whole-object GET (an object of one block: small files) is written to the
   disk tier in the S3 worker thread that fetched it, after its check against
   S3's statement passed (:meth:`Origin.get`'s ``sink``): one thread hop per
-  cold small file instead of two. Those writes pass a :class:`_SinkGate`,
+  cold small file instead of two (and a file passthrough waits for is registered
+  there too: :attr:`Fetcher.write_checked`). Those writes pass a :class:`_SinkGate`,
   closed when :meth:`Fetcher.run` ends (unmount), which then waits for the
   writes already running: a worker thread abandoned by a cancelled GET never
   writes to the cache once the daemon is closing it.
@@ -285,6 +286,13 @@ class Fetcher:
         #: version changed and refreshes its directory's listing: see
         #: :meth:`cachefs.fs.FileSystem.object_changed`).
         self.on_changed: Callable[[ObjectVersion], None] | None = None
+        #: Asked (an S3 worker thread, inside the sink gate: see :class:`_SinkGate`) to
+        #: write a whole object just checked against S3 -- (its version, its block id, its
+        #: bytes) -- to the disk tier itself: True when it did (or tried: the block is then
+        #: written or not admitted, as by the tier's ``put_now``), False to leave the write
+        #: to the tier. Passthrough registers a file it is waiting for from the thread
+        #: that wrote it (:meth:`cachefs.passthrough.Passthrough.write_checked`).
+        self.write_checked: Callable[[ObjectVersion, bytes, bytes], bool] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -855,7 +863,9 @@ class Fetcher:
                 # Readers already have the block: a failed write (even a bug) costs a
                 # refetch later, never the GET (cachefs.background).
                 with contained("cache_write", "writing a fetched object to the disk tier"):
-                    disk.put_now(ref, data)
+                    write = self.write_checked
+                    if write is None or not write(ref.obj, ref.bid, data):
+                        disk.put_now(ref, data)
                     stored.append(True)
             finally:
                 gate.leave()
