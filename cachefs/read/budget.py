@@ -6,7 +6,10 @@ issued until it has been written to the disk cache. Prefetch waits for room
 reader that itself holds reservations. Demand overdraft is bounded by the
 number of concurrent FUSE requests times the block size.
 
-Trio-thread only (no locks needed).
+Trio-thread only (no locks needed). The in-flight gauge reads ``used`` when metrics
+are collected (any thread: one attribute read), so a reservation or release writes no
+metric (two prometheus-client ``set`` calls, each under its lock, per cold small file on
+the trio thread); a release wakes waiters only when there are some.
 """
 
 from __future__ import annotations
@@ -21,30 +24,33 @@ class MemoryBudget:
         self.limit = limit
         self.used = 0
         self._changed = trio.Event()
+        self._waiting = 0  # tasks in reserve() waiting for room
         metrics.INFLIGHT_BUDGET_BYTES.set(limit)
+        metrics.INFLIGHT_BYTES.set_function(lambda: self.used)
 
     def try_reserve(self, n: int) -> bool:
         """Reserve ``n`` bytes if they fit; never waits (used by prefetch)."""
         if self.used + n > self.limit:
             return False
-        self._add(n)
+        self.used += n
         return True
 
     async def reserve(self, n: int) -> None:
         """Reserve ``n`` bytes, waiting until they fit (background work such as warming)."""
         while self.used + n > self.limit and self.used > 0:
-            await self._changed.wait()
-        self._add(n)
+            self._waiting += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self._waiting -= 1
+        self.used += n
 
     def force_reserve(self, n: int) -> None:
         """Reserve ``n`` bytes even past the limit (demand reads)."""
-        self._add(n)
+        self.used += n
 
     def release(self, n: int) -> None:
-        self._add(-n)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def _add(self, n: int) -> None:
-        self.used += n
-        metrics.INFLIGHT_BYTES.set(self.used)
+        self.used -= n
+        if self._waiting:
+            self._changed.set()
+            self._changed = trio.Event()
