@@ -106,6 +106,25 @@ def test_block_id_depends_on_every_component() -> None:
     assert base not in others and len(others) == 5
 
 
+def test_an_object_id_remembered_is_the_one_hashed_and_the_memory_is_bounded() -> None:
+    """Object ids are remembered (the trio thread asked for a cold file's ~7.6 times): a
+    remembered id is the hash of its version, ids of versions pushed out are hashed again
+    the same, and at most OID_CACHE are kept."""
+    import xxhash
+
+    from cachefs.cache import blockid
+
+    def hashed(key: str) -> bytes:
+        return xxhash.xxh3_128_digest(f"b\0{key}\0e\0{4096}".encode())
+
+    first = object_id("b", "k0", "e", 4096)
+    assert first == hashed("k0") and object_id("b", "k0", "e", 4096) is first
+    for i in range(blockid.OID_CACHE + 10):
+        assert object_id("b", f"k{i}", "e", 4096) == hashed(f"k{i}")
+    assert object_id("b", "k0", "e", 4096) == first  # pushed out, hashed again
+    assert blockid.object_id.cache_info().currsize <= blockid.OID_CACHE
+
+
 def test_blocks_of_one_object_share_its_file_at_their_offsets() -> None:
     b3 = block_id("b", "k", "e", 4096, 3)
     assert split_block_id(b3) == (object_id("b", "k", "e", 4096), 3 * 4096)
