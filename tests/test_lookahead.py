@@ -22,8 +22,11 @@ class FakePrefetcher:
     def __init__(self) -> None:
         self.prefetched: list[str] = []
 
+    def on_disk(self, objs: list[ObjectVersion]) -> set[bytes]:
+        return set()  # (want_object answers for each object itself)
+
     def want_object(self, obj: ObjectVersion, policy: str, *,
-                    load_cached: bool = True) -> int | None:
+                    load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
         assert policy == "directory"
         if obj.key not in self.prefetched:
             self.prefetched.append(obj.key)
@@ -38,7 +41,7 @@ class CountingPrefetcher(FakePrefetcher):
         self.asked = 0
 
     def want_object(self, obj: ObjectVersion, policy: str, *,
-                    load_cached: bool = True) -> int | None:
+                    load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
         self.asked += 1
         return super().want_object(obj, policy, load_cached=load_cached)
 
@@ -63,6 +66,59 @@ def test_one_reader_in_order_prefetches_ahead_and_not_behind() -> None:
     keys = [DIR + n.decode() for n in NAMES]
     assert all(keys.index(k) >= 3 for k in f.prefetched), "nothing before the walk"
     assert keys.index(f.prefetched[-1]) > 40 + 16, "the window grows ahead of the reader"
+
+
+class Batching(FakePrefetcher):
+    """Records the batches asked about (on_disk); the budget is full after ``budget`` files."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.batches: list[list[str]] = []
+        self.budget = budget
+
+    def on_disk(self, objs: list[ObjectVersion]) -> set[bytes]:
+        self.batches.append([obj.key for obj in objs])
+        return set()
+
+    def want_object(self, obj: ObjectVersion, policy: str, *,
+                    load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
+        assert on_disk is not None and obj.key in self.batches[-1], "asked in its batch"
+        if len(self.prefetched) >= self.budget:
+            return None
+        return super().want_object(obj, policy)
+
+
+def test_a_top_up_looks_its_files_up_on_disk_in_growing_batches() -> None:
+    """A top-up asks where its files are (Prefetcher.on_disk: one read of the disk's index)
+    in batches of 1, 2, 4 ... BATCH files, then requests them in order, as one at a time
+    did; stopped early (the memory budget full) it has read at most as many names past
+    its stop as it requested; at the directory's end it says so."""
+    read: list[bytes] = []
+
+    def counted(prefix: str, after: bytes) -> Iterator[Entry]:
+        for entry in iter_after(prefix, after):
+            read.append(entry.name)
+            yield entry
+
+    f = Batching(budget=1000)
+    la = DirectoryLookahead(f, counted)  # type: ignore[arg-type]
+    picked, end = la._request(DIR, NAMES[9], 100)
+    assert [name for name, _ in picked] == NAMES[10:110] and not end
+    assert [INO[name] for name in NAMES[10:110]] == [ino for _, ino in picked]
+    assert f.prefetched == [DIR + name.decode() for name in NAMES[10:110]]
+    assert [len(b) for b in f.batches] == [1, 2, 4, 8, 16, 32, 32, 5]
+    assert len(read) == 101  # (the 101st tells there are more)
+
+    f, read[:] = Batching(budget=20), []
+    la = DirectoryLookahead(f, counted)  # type: ignore[arg-type]
+    picked, end = la._request(DIR, NAMES[9], 100)
+    assert [name for name, _ in picked] == NAMES[10:30] and not end
+    assert len(read) <= 2 * 20 + 1
+
+    f = Batching(budget=1000)
+    la = DirectoryLookahead(f, iter_after)  # type: ignore[arg-type]
+    picked, end = la._request(DIR, NAMES[-4], 100)
+    assert [name for name, _ in picked] == NAMES[-3:] and end
 
 
 def test_interleaved_readers_each_walking_in_order_are_detected() -> None:
@@ -386,7 +442,7 @@ def test_opens_on_workers_do_not_wait_for_the_requests_of_issue() -> None:
 
     class SlowPrefetcher(FakePrefetcher):
         def want_object(self, obj: ObjectVersion, policy: str, *,
-                        load_cached: bool = True) -> int | None:
+                        load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
             inside.set()
             assert release.wait(10), "the test's worker never ran"
             return super().want_object(obj, policy)
@@ -477,7 +533,7 @@ def test_going_on_into_later_directories_leaves_their_cached_files_on_disk() -> 
             self.calls = 0
 
         def want_object(self, obj: ObjectVersion, policy: str, *,
-                        load_cached: bool = True) -> int | None:
+                        load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
             self.calls += 1
             if load_cached:
                 self.prefetched.append(obj.key)

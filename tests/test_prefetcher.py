@@ -19,7 +19,7 @@ from cachefs.cache.blocks import BlockCache
 from cachefs.cache.lmdbenv import LmdbEnv
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
-from cachefs.read.prefetcher import HINT, SEQUENTIAL, WARM, Prefetcher, PrefetchLedger
+from cachefs.read.prefetcher import DIRECTORY, HINT, SEQUENTIAL, WARM, Prefetcher, PrefetchLedger
 from cachefs.read.tiers import BlockRef
 from cachefs.s3.memory import MemoryStore
 from cachefs.s3.origin import Origin
@@ -190,3 +190,33 @@ def test_a_failing_lower_tier_is_a_miss_that_goes_to_the_origin(tmp_path: Path) 
 
     assert run(tmp_path, store, body, lower=[broken]) == data
     assert broken.gets == 2 and store.calls["get"] == 2
+
+
+def test_a_batch_of_one_block_objects_is_looked_up_on_disk_in_one_read(tmp_path: Path) -> None:
+    """Prefetcher.on_disk answers for a batch of one-block objects (a top-up of the directory
+    lookahead) from one read transaction of the index, and want_object with its answer
+    decides as it does alone: a file on disk is left there (0), one not on disk is fetched
+    (its length), an object of more blocks looks its blocks up itself."""
+    store = MemoryStore()
+    small = [put(store, f"d/f{i}", BS // 2 + i, seed=i)[0] for i in range(6)]
+    big, _ = put(store, "d/big", 3 * BS, seed=9)
+    reads = metrics.LMDB_TRANSACTIONS.counters["read"]
+
+    async def body(f: Fetcher, p: Prefetcher) -> None:
+        for obj in small[::2]:  # three of the six on local disk
+            await f.read(obj, 0, obj.size)
+        await f.drain()
+        before = reads.value
+        on_disk = p.on_disk([*small, big])
+        assert reads.value - before == 1
+        assert on_disk == {f.block_id(obj, 0) for obj in small[::2]}
+        before = reads.value
+        got = [p.want_object(obj, DIRECTORY, on_disk=on_disk) for obj in small]
+        assert reads.value - before == 0  # no lookup of its own per file
+        assert got == [0 if i % 2 == 0 else obj.size for i, obj in enumerate(small)]
+        assert p.want_object(big, DIRECTORY, on_disk=on_disk) == 3 * BS
+        assert reads.value - before == 3  # (its three blocks, one at a time)
+        await f.drain()
+        assert all(f.is_cached(obj, 0) for obj in small)
+
+    run(tmp_path, store, body)

@@ -183,6 +183,16 @@ class BlockIndex:
             self.report_error(exc)
             return False
 
+    def indexed(self, bids: list[bytes]) -> set[bytes]:
+        """The blocks among ``bids`` that are indexed (one read transaction); none when the
+        index cannot be read (reported: misses, as :meth:`entry` answers)."""
+        try:
+            raws = self._env.get_many("blocks", bids)
+        except CacheError as exc:
+            self.report_error(exc)
+            return set()
+        return {bid for bid, raw in zip(bids, raws, strict=True) if raw is not None}
+
     def entries(self, bids: list[bytes]) -> list[Entry] | None:
         """(length, checksum) of every block, or None if one is not indexed (or the index
         cannot be read: reported)."""

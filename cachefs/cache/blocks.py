@@ -298,6 +298,11 @@ class BlockCache:
         """Whether block ``bid`` is still indexed as ``entry`` (one lookup, any thread)."""
         return self.index.entry(bid) == entry
 
+    def contains_which(self, bids: list[bytes]) -> set[bytes]:
+        """The blocks among ``bids`` that are on disk (:meth:`contains` of each, from one
+        read transaction; any thread)."""
+        return self.index.indexed(bids)
+
     def contains_all(self, bids: list[bytes]) -> bool:
         """Whether every block is indexed (one read transaction)."""
         return self.index.contains_all(bids)

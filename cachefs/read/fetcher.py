@@ -360,6 +360,10 @@ class Fetcher:
         """On the local disk cache."""
         return self.cache.contains(bid)
 
+    def cached_among(self, bids: list[bytes]) -> set[bytes]:
+        """The blocks among ``bids`` on the local disk cache (one read of its index)."""
+        return self.cache.contains_which(bids)
+
     def is_cached(self, obj: ObjectVersion, index: int) -> bool:
         """On the local disk cache (what ``cachefs warm --check`` reports)."""
         return self.cache.contains(self.block_id(obj, index))

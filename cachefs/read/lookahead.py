@@ -158,6 +158,9 @@ WALK_ODDS = 10_000
 READ_THROUGH_OPENS = 16
 #: ... and none of its files was opened more than this many behind the furthest one.
 READ_THROUGH_SPREAD = 3
+#: The most files of a top-up looked up in the disk's index in one read (see
+#: DirectoryLookahead._request).
+BATCH = 32
 _MASK = (1 << SPAN) - 1
 
 WalkKey = tuple[str, int]  # (directory prefix, reader; 0 = the directory's shared walk)
@@ -712,32 +715,57 @@ class DirectoryLookahead:
         earlier directory (:meth:`_forward`) stop at the first file on local disk: loading
         cached files into memory that far ahead costs a hand-over each where the request
         worker reads them itself; the directory's own walk loads them when its readers
-        get there."""
+        get there.
+
+        The files are taken in batches of 1, 2, 4 ... :data:`BATCH` (:meth:`_take`),
+        each looked up in the disk's index in one read (``Prefetcher.on_disk``): a
+        request that stops early (the memory budget full, a far request at a cached
+        file) has read at most as many names and index entries past its stop as it
+        requested before it."""
         entries = self._iter_after(prefix, after)
         picked: list[tuple[bytes, int]] = []
-        end = True  # unless the loop stops before the last entry
+        batch: list[Entry] = []
+        size = 1
         with snapshot(entries):
             for entry in entries:
                 if entry.is_dir:
                     continue
-                if len(picked) >= want:
-                    end = False
-                    break
-                obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
-                                    entry.etag, entry.size)
-                settled = self._settled is not None and self._settled(obj)
-                got = 0 if settled else self._prefetcher.want_object(
-                    obj, DIRECTORY, load_cached=not far)
-                if got is None:
-                    end = False
-                    break  # memory budget full
-                if far and got == 0 and (settled or entry.size > 0):
-                    end = False
-                    break  # on local disk (see above)
-                picked.append((entry.name, entry.ino))
-                if self._on_predicted is not None and not settled:
-                    self._on_predicted(obj, entry.ino)
-        return picked, end
+                if len(picked) + len(batch) >= want:
+                    if batch:
+                        self._take(prefix, batch, picked, far)
+                    return picked, False  # (files left after these)
+                batch.append(entry)
+                if len(batch) >= size:
+                    if not self._take(prefix, batch, picked, far):
+                        return picked, False
+                    batch = []
+                    size = min(2 * size, BATCH)
+            return picked, not batch or self._take(prefix, batch, picked, far)
+
+    def _take(self, prefix: str, batch: list[Entry], picked: list[tuple[bytes, int]],
+              far: bool) -> bool:
+        """Request the files ``batch`` of ``prefix`` in order (for :meth:`_request`),
+        adding each requested to ``picked``; False when it stopped before the end of the
+        batch (the memory budget full, or ``far`` and a file on local disk)."""
+        objs = [ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
+                              entry.etag, entry.size) for entry in batch]
+        settled_of = self._settled
+        settled = [settled_of is not None and settled_of(obj) for obj in objs]
+        prefetcher = self._prefetcher
+        on_disk = prefetcher.on_disk([obj for obj, done in zip(objs, settled, strict=True)
+                                      if not done])
+        on_predicted = self._on_predicted
+        for entry, obj, done in zip(batch, objs, settled, strict=True):
+            got = 0 if done else prefetcher.want_object(
+                obj, DIRECTORY, load_cached=not far, on_disk=on_disk)
+            if got is None:
+                return False  # memory budget full
+            if far and got == 0 and (done or entry.size > 0):
+                return False  # on local disk (see _request)
+            picked.append((entry.name, entry.ino))
+            if on_predicted is not None and not done:
+                on_predicted(obj, entry.ino)
+        return True
 
     def _forward(self, walk: _Walk, prefix: str, want: int) -> int:
         """A directory's shared walk that went on into directory ``prefix`` wants ``want``

@@ -52,7 +52,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from cachefs import metrics
 from cachefs.read.budget import MemoryBudget
@@ -167,9 +167,11 @@ class Prefetcher:
 
     # -- the admission rule ---------------------------------------------------------------
     def want(self, obj: ObjectVersion, index: int, policy: str, *,
-             load_cached: bool = True) -> int | None:
+             load_cached: bool = True, on_disk: Container[bytes] | None = None) -> int | None:
         """Ask for block ``index`` of ``obj`` ahead of readers. Never waits.
         ``load_cached=False``: a block on local disk is left there whatever the policy.
+        ``on_disk``: the answer of :meth:`on_disk` for a batch of objects that holds
+        this block (the block is looked up there, not in the index).
 
         Returns None when the memory budget is full (stop and try again on the next
         trigger), else the bytes of the block that are not on local disk (in flight,
@@ -183,7 +185,7 @@ class Prefetcher:
         length = f.block_len(obj, index)
         if f.is_loaded_or_loading(bid):
             return length
-        if f.is_cached_id(bid):
+        if f.is_cached_id(bid) if on_disk is None else bid in on_disk:
             if load_cached:
                 if policy == SEQUENTIAL:
                     f.load_ahead(obj, index, bid, reserved=0)
@@ -222,12 +224,28 @@ class Prefetcher:
         for listener in self._listeners[policy]:
             listener()
 
+    def on_disk(self, objs: list[ObjectVersion]) -> set[bytes]:
+        """The blocks of the one-block objects among ``objs`` that are on local disk, from
+        one read of the index (trio thread; as :meth:`want` does, it may read the disk's
+        index, never waits otherwise). Hand it to :meth:`want_object` for each of them: a
+        top-up of the directory lookahead read the index once per file, a transaction
+        and a metric each. Objects of more blocks are left out (:meth:`want_object` looks
+        their blocks up one at a time, as before: a full budget stops it early)."""
+        f = self.fetcher
+        bids = [f.block_id(obj, 0) for obj in objs if 0 < obj.size <= f.block_size]
+        return f.cached_among(bids) if bids else set()
+
     def want_object(self, obj: ObjectVersion, policy: str, *,
-                    load_cached: bool = True) -> int | None:
-        """:meth:`want` for every block of ``obj``; None as soon as the budget is full."""
+                    load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
+        """:meth:`want` for every block of ``obj``; None as soon as the budget is full.
+        ``on_disk``: :meth:`on_disk` of a batch that holds ``obj`` (used for a one-block
+        object only)."""
         total = 0
-        for index in range(self.fetcher.block_count(obj)):
-            n = self.want(obj, index, policy, load_cached=load_cached)
+        count = self.fetcher.block_count(obj)
+        if count != 1:
+            on_disk = None
+        for index in range(count):
+            n = self.want(obj, index, policy, load_cached=load_cached, on_disk=on_disk)
             if n is None:
                 return None
             total += n
