@@ -441,7 +441,9 @@ class Daemon:
         # Every speculative fetch goes through one prefetcher; the policies below (and
         # the sequential detector of each handle) decide what is worth fetching.
         # A directory walk's next cached files are read into the page cache ahead of
-        # the request workers' reads (not with passthrough: the kernel reads them).
+        # the request workers' reads (not with passthrough: the kernel reads them; nor
+        # files registered with the native loop, which reads them direct: the
+        # lookahead's ``settled``).
         readahead = DiskReadahead()
 
         def read_ahead(bid: bytes, length: int) -> None:
@@ -462,7 +464,7 @@ class Daemon:
 
         lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir,
                                        on_predicted=passthrough.predicted,
-                                       settled=passthrough.kernel_reads,
+                                       settled=passthrough.reads_itself,
                                        in_flight=lambda: prefetcher.loading(DIRECTORY),
                                        first_file=metadata.first_file_now,
                                        folder_ino=metadata.dir_ino_now)

@@ -578,15 +578,18 @@ class Passthrough:
             self.cache.release_deferred()  # (bytes an eviction left for our pin)
         return gave_up or "failed"
 
-    def kernel_reads(self, obj: ObjectVersion) -> bool:
-        """Whether ``obj``'s cache file is registered with the kernel (or being verified for
-        it), so its next opens are read by the kernel from local disk: nothing needs doing
-        ahead of them (any thread; read without ``_lock``: a stale answer costs a look, or
-        one skipped ahead of an open that Python then answers as before). A registration
-        pins its blocks, so they are on disk while this holds. False with the native loop:
-        there its reads still gain from the page cache being filled ahead."""
-        return (self.enabled and not self.native
-                and self.fetcher.object_id(obj) in self._backings)
+    def reads_itself(self, obj: ObjectVersion) -> bool:
+        """Whether ``obj``'s cache file is registered (or being verified for it), so its
+        next opens are read from local disk without the daemon's Python: by the kernel, or
+        by the native loop. Nothing needs doing ahead of them (any thread; read without
+        ``_lock``: a stale answer costs a look, or one skipped ahead of an open that Python
+        then answers as before). A registration pins its blocks, so they are on disk while
+        this holds. The native loop too: it reads an object's bytes O_DIRECT when none is
+        in the page cache (``_native.c`` ``read_file``), so filling the page cache ahead
+        (the directory walk's disk readahead) would only turn its direct reads into
+        copies out of the cache file's pages and cost the readahead threads their own
+        reads of the file."""
+        return self.enabled and self.fetcher.object_id(obj) in self._backings
 
     def predicted(self, obj: ObjectVersion, ino: int = 0) -> None:
         """``obj`` (inode ``ino``; 0 if unknown) is expected to be opened soon (trio

@@ -338,6 +338,41 @@ def test_a_walk_without_passthrough_finds_its_cached_files_in_the_page_cache(buc
     assert m.gets() == 0
 
 
+def test_a_walk_over_files_the_native_loop_reads_leaves_their_cache_files_alone(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """Without passthrough, files registered with the native loop are read by it (O_DIRECT
+    when none of their bytes is in the page cache): a directory walk over them asks
+    neither the prefetcher (an index read each) nor the disk readahead about them, whose
+    page-cache fill would only turn the loop's direct reads into copies and cost a thread
+    of its own. Only files not registered yet are read into the page cache ahead."""
+    name, files = _walk_files(bucket, seed=500, size=20_000, n=60)
+    # (a memory tier too small to hold the walk's files: they are on local disk only)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off",
+                      "--memory-budget", "256K")
+    for key in sorted(files):
+        assert _read(m.path / key) == files[key]
+    _wait_for(m, "cachefs_cache_blocks", len(files))
+    m.stop()
+    m.start()
+    for key in sorted(files):  # registered at their opens (and ahead of them)
+        assert _read(m.path / key) == files[key]
+    registered = m.metric("cachefs_passthrough_backing_files")
+    assert registered == len(files), f"only {registered} files registered with the native loop"
+    before = m.metrics()
+    for key in sorted(files):  # every open answered by the loop
+        assert _read(m.path / key) == files[key]
+        time.sleep(0.03)  # (the walk is told of the loop's opens in batches, 20 ms apart)
+    m.metrics()  # (the loop's opens are told to the walk: its requests ahead follow)
+    time.sleep(0.5)
+    after = m.metrics()
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    assert after[opens] - before[opens] >= len(files) - 1
+    advised = 'cachefs_disk_readahead_total{outcome="advised"}'
+    assert after.get(advised, 0) == before.get(advised, 0), \
+        "files the native loop reads were read into the page cache ahead"
+    assert after["cachefs_cache_corrupt_blocks_total"] == 0
+    assert m.gets() == 0
+
+
 def test_readahead_read_by_the_kernel_counts_as_used(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
     client, name = bucket
     files = {f"walk/f{i:03d}.bin": _payload(100 + i, 20_000 + i) for i in range(24)}

@@ -266,8 +266,8 @@ class DirectoryLookahead:
         # Directory -> when a reader there last waited for a fetch under way (any thread;
         # single dictionary operations; bounded by max_walks)
         self._waited: dict[str, float] = {}
-        # settled(obj): nothing is to be done ahead of obj's open (the kernel reads its
-        # registered cache file): counted as requested, on local disk, without asking the
+        # settled(obj): nothing is to be done ahead of obj's open (the kernel or the
+        # native loop reads its registered cache file): counted as requested, on local disk, without asking the
         # prefetcher or on_predicted (a warm walk with passthrough asked both for every
         # file: an index read and two hashes each, most of the trio thread's CPU there)
         self._settled = settled
