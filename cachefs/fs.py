@@ -33,11 +33,11 @@ replaced) is read on any thread with one dictionary lookup and changed under
 ``_changed_lock``; ``_waited_in_vain`` (versions whose lookup gave up waiting for
 their listing) is the trio thread's only; ``_dirs`` is guarded by
 ``_dirs_lock``. The handles the native loop opened and released are reported to
-:meth:`adopt_open`/:meth:`adopt_release` on any thread, one batch at a time and in
-the loop's order (see :mod:`cachefs.fuse.native`); ``_adoptable`` (the files given an
-open template) is changed under ``_adoptable_lock`` and read without it. A readdir
-after a seek counts to its position in one of trio's worker threads (index reads
-only; O(position) must not hold up the trio thread).
+:meth:`adopt` on any thread, one batch at a time, opens in the loop's order (see
+:mod:`cachefs.fuse.native`); ``_adoptable`` (the files given an open template) is
+changed under ``_adoptable_lock`` and read without it. A readdir after a seek counts
+to its position in one of trio's worker threads (index reads only; O(position) must
+not hold up the trio thread).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from typing import Any, Protocol
 
 import trio
@@ -118,8 +118,9 @@ class BackingFiles(Protocol):
         """:meth:`add_template` for an object registered ahead of any open of it."""
         ...
 
-    def adopted(self, obj: ObjectVersion) -> None:
-        """The native loop opened a handle of ``obj`` with its template."""
+    def adopted(self, objs: list[ObjectVersion]) -> None:
+        """The native loop opened a handle of each of ``objs`` with its template (one
+        batch)."""
         ...
 
 
@@ -710,7 +711,7 @@ class FileSystem:
         as this one was answered, while its directory's listing stays as it is now (any
         thread; see :meth:`cachefs.passthrough.Passthrough.add_template`; ``epoch(prefix)``
         reads the loop's epoch token of a directory). Its handles are reported afterwards,
-        in order (:meth:`adopt_open`, :meth:`adopt_release`)."""
+        in order (:meth:`adopt`)."""
         handle = self._handles.get(fh)
         if (not isinstance(handle, FileHandle) or not handle.backing_id or handle.adopted
                 or self.backing is None):
@@ -751,38 +752,47 @@ class FileSystem:
         return self.backing.add_template_ahead(ino, obj, token=token, prefix=prefix)
 
     def _note_adoptable(self, node: Node, obj: ObjectVersion) -> None:
-        """Keep what :meth:`adopt_open` needs of a file about to get an open template."""
+        """Keep what :meth:`adopt` needs of a file about to get an open template."""
         if node.ino not in self._adoptable:
             with self._adoptable_lock:
                 self._adoptable[node.ino] = (node, obj)
                 if len(self._adoptable) > ADOPTABLE:
                     self._adoptable.popitem(last=False)
 
-    def adopt_open(self, fh: int, ino: int, reader: int) -> None:
-        """The native loop opened handle ``fh`` of ``ino`` for ``reader`` (any thread,
-        after the fact, in order): what :meth:`open_now` does for an open besides the
-        answer -- the hint cursor, the directory walk, the handle (a read of it may still
-        reach Python)."""
-        found = self._adoptable.get(ino)
-        if found is None:
-            try:
-                node = self.node(ino)
-            except FsError:
-                return  # no longer listed: a read of it reaching Python fails EBADF
-            found = (node, ObjectVersion(node.path, node.etag, node.size))
-        node, obj = found
-        if self.read_order.opened(node.path):
-            self.post(self.read_order.wake)
-        due = self.lookahead.observe(node.parent_prefix, node.name, ino, reader)
-        if due:
-            self.post(self.lookahead.issue, due)
-        if self.backing is not None:
-            self.backing.adopted(obj)
-        self._handles[fh] = FileHandle(fh, node, obj, 0, adopted=True)
-
-    def adopt_release(self, fh: int) -> None:
-        """The native loop released handle ``fh`` (any thread, after the fact)."""
-        self._handles.pop(fh, None)
+    def adopt(self, opened: list[tuple[int, int, int]], released: Collection[int]) -> None:
+        """The native loop opened handles ``opened`` ((handle, inode, reader) each, in the
+        order it opened them) and released handles ``released`` since the last batch (any
+        thread, after the fact, one batch at a time): what :meth:`open_now` does for an
+        open besides the answer -- the hint cursor, the directory walk, the handle (a read
+        of it may still reach Python) -- and what :meth:`release` does for a release.
+        A handle opened and released within the batch gets no entry in the handle table:
+        no request of it can reach Python any more (a small file's open, read and release
+        all fall within one batch of a warm pass). Handle numbers are never reused, so
+        the releases need no order among the opens."""
+        objs: list[ObjectVersion] = []
+        handles = self._handles
+        observe, issue = self.lookahead.observe, self.lookahead.issue
+        for fh, ino, reader in opened:
+            found = self._adoptable.get(ino)
+            if found is None:
+                try:
+                    node = self.node(ino)
+                except FsError:
+                    continue  # no longer listed: a read of it reaching Python fails EBADF
+                found = (node, ObjectVersion(node.path, node.etag, node.size))
+            node, obj = found
+            if self.read_order.opened(node.path):
+                self.post(self.read_order.wake)
+            due = observe(node.parent_prefix, node.name, ino, reader)
+            if due:
+                self.post(issue, due)
+            objs.append(obj)
+            if fh not in released:
+                handles[fh] = FileHandle(fh, node, obj, 0, adopted=True)
+        if objs and self.backing is not None:
+            self.backing.adopted(objs)
+        for fh in released:
+            handles.pop(fh, None)
 
     @property
     def open_handles(self) -> int:

@@ -350,15 +350,19 @@ class Operations(Handlers):
         answers, so that a request of such a handle finds it)."""
         loop = self.native_loop
         if loop is not None:
-            loop.drain(self._native_event)
+            loop.drain(self._native_events)
 
-    def _native_event(self, kind: int, fh: int, ino: int, reader: int) -> None:
-        if kind == OPENED:
-            self.fs.adopt_open(fh, ino, reader)
-            self._opened.inc()
-        else:
-            self.fs.adopt_release(fh)
-            self._released.inc()
+    def _native_events(self, events: list[tuple[int, int, int, int]]) -> None:
+        opened: list[tuple[int, int, int]] = []
+        released: set[int] = set()
+        for kind, reader, fh, ino in events:
+            if kind == OPENED:
+                opened.append((fh, ino, reader))
+                self._opened.inc()
+            else:
+                released.add(fh)
+                self._released.inc()
+        self.fs.adopt(opened, released)
 
     async def run_native_events(self, *, task_status: trio.TaskStatus[None]
                                 = trio.TASK_STATUS_IGNORED) -> None:
@@ -373,7 +377,7 @@ class Operations(Handlers):
         while True:
             await loop.wait_events()
             await trio.sleep(EVENT_BATCH_DELAY)
-            loop.drain(self._native_event, blocking=False)  # (a worker drains meanwhile)
+            loop.drain(self._native_events, blocking=False)  # (a worker drains meanwhile)
 
     # -- directories ---------------------------------------------------------------------
     async def opendir(self, req: Request) -> Reply:

@@ -1204,12 +1204,15 @@ class Passthrough:
                 backing.templates.add(ino)
         return added
 
-    def adopted(self, obj: ObjectVersion) -> None:
-        """The native loop opened a handle of ``obj`` with its template (any thread; told
-        in batches, after the fact): counted as an open of a registered file."""
-        metrics.PASSTHROUGH_OPENS.inc()
-        metrics.CACHE_HIT_BYTES.inc(obj.size)
-        self._used(obj)
+    def adopted(self, objs: list[ObjectVersion]) -> None:
+        """The native loop opened a handle of each of ``objs`` with its template (any
+        thread; told in batches, after the fact): counted as opens of registered files,
+        once per batch."""
+        metrics.PASSTHROUGH_OPENS.inc(len(objs))
+        metrics.CACHE_HIT_BYTES.inc(sum(obj.size for obj in objs))
+        if self.ledger.pending or self.cache.policy == "lru":
+            for obj in objs:
+                self._used(obj)
 
     def _used(self, obj: ObjectVersion) -> None:
         """An open of a registered file: its prefetched blocks are used, and under the

@@ -614,7 +614,7 @@ def _release_request(unique: int, fh: int) -> bytes:
 
 def _events(reads: native.NativeReads) -> list[tuple[int, int, int, int]]:
     got: list[tuple[int, int, int, int]] = []
-    reads.drain(lambda kind, fh, ino, pid: got.append((kind, fh, ino, pid)))
+    reads.drain(lambda events: got.extend((kind, fh, ino, pid) for kind, pid, fh, ino in events))
     return got
 
 
@@ -848,6 +848,38 @@ def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_close
     _wait_metric(m, "cachefs_passthrough_backing_files", 2)  # (c and d, registered at close)
     assert _read(m.path / "z/a.bin") == a  # (not whole on disk any more: the daemon's)
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.drops_caches
+@pytest.mark.fuse
+def test_the_loops_opens_and_releases_are_told_to_python_in_batches(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """Python takes the loop's opens and releases in batches (fs.FileSystem.adopt): each
+    open is counted (an open of a registered file, its bytes a cache hit), a handle
+    still open after a batch is in Python's table (a read of it may reach Python), and
+    one opened and released within a batch leaves nothing behind."""
+    client, name = bucket
+    a = _payload(21, 100_000)
+    client.put_object(Bucket=name, Key="a.bin", Body=a)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    _give_a_template(m, "a.bin", a, cached_blocks=2)
+    before = m.metrics()
+    for _ in range(30):  # (the kernel's page cache answers the reads: opens only)
+        with open(m.path / "a.bin", "rb") as f:
+            assert f.read(10) == a[:10]
+    fd = os.open(m.path / "a.bin", os.O_RDONLY)
+    try:
+        assert m.metric("cachefs_open_file_handles") == 1  # (the scrape took the batch)
+        _drop_page_cache()
+        assert os.pread(fd, len(a), 0) == a
+    finally:
+        os.close(fd)
+    _wait_metric(m, "cachefs_open_file_handles", 0)
+    after = m.metrics()
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    assert after[opens] - before[opens] == 31
+    assert after["cachefs_passthrough_opens_total"] - before["cachefs_passthrough_opens_total"] == 31
+    assert after["cachefs_cache_hit_bytes_total"] - before["cachefs_cache_hit_bytes_total"] == 31 * len(a)
+    assert after["cachefs_cache_corrupt_blocks_total"] == 0
 
 
 @pytest.mark.fuse

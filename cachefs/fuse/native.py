@@ -196,18 +196,19 @@ class NativeReads:
         assert _native is not None
         return _native.drop_template(self._table, ino)
 
-    def drain(self, handle: Callable[[int, int, int, int], None], *,
+    def drain(self, handle: Callable[[list[tuple[int, int, int, int]]], None], *,
               blocking: bool = True) -> None:
-        """Hand every event queued so far to ``handle(kind, fh, ino, pid)`` (kind
-        :data:`OPENED` or :data:`RELEASED`), in the order the loop queued them (any thread;
-        one drain at a time: with ``blocking`` False, return at once if another runs)."""
+        """Hand every event queued so far to ``handle(events)`` in one call, if there are
+        any: ``(kind, pid, fh, ino)`` each (kind :data:`OPENED` or :data:`RELEASED`), in
+        the order the loop queued them (any thread; one drain at a time: with
+        ``blocking`` False, return at once if another runs)."""
         assert _native is not None
         if not self._drain_lock.acquire(blocking):
             return
         try:
             data = _native.take_events(self._table)
-            for kind, pid, fh, ino in EVENT.iter_unpack(data):
-                handle(kind, fh, ino, pid)
+            if data:
+                handle(list(EVENT.iter_unpack(data)))
         finally:
             self._drain_lock.release()
 
