@@ -524,11 +524,15 @@ def test_without_passthrough_a_verified_file_is_read_by_the_native_loop(shard, m
     assert _read(path) == data  # cold: through the daemon's Python, fills the cache
     assert m.metric("cachefs_native_reads_enabled") == 1
     assert m.metric("cachefs_passthrough_enabled") == 0
-    # The memory tier holds the object now: its reads are answered from there.
+    # Its reader closed it: the file is registered and its inode given an open template,
+    # so the next open is the loop's, bound to the verified file (as an open in Python of
+    # an object the memory tier holds gives its inode one: the loop's opens reading the
+    # file cost less than Python's reading memory).
+    _wait_metric(m, "cachefs_native_open_templates", 1)
     python_before = _python_reads(m)
     _drop_page_cache()
     assert _read(path) == data
-    assert _python_reads(m) == python_before + len(data)
+    assert _python_reads(m) == python_before, "the next open was not the loop's"
     m.stop()
     m.start()  # an empty memory tier: the verified file is read by the native loop
     assert _read(path) == data
@@ -848,6 +852,26 @@ def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_close
     _wait_metric(m, "cachefs_passthrough_backing_files", 2)  # (c and d, registered at close)
     assert _read(m.path / "z/a.bin") == a  # (not whole on disk any more: the daemon's)
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+
+
+@pytest.mark.fuse
+def test_a_file_opened_before_it_was_cached_is_opened_by_the_loop_next_time(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A cold open is served by the daemon (the object is not cached yet); once its
+    reader closed it, the file is registered and, with the native loop, its inode given an
+    open template: its next open (the next epoch's) is the loop's, not Python's."""
+    client, name = bucket
+    a = _payload(22, 100_000)
+    client.put_object(Bucket=name, Key="a.bin", Body=a)
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    assert _read(m.path / "a.bin") == a  # (cold: opened and read in Python)
+    _wait_metric(m, "cachefs_passthrough_backing_files", 1)
+    _wait_metric(m, "cachefs_native_open_templates", 1)
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    before, gets = m.metric(opens), m.gets()
+    assert _read(m.path / "a.bin") == a
+    assert m.metric(opens) == before + 1
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
+    assert m.gets() == gets
 
 
 @pytest.mark.drops_caches
