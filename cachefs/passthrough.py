@@ -224,6 +224,9 @@ PREPARE_QUEUE = 256
 #: Predicted objects still being fetched, remembered until their load settles (then
 #: queued like any prediction); beyond this, further ones are dropped.
 AWAITING_LOADS = 512
+#: The largest READ the kernel sends (``cachefs.fuse.abi.MAX_READ``): the native loop reads
+#: an object up to this size in one READ, which reaches its end (see reads_itself).
+LOOP_ONE_READ = 1 << 20
 #: Only objects up to this size are verified ahead: a wrong prediction costs one read
 #: of the file.
 PREPARE_MAX_BYTES = 8 << 20
@@ -588,8 +591,12 @@ class Passthrough:
         in the page cache (``_native.c`` ``read_file``), so filling the page cache ahead
         (the directory walk's disk readahead) would only turn its direct reads into
         copies out of the cache file's pages and cost the readahead threads their own
-        reads of the file."""
-        return self.enabled and self.fetcher.object_id(obj) in self._backings
+        reads of the file. That holds for an object the loop reads in one READ
+        (:data:`LOOP_ONE_READ`); the READs of a larger one short of its end are plain reads,
+        which a page cache filled ahead may serve sooner, so such objects are read ahead as
+        before."""
+        return (self.enabled and (not self.native or obj.size <= LOOP_ONE_READ)
+                and self.fetcher.object_id(obj) in self._backings)
 
     def predicted(self, obj: ObjectVersion, ino: int = 0) -> None:
         """``obj`` (inode ``ino``; 0 if unknown) is expected to be opened soon (trio

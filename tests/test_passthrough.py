@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from cachefs import passthrough
+from cachefs.fuse import abi
 from tests.conftest import drop_page_cache as _drop_page_cache
 from tests.conftest import read_unbuffered as _read
 from tests.conftest import reread_cold
@@ -371,6 +372,12 @@ def test_a_walk_over_files_the_native_loop_reads_leaves_their_cache_files_alone(
         "files the native loop reads were read into the page cache ahead"
     assert after["cachefs_cache_corrupt_blocks_total"] == 0
     assert m.gets() == 0
+
+
+def test_the_loops_one_read_is_the_kernels_largest_read() -> None:
+    """Passthrough.reads_itself steps over registered files the native loop reads in one
+    READ: the largest READ the INIT answer lets the kernel send."""
+    assert passthrough.LOOP_ONE_READ == abi.MAX_READ
 
 
 def test_readahead_read_by_the_kernel_counts_as_used(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
