@@ -612,6 +612,13 @@ def test_the_mount_line_says_how_cached_files_are_read(shard, mount_factory) -> 
     for args, said in ((("--passthrough", "off"), "passthrough off, reads of cached files in C,"),
                        (("--passthrough", "off", "--native-reads", "off"), "passthrough off, up to")):
         m = mount_factory(f"s3://{name}", *args)
-        line = next(x for x in m.log().splitlines() if " mounted " in x)
-        assert said in line, line
+        # (the daemon logs the line just after it says it is ready: wait for it)
+        deadline = time.monotonic() + 30
+        lines: list[str] = []
+        while not lines and time.monotonic() < deadline:
+            lines = [x for x in m.log().splitlines() if " mounted " in x]
+            if not lines:
+                time.sleep(0.05)
+        assert lines, m.log()
+        assert said in lines[0], lines[0]
         m.stop()
