@@ -120,9 +120,9 @@ def walk_mount(mount_factory: Any, proxy: FaultProxy, name: str, *extra: str) ->
 def test_a_cold_walk_throttled_with_few_connections_reads_every_byte(bucket, s3_endpoint,
                                                                       mount_factory):
     """503 SlowDown to every GET past each folder's first files for 4 s, with 4
-    connections and a 1 MiB memory budget: the lookahead's GETs wait in the origin's queue
-    for a connection, are throttled, retried, and every file reads whole; the gauges of
-    work in flight come back to 0."""
+    connections and a 1 MiB memory budget: the lookahead's loads wait for a connection
+    (as tasks in the limiter, get_soon refusing while none is free), are throttled,
+    retried, and every file reads whole; the gauges of work in flight come back to 0."""
     client, name = bucket
     files = small_files(client, name, 4, 40)
     storm = {"on": True}
