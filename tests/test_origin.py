@@ -784,12 +784,18 @@ def test_a_get_driven_by_callbacks_is_refused_where_get_alone_goes() -> None:
     assert origin.limit.all.available_tokens == 1
 
 
-def test_a_get_driven_by_callbacks_is_refused_when_no_connection_is_free() -> None:
-    """With no connection free, get_soon starts nothing (the caller's task then waits in
-    the limiter, in the order tasks come: a GET of its kind waiting in a queue of its own
-    was overtaken by every task that came after it); once one is free it starts at once,
-    and a GET cut at its deadline fails there."""
-    store = store_with(a=b"a", late=b"l")
+def test_gets_driven_by_callbacks_wait_for_a_connection_behind_tasks_in_order() -> None:
+    """With no connection free, a GET of get_soon waits (no task) and is sent once one is
+    given back, after a task already waiting for one (a demand read) and before a later
+    GET of its kind; one still waiting at its deadline fails there; one still waiting
+    when cachefs stops is told so at once."""
+    store = store_with(a=b"a", b=b"b", c=b"c", t=b"t", late=b"l", stop=b"s")
+    order: list[str] = []
+
+    def fault(op: str, key: str) -> None:
+        order.append(key)
+
+    store.fault = fault
     origin = Origin(store, max_connections=1, deadline=30, backoff=FAST)
     told: dict[str, Any] = {}
 
@@ -800,35 +806,90 @@ def test_a_get_driven_by_callbacks_is_refused_when_no_connection_is_free() -> No
         async with trio.open_nursery() as nursery:
             await nursery.start(origin.run_soon)
             origin.limit.all.acquire_on_behalf_of_nowait("someone")
-            assert not origin.get_soon("a", etag(store, "a"), 0, 1, done=done_for("a"))
+
+            async def task_get() -> None:
+                told["t"] = (await origin.get("t", etag(store, "t"), 0, 1)).data
+
+            nursery.start_soon(task_get)
+            await trio.sleep(0.05)  # (the task waits in the limiter)
+            for key in ("a", "b", "c"):
+                assert origin.get_soon(key, etag(store, key), 0, 1, done=done_for(key))
+            await trio.sleep(0.1)
             assert store.calls["get"] == 0 and not told
-            assert not origin._soon, "nothing kept for a GET refused"
             origin.limit.all.release_on_behalf_of("someone")
-            assert origin.get_soon("a", etag(store, "a"), 0, 1, done=done_for("a"))
-            while not told:
+            while len(told) < 4:
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert told == {"a": b"a"}
+    assert told == {"t": b"t", "a": b"a", "b": b"b", "c": b"c"}
+    assert order == ["t", "a", "b", "c"]
     assert origin.limit.all.available_tokens == 1
 
-    stalled = store_with(late=b"l")
-    stalled.fault = lambda op, key: time.sleep(1.0)  # (its worker thread stalls)
-    origin = Origin(stalled, max_connections=1, deadline=0.5, backoff=FAST)
+    origin = Origin(store, max_connections=1, deadline=0.5, backoff=FAST)
 
     async def waits() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(origin.run_soon)
-            assert origin.get_soon("late", etag(stalled, "late"), 0, 1,
-                                   done=done_for("late"))
-            while "late" not in told:
-                await trio.sleep(0.05)
+            origin.limit.all.acquire_on_behalf_of_nowait("someone")
+            assert origin.get_soon("late", etag(store, "late"), 0, 1, done=done_for("late"))
+            await trio.sleep(1.0)
+            assert isinstance(told["late"], TransientStoreError)
+            assert "retry deadline" in str(told["late"])
+            assert origin._gave_up  # (remembered: get alone makes the next request ...)
+            origin._gave_up.clear()  # (... until S3 answers again)
+            assert origin.get_soon("stop", etag(store, "stop"), 0, 1, done=done_for("stop"))
+            origin.close()
+            assert isinstance(told["stop"], TransientStoreError)
+            assert "stopping" in str(told["stop"])
+            origin.limit.all.release_on_behalf_of("someone")
             nursery.cancel_scope.cancel()
 
     trio.run(waits)
-    assert isinstance(told["late"], TransientStoreError)
-    assert "retry deadline" in str(told["late"]) or "stopping" in str(told["late"])
+    assert "late" not in order and "stop" not in order
+
+
+def test_a_get_driven_by_callbacks_waiting_long_for_a_connection_takes_its_turn_as_a_task(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks that come to the limiter after a GET of get_soon started waiting in its queue
+    go first (the limiter hands a connection given back to a waiting task at once): one
+    that waited SOON_QUEUE_WAIT becomes a task in the limiter, so later tasks no longer
+    overtake it, and a steady stream of them cannot hold it back until its deadline."""
+    from cachefs.s3 import origin as origin_module
+
+    monkeypatch.setattr(origin_module, "SOON_QUEUE_WAIT", 0.3)
+    store = store_with(**{k: k.encode() for k in ("t0", "soon", "t1", "t2", "t3")})
+    order: list[str] = []
+    store.fault = lambda op, key: order.append(key)
+    origin = Origin(store, max_connections=1, deadline=30, backoff=FAST)
+    told: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(origin.run_soon)
+            origin.limit.all.acquire_on_behalf_of_nowait("someone")
+
+            async def task_get(key: str) -> None:
+                told[key] = (await origin.get(key, etag(store, key), 0, 1)).data
+
+            nursery.start_soon(task_get, "t0")  # (already waiting: goes first)
+            await trio.sleep(0.05)
+            assert origin.get_soon("soon", etag(store, "soon"), 0, 1,
+                                   done=lambda got, error: told.__setitem__(
+                                       "soon", got.data if got else error))
+            await trio.sleep(0.5)  # (past its wait: a task in the limiter now)
+            for key in ("t1", "t2", "t3"):  # (tasks that came after it)
+                nursery.start_soon(task_get, key)
+                await trio.sleep(0.02)
+            origin.limit.all.release_on_behalf_of("someone")
+            while len(told) < 5:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert order == ["t0", "soon", "t1", "t2", "t3"]
+    assert told["soon"] == b"s"
+    assert origin.limit.all.available_tokens == 1
 
 
 def test_a_get_driven_by_callbacks_is_retried_after_a_failed_first_attempt() -> None:

@@ -72,8 +72,9 @@ throughput. A thread is named ``cachefs-s3`` once, at its first request
 
 **GETs driven by callbacks** (:meth:`Origin.get_soon`: the fetcher's loads of
 cold small files found not on disk). Not even a waiting task: the GET is sent
-at once, when a connection is free (with none free, the caller's task waits in
-the limiter's order instead), its landing answers it through a callback on the trio
+at once (or, with no connection free, when one is given back, behind the tasks
+waiting in the limiter; after :data:`SOON_QUEUE_WAIT` as a task in the limiter's
+order), its landing answers it through a callback on the trio
 thread, and one task (:meth:`Origin.run_soon`, owned by the fetcher) watches
 every such GET in flight: it sends the hedge of one silent for the hedge delay
 and cuts one at the retry deadline, as :meth:`Origin._hedged` and
@@ -148,6 +149,12 @@ MD5_DISAGREEMENTS_TO_STOP = 3
 GAVE_UP_MEMORY = 5.0
 #: ... and has this long (seconds), retries included, instead of the deadline.
 LAST_TRY = 2.0
+#: Seconds a GET of :meth:`Origin.get_soon` waits for a connection in its own queue before
+#: it becomes a task waiting in the limiter: tasks that come to the limiter while it waits
+#: go first (the limiter hands a connection given back to a waiting task at once), so a
+#: stream of them (demand reads) could hold it back until its deadline; once a task, it
+#: takes its turn in the limiter's order.
+SOON_QUEUE_WAIT = 1.0
 #: ... remembered for this many places (objects, listings) at most.
 GAVE_UP_KEPT = 4096
 _LOG_EVERY = 10.0  # seconds between "still failing" lines per operation
@@ -418,6 +425,8 @@ class Origin:
         # first; the nursery that owns their retries, and the scope of the one task that
         # watches their hedge delays and deadlines (run_soon: trio thread)
         self._soon: dict[_Soon, None] = {}
+        # ... and those waiting for a connection (or background slot), in their order
+        self._soon_queue: deque[_Soon] = deque()
         self._soon_nursery: trio.Nursery | None = None
         self._soon_scope: trio.CancelScope | None = None
 
@@ -428,6 +437,11 @@ class Origin:
         self._wake.set()
         for exchange in list(self._exchanges):
             exchange.abort()
+        queued, self._soon_queue = self._soon_queue, deque()
+        for rec in queued:  # (waiting for a connection: nothing to abort)
+            if not rec.over:
+                self._soon_end(rec)
+                self._soon_tell(rec, None, self._stopping(rec.where))
 
     @property
     def closed(self) -> bool:
@@ -689,6 +703,8 @@ class Origin:
         elif (isinstance(result, outcome.Error) and isinstance(result.error, TransientStoreError)
               and result.error.throttled):
             self.limit.throttled(job.exchange.sent_at)
+        if self._soon_queue:
+            self._soon_pump()
         waiting, job.waiting = job.waiting, None  # (no cycle: see _Job)
         assert waiting is not None  # (a job lands once)
         waiting.landed.append(job)
@@ -726,12 +742,14 @@ class Origin:
             raise
         return job
 
-    def _give_back(self, job: _Job[T]) -> None:
+    def _give_back(self, job: _Job[T], *, pump: bool = True) -> None:
         """Return the tokens of a job that never ran."""
         self._exchanges.discard(job.exchange)
         self.limit.all.release_on_behalf_of(job)
         if job.background:
             self.limit.background.release_on_behalf_of(job)
+        if pump and self._soon_queue:
+            self._soon_pump()
 
     @staticmethod
     async def _wait(waiting: _Waiting[T], timeout: float) -> None:
@@ -860,6 +878,7 @@ class Origin:
                     next_at = self._soon_watch()
         finally:
             self._soon_nursery = self._soon_scope = None
+            self._soon_queue.clear()
             for rec in list(self._soon):
                 self._soon_end(rec)
                 self._soon_tell(rec, None, self._stopping(rec.where))
@@ -873,8 +892,8 @@ class Origin:
         :meth:`get` would have returned or raised. Or start nothing and return False
         (then ask :meth:`get`): when :meth:`run_soon` is not running, cachefs is
         stopping, S3 is failing (an outage, or a request that gave up at its deadline is
-        remembered: those paths are :meth:`get`'s alone), no connection (or background
-        slot) is free now, or no worker thread can be started.
+        remembered: those paths are :meth:`get`'s alone), or no worker thread can be
+        started.
 
         The same request, checks, hedge, limits, deadline and metrics as :meth:`get`,
         without a task, coroutine or cancel scope per GET on the trio thread (their cost
@@ -882,12 +901,16 @@ class Origin:
         (:meth:`_landed`) answers, the watcher of :meth:`run_soon` sends the hedge of a
         silent GET and cuts one at the retry deadline, and only a first attempt that
         fails (or is cut) goes on as a task of :meth:`run_soon`'s nursery running
-        :meth:`_retrying` from that failure, with the same deadline. It never waits for
-        a connection: with none free, the caller's task waits in the limiter, in the
-        order tasks arrive (a GET of this kind waiting in a queue of its own was overtaken
-        by every task that came after it, and under mixed S3 faults such GETs reached
-        their deadline where tasks did not: benchmarks/RESULTS.md, twenty-sixth round).
-        ``done`` must not raise (it is logged). Trio thread."""
+        :meth:`_retrying` from that failure, with the same deadline. With no connection
+        (or background slot) free, the GET waits in ``_soon_queue``, in order, behind the
+        tasks waiting in the limiter (demand reads among them), and is sent when one is
+        given back (:meth:`_soon_pump`); its deadline runs meanwhile, as a task's does
+        while it waits in the limiter. Tasks that come later go first too, so one that has
+        waited :data:`SOON_QUEUE_WAIT` becomes a task of :meth:`run_soon`'s nursery
+        waiting in the limiter (:meth:`_soon_retry`, with no failure to go on from): its
+        wait behind later tasks is bounded. That queue holds at most the loads its caller
+        has started (the fetcher's each hold a memory reservation). ``done`` must not raise
+        (it is logged). Trio thread."""
         if self._soon_nursery is None or self._closed or self._outage or self._gave_up:
             return False
         where = f"s3://{self.bucket}/{key}"
@@ -897,23 +920,27 @@ class Origin:
         rec = _Soon(fetch, where, background, now,
                     now + self.deadline if self.deadline > 0 else math.inf, done)
         try:
-            if not self._soon_send(rec):
-                return False  # (no connection free: the caller's task waits its turn)
+            queued = bool(self._soon_queue) or not self._soon_send(rec)
         except Exception:  # no thread to be had: nothing was sent (get() says why)
             return False
         self._soon[rec] = None
+        if queued:
+            self._soon_queue.append(rec)  # (its deadline runs: the watcher cuts it there)
+            scope = self._soon_scope
+            due = min(rec.cut_at, now + SOON_QUEUE_WAIT)
+            if scope is not None and due < scope.deadline:
+                scope.deadline = due
         return True
 
     def _soon_send(self, rec: _Soon) -> bool:
         """Take a connection (and a background slot) for ``rec`` and send its GET; False
-        when none is free (then no task waits in the limiter either: it hands a token
-        given back to the next waiting task at once). Raises what starting its worker
-        thread raised (nothing was sent)."""
+        when none is free (a task waiting for one in the limiter goes first). Raises what
+        starting its worker thread raised (nothing was sent)."""
         background = rec.background
         limit = self.limit
         if limit.all.available_tokens < 1 or (
                 background and limit.background.available_tokens < 1):
-            return False  # (no job made in vain)
+            return False  # (the usual case in the queue: no job made in vain)
         job = _Job(self._exchange(), rec, background)
         if background:
             try:
@@ -929,7 +956,7 @@ class Origin:
         try:
             self._start(rec.fetch, job)
         except BaseException:  # no thread to be had: nothing was sent
-            self._give_back(job)
+            self._give_back(job, pump=False)
             raise
         rec.jobs.append(job)
         scope = self._soon_scope
@@ -938,6 +965,23 @@ class Origin:
             if check_at < scope.deadline:
                 scope.deadline = check_at
         return True
+
+    def _soon_pump(self) -> None:
+        """Send the GETs of :meth:`get_soon` waiting for a connection while one is free
+        (trio thread: after a connection was given back or the limit grew)."""
+        queue = self._soon_queue
+        while queue:
+            rec = queue[0]
+            if rec.over:  # (cut at its deadline, or cachefs stopping)
+                queue.popleft()
+                continue
+            try:
+                if not self._soon_send(rec):
+                    return
+            except Exception as exc:  # (as get() raises it)
+                self._soon_end(rec)
+                self._soon_tell(rec, None, exc)
+            queue.popleft()
 
     def _soon_watch(self) -> float:
         """Send the hedge of each GET of :meth:`get_soon` silent for the hedge delay, and
@@ -951,6 +995,13 @@ class Origin:
                 self._soon_end(rec)
                 self._soon_failed(rec, TransientStoreError(
                     f"{rec.where}: no answer by the retry deadline", reason="timeout"))
+                continue
+            if not rec.jobs:  # (waiting in the queue for a connection)
+                if now >= rec.first + SOON_QUEUE_WAIT:
+                    self._soon_to_task(rec)
+                else:
+                    next_at = min(next_at, rec.first + SOON_QUEUE_WAIT)
+                    next_at = min(next_at, rec.cut_at)
                 continue
             if rec.hedge is None and rec.jobs:
                 primary = rec.jobs[0]
@@ -1028,9 +1079,23 @@ class Origin:
         except RuntimeError:  # (run_soon is ending: cachefs is stopping)
             self._soon_tell(rec, None, self._stopping(rec.where))
 
-    async def _soon_retry(self, rec: _Soon, failure: TransientStoreError) -> None:
-        """Retry a GET of :meth:`get_soon` whose first attempt failed, as :meth:`get`
-        would have (a task of :meth:`run_soon`'s nursery), and tell its outcome."""
+    def _soon_to_task(self, rec: _Soon) -> None:
+        """A GET of :meth:`get_soon` that waited :data:`SOON_QUEUE_WAIT` in the queue goes
+        on as a task waiting in the limiter (trio thread; from the watcher)."""
+        self._soon_end(rec)  # (out of the queue and the watch: the pump skips it)
+        nursery = self._soon_nursery
+        try:
+            if nursery is None:
+                raise RuntimeError("run_soon has ended")
+            nursery.start_soon(self._soon_retry, rec, None)
+        except RuntimeError:  # (run_soon is ending: cachefs is stopping)
+            self._soon_tell(rec, None, self._stopping(rec.where))
+
+    async def _soon_retry(self, rec: _Soon, failure: TransientStoreError | None) -> None:
+        """Retry a GET of :meth:`get_soon` whose first attempt failed (``failure``), or
+        make its first (None: it waited too long for a connection, :meth:`_soon_to_task`),
+        as :meth:`get` would have (a task of :meth:`run_soon`'s nursery), and tell its
+        outcome."""
         async def attempt() -> Got:
             try:
                 return await self._hedged(rec.fetch, background=rec.background)
