@@ -424,6 +424,7 @@ class Daemon:
                                       self.open_files_limit, cfg.max_connections))
         # Idle registrations yield to eviction: the cache tells passthrough which to close.
         cache.on_evicted_while_pinned = passthrough.evicted
+        cache.on_written = passthrough.written
         # Without the kernel's passthrough, the request workers' C loop answers the reads
         # of verified files (cachefs.fuse.native); built without it, Python answers all.
         # (it remembers the lookups of as many files as are kept registered)

@@ -24,8 +24,9 @@ Contracts:
   checked again at each open (here, :meth:`Passthrough.open`, and in the native loop's
   template opens and reads): a file someone else wrote to since is closed and verified
   again when idle, and its opens fail with EIO while handles still use it (closed once
-  they are gone); the cache's own writes of checked blocks into it (written marks with
-  the new stamp) are not a change. A registered file stays
+  they are gone); the cache's own writes of checked blocks into it are not a change
+  (:meth:`Passthrough.written` moves the registration's stamp with each of them). A
+  registered file stays
   registered while handles use it and, idle, until it is among the least
   recently used beyond ``max_idle`` files (``--registered-files``: by default
   scaled to the memory, at least :data:`MAX_IDLE_BACKINGS`; fewer when the
@@ -902,6 +903,13 @@ class Passthrough:
         now = path_stamp(self.cache.object_path(backing.oid))
         if verified is None or now is None or now[0] != verified[0] or now == verified:
             return True
+        # The cache's own write of the object may be landing this moment (it moves the
+        # backing's stamp in :meth:`written`, under the object's lock): look again once
+        # none is under way.
+        now = self.cache.settled_stamp(backing.oid)
+        verified = backing.stamp
+        if verified is None or now is None or now[0] != verified[0] or now == verified:
+            return True
         if self.cache.marked_intact(self.fetcher.block_ids(obj), now):
             backing.stamp = now
             if self.native and self._loop is not None:
@@ -910,6 +918,24 @@ class Passthrough:
             # through renews it: add_template)
             return True
         return False
+
+    def written(self, oid: bytes, written: tuple[int, int, int]) -> None:
+        """The cache wrote a checked block into the object's file (any thread, under the
+        object's lock, in the order of its writes: :attr:`BlockCache.on_written`), which
+        was (inode, change time before the write, after it): a registration whose stamp
+        was the file's just before takes the new one -- the cache's own writes (a block
+        the index dropped while the pin kept its bytes, fetched and written again with
+        the same bytes) are no change. A peek without ``_lock``: the stamp is one
+        attribute, and the object's lock orders the writes that move it."""
+        backing = self._backings.get(oid)
+        if backing is None or backing.stamp is None:
+            return
+        inode, before, after = written
+        if backing.stamp == (inode, before):
+            backing.stamp = (inode, after)
+            loop = self._loop
+            if self.native and loop is not None and backing.backing_id:
+                loop.stamp_file(backing.backing_id, (inode, after))
 
     def _found_changed(self, backing: _Backing) -> None:
         """Someone changed ``backing``'s file since it was verified (any thread, without

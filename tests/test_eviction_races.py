@@ -757,3 +757,32 @@ def test_readers_racing_the_eviction_of_idle_registrations_read_right_bytes(buck
     _wait(m, lambda s: m.cache_bytes_on_disk() <= 8 * MNT_BLOCK, timeout=15)
     for key in sorted(files):
         assert _read_file(m.path / key) == files[key]
+
+
+def test_the_cache_s_own_write_into_a_registered_file_is_no_change(cache: BlockCache) -> None:
+    """A registered file's stamp follows the cache's own writes into it (a block the index
+    dropped while a pin kept its bytes, fetched and written again: the same checked
+    bytes), even with no written marks left to vouch for the file (their table is
+    bounded): its next open is answered as before, not refused as changed. A write by
+    anyone else still is a change."""
+    p, _kernel, obj, a = _writer(cache)
+    cache.on_written = p.written
+    body = _data(1, obj.size)
+    assert p.write_checked(obj, a, body)
+    oid = object_id("bucket", "a", "e", BLOCK)
+    changed = metrics.REGISTRY.get_sample_value("cachefs_passthrough_changed_total") or 0
+    cache.max_written_marks = 0  # (marks pushed out of their table: none vouch any more)
+    with cache._file_lock(oid):
+        cache._unmark_written(oid)
+    assert cache.put_sync(a, body)  # the cache's own write of the same bytes
+    assert p.open(7, obj) == 1, "refused as changed"
+    assert (metrics.REGISTRY.get_sample_value("cachefs_passthrough_changed_total") or 0) \
+        == changed
+    p.release(7, 1)
+    fd = os.open(cache.object_path(oid), os.O_WRONLY)  # someone else's write
+    try:
+        os.pwrite(fd, b"\xff", 10)
+    finally:
+        os.close(fd)
+    assert p.open(8, obj) == 0, "a changed file registered again unread"
+    assert metrics.REGISTRY.get_sample_value("cachefs_passthrough_changed_total") == changed + 1

@@ -141,7 +141,14 @@ from cachefs.cache.blockid import (
 )
 from cachefs.cache.blockindex import POLICIES, BlockIndex, Entry, PutResult
 from cachefs.cache.lmdbenv import LmdbEnv
-from cachefs.cache.objectfiles import FileStamp, ObjectFiles, file_stamp, pread, unlink
+from cachefs.cache.objectfiles import (
+    FileStamp,
+    ObjectFiles,
+    file_stamp,
+    path_stamp,
+    pread,
+    unlink,
+)
 from cachefs.cache.objectlocks import ObjectLocks
 from cachefs.errors import CacheError
 
@@ -185,6 +192,12 @@ class BlockCache:
         # objects whose blocks were dropped from the index while pins kept their bytes:
         # the holders let go, and the bytes go at the last unpin.
         self.on_evicted_while_pinned: Callable[[list[bytes]], None] | None = None
+        # Told of every block written and indexed, with the file's (inode, change time
+        # before the write, after it), under the object's lock (so in the order of the
+        # object's writes): a file registered for reads without the daemon keeps its
+        # stamp current through the cache's own writes (cachefs.passthrough). Must only
+        # do dictionary work.
+        self.on_written: Callable[[bytes, tuple[int, int, int]], None] | None = None
         # Whether a block was fetched ahead and no reader took it yet (any thread; the
         # prefetch ledger's): eviction under lru gives such blocks a second chance.
         self.is_unread: Callable[[bytes], bool] | None = None
@@ -500,6 +513,13 @@ class BlockCache:
         entries = self.index.entries(bids) if bids else None
         return entries is not None and self._written_intact(bids, entries, stamp)
 
+    def settled_stamp(self, oid: bytes) -> FileStamp | None:
+        """The stamp of the object's file once no write of it is under way (any thread;
+        takes the object's lock, then a stat): a write that had begun has been told to
+        :attr:`on_written` by then. None when there is no file."""
+        with self._file_lock(oid):
+            return path_stamp(self.object_path(oid))
+
     def written_blocks(self, oid: bytes) -> int:
         """How many blocks of object ``oid`` carry written marks (any thread; one dictionary
         look under the innermost lock): a cheap sign that the object may be whole and
@@ -622,6 +642,8 @@ class BlockCache:
                     admitted, evicted = False, []
                 if admitted:
                     self._mark_written(oid, (inode, before, after), offset, entry)
+                    if self.on_written is not None:
+                        self.on_written(oid, (inode, before, after))
                 else:
                     self._release_bytes(oid, [(offset, len(data))])
             except BaseException:
