@@ -1071,23 +1071,22 @@ class Origin:
         if self._closed:
             self._soon_tell(rec, None, self._stopping(rec.where))
             return
-        nursery = self._soon_nursery
-        try:
-            if nursery is None:
-                raise RuntimeError("run_soon has ended")
-            nursery.start_soon(self._soon_retry, rec, exc)
-        except RuntimeError:  # (run_soon is ending: cachefs is stopping)
-            self._soon_tell(rec, None, self._stopping(rec.where))
+        self._soon_as_task(rec, exc)
 
     def _soon_to_task(self, rec: _Soon) -> None:
         """A GET of :meth:`get_soon` that waited :data:`SOON_QUEUE_WAIT` in the queue goes
         on as a task waiting in the limiter (trio thread; from the watcher)."""
         self._soon_end(rec)  # (out of the queue and the watch: the pump skips it)
+        self._soon_as_task(rec, None)
+
+    def _soon_as_task(self, rec: _Soon, failure: TransientStoreError | None) -> None:
+        """Go on with ``rec`` as a task of :meth:`run_soon`'s nursery (:meth:`_soon_retry`),
+        or tell it cachefs is stopping when that nursery has ended."""
         nursery = self._soon_nursery
         try:
             if nursery is None:
                 raise RuntimeError("run_soon has ended")
-            nursery.start_soon(self._soon_retry, rec, None)
+            nursery.start_soon(self._soon_retry, rec, failure)
         except RuntimeError:  # (run_soon is ending: cachefs is stopping)
             self._soon_tell(rec, None, self._stopping(rec.where))
 
