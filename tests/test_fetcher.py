@@ -1072,7 +1072,10 @@ def test_cold_small_files_loaded_ahead_take_no_task_and_one_get_each(
     for i in range(40):
         mem.put(f"f{i}", payload(BS - i % 7, seed=i))
         objs.append(version(mem, f"f{i}"))
-    slow_gets(mem, 0.05)
+    # (0.5 s each: the readers below come while every load is still in flight, however
+    # late a busy machine runs them -- at 50 ms, two of ten came after theirs had landed;
+    # below the hedge delay's floor, 1 s, so no GET is hedged)
+    slow_gets(mem, 0.5)
     gets, joins = _hops("s3_get"), metrics.SINGLE_FLIGHT_JOINS._value.get()
     rig = Rig(tmp_path, mem, connections=64)  # (48 background connections: 40 at once)
 
