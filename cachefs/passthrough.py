@@ -168,7 +168,13 @@ other task
 looks at ``_evicted_idle`` every :data:`EVICTED_RECHECK_SECONDS` and, when not
 empty, trims in a worker thread (never on the trio thread: it takes ``_lock``). The
 cache calls :meth:`Passthrough.evicted` holding none of its locks; under ``_lock`` this class calls
-the cache's pin methods (they take only the cache's innermost lock).
+the cache's pin methods (they take only the cache's innermost lock). The cache calls
+:meth:`Passthrough.written` holding an object's lock: it takes no lock of this class (a
+peek at ``_backings``, one attribute written; the object's lock orders the writes that
+move a registration's stamp) and only the native loop's mutex (``stamp_file``). An open
+that finds a registration's stamp moved (:meth:`Passthrough._still_intact`) takes that
+object's lock (``settled_stamp``) holding none of this class's locks, so the two never
+wait for each other.
 """
 
 from __future__ import annotations

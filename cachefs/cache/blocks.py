@@ -108,7 +108,9 @@ Locks, in the only order they may be taken:
    re-checked. So a file is never removed while a block put into it is still
    unindexed, a release never punches a block indexed again, and a read that
    re-checks sees either the block or its absence, never a half-done release.
-   A thread holds at most one object lock.
+   A thread holds at most one object lock. :attr:`BlockCache.on_written` is
+   called holding it (after the index write: dictionary work only, plus the
+   native loop's own mutex), so its holder sees an object's writes in order.
 2. the LMDB write transaction (one writer at a time); it may be opened while an
    object lock is held, never the other way round.
 3. ``_lock``: guards ``_used`` (and ``_used_order``), ``_count``, ``_pinned``, ``_yielding``, ``_deferred``,
@@ -436,10 +438,10 @@ class BlockCache:
         entries = self.index.entries(bids) if bids else None
         if entries is None:
             return None
-        if fd is not None and stamp is None:
-            stamp = file_stamp(fd)  # (of the file the marks name; before any read-back)
         if fd is None:
             stamp = None
+        elif stamp is None:
+            stamp = file_stamp(fd)  # (of the file the marks name; before any read-back)
         if stamp is not None and self._written_intact(bids, entries, stamp):
             metrics.CACHE_OBJECTS_TRUSTED.inc()
             self.touch(bids)

@@ -185,7 +185,8 @@ class Prefetcher:
         length = f.block_len(obj, index)
         if f.is_loaded_or_loading(bid):
             return length
-        if f.is_cached_id(bid) if on_disk is None else bid in on_disk:
+        on_local_disk = f.is_cached_id(bid) if on_disk is None else bid in on_disk
+        if on_local_disk:
             if load_cached:
                 if policy == SEQUENTIAL:
                     f.load_ahead(obj, index, bid, reserved=0)
