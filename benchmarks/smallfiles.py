@@ -5,8 +5,9 @@
     python -m benchmarks.smallfiles --quick             # seconds (tests/test_bench_quick.py runs it)
 
 The dataset is ``--files`` files of ``--min-kb``..``--max-kb`` in ``--folders``
-folders on a SeaweedFS origin behind the WAN emulator (70 ms RTT, 48 MB/s in
-total, 16 MB/s per connection by default). ``--threads`` reader threads read
+folders (``--nest N``: grouped N to a parent folder, a tree of two levels) on a
+SeaweedFS origin behind the WAN emulator (70 ms RTT, 48 MB/s in total, 16 MB/s per
+connection by default). ``--threads`` reader threads read
 whole files (``open(p, 'rb').read()``), taking turns over one list.
 
 Passes (each system gets a fresh, empty cache for every cold pass):
@@ -78,9 +79,17 @@ WARM = ("warm", "warm-shuffled")
 
 
 # -- dataset -----------------------------------------------------------------------------
-def dataset(files: int, folders: int, min_kb: int, max_kb: int, seed: int) -> list[tuple[str, int]]:
+def dataset(files: int, folders: int, min_kb: int, max_kb: int, seed: int,
+            nest: int = 0) -> list[tuple[str, int]]:
+    """``files`` files of ``min_kb``..``max_kb`` KB dealt round the ``folders`` folders;
+    with ``nest``, the folders are grouped ``nest`` to a parent folder (a tree of two
+    levels: ``p000/c000/``, ..., ``p000/c{nest-1}/``, ``p001/c{nest}/``, ...)."""
     rnd = random.Random(seed)
-    return [(f"c{i % folders:03d}/img{i:06d}.jpg", rnd.randint(min_kb * 1000, max_kb * 1000))
+
+    def folder(f: int) -> str:
+        return f"p{f // nest:03d}/c{f:03d}" if nest else f"c{f:03d}"
+
+    return [(f"{folder(i % folders)}/img{i:06d}.jpg", rnd.randint(min_kb * 1000, max_kb * 1000))
             for i in range(files)]
 
 
@@ -469,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--folders", type=int, default=20)
     ap.add_argument("--min-kb", type=int, default=80)
     ap.add_argument("--max-kb", type=int, default=140)
+    ap.add_argument("--nest", type=int, default=0, metavar="N",
+                    help="group the folders N to a parent folder (a two-level tree; 0: one level)")
     ap.add_argument("--threads", type=int, default=4)
     add_link_args(ap)
     ap.add_argument("--seed", type=int, default=1)
@@ -506,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         args.py_spy.mkdir(parents=True, exist_ok=True)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cachefs-small-"))
     work.mkdir(parents=True, exist_ok=True)
-    items = dataset(args.files, args.folders, args.min_kb, args.max_kb, args.seed)
+    items = dataset(args.files, args.folders, args.min_kb, args.max_kb, args.seed, args.nest)
     local = work / "local"
     rows: list[dict[str, Any]] = []
     try:
