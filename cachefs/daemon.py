@@ -461,7 +461,7 @@ class Daemon:
         root = cfg.source.prefix
 
         def next_dir(prefix: str) -> str | None:
-            return metadata.next_dir(prefix, root)
+            return metadata.next_walked_dir(prefix, root)
 
         lookahead = DirectoryLookahead(prefetcher, metadata.iter_entries, next_dir=next_dir,
                                        on_predicted=passthrough.predicted,

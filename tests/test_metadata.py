@@ -852,6 +852,72 @@ def test_next_dir_names_the_following_directory_and_lists_it_ahead(env: LmdbEnv)
     run_with_metadata(env, store, body, list_ahead=2)
 
 
+def test_the_walk_goes_from_a_parents_last_folder_into_the_next_parents_first(env: LmdbEnv) -> None:
+    """next_walked_dir: in a tree of two levels read in name order, the folder after a
+    parent's last one is the first folder of the next parent (down past folders that hold
+    only folders); the next parent's listings on the way are started when missing, and
+    the walk asks again. Never above the mount's root, and not past a parent whose listing
+    does not say its folder is the last."""
+    store = MemoryStore()
+    for p in range(3):
+        for c in range(3):
+            for f in range(2):
+                store.put(f"t/p{p}/c{3 * p + c}/f{f}", b"x")
+    store.put("t/p3/q/c9/f0", b"x")  # a parent holding a folder of folders
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("t/")
+        await md.ensure("t/p0/")
+        assert md.next_walked_dir("t/p0/c0/", "t/") == "t/p0/c1/"  # as next_dir
+        with trio.fail_after(5):  # (t/p1/ and t/p1/c3/ listed on the way)
+            while (nxt := md.next_walked_dir("t/p0/c2/", "t/")) is None:
+                await trio.sleep(0.01)
+        assert nxt == "t/p1/c3/"
+        await md.ensure("t/p2/")
+        with trio.fail_after(5):
+            while (nxt := md.next_walked_dir("t/p2/c8/", "t/")) is None:
+                await trio.sleep(0.01)
+        assert nxt == "t/p3/q/c9/"
+        assert md.next_walked_dir("t/p3/", "t/") is None  # the root's last folder
+        assert md.next_walked_dir("t/p3/q/c9/", "t/") is None  # the tree's end
+
+    run_with_metadata(env, store, body, list_ahead=2, root="t/")
+
+
+def test_a_walk_climbing_into_the_next_parents_has_their_folders_listed_by_one_flat_page(
+        env: LmdbEnv) -> None:
+    """The folders of the parents after a parent's last folder are listed ahead by one flat
+    page of their parent, not one LIST per parent and then one per folder: at each parent
+    a walk going on waited for two LISTs in a row (0.3-0.5 s each under a cold pass's
+    load, longer than its readers take to read a parent of 120 small files; a tree of 20
+    parents of 10 folders of 12 files was read at 0.74 of the link)."""
+    store = MemoryStore()
+    for p in range(6):
+        for c in range(4):
+            for f in range(3):
+                store.put(f"t/p{p}/c{4 * p + c}/f{f}", b"x")
+
+    async def listed(md: Metadata) -> None:  # (an earlier mount: nothing listed ahead)
+        await md.ensure("t/")
+        await md.ensure("t/p0/")
+
+    run_with_metadata(env, store, listed)
+
+    async def body(md: Metadata) -> None:
+        lists = store.calls["list"]
+        with trio.fail_after(5):
+            while (nxt := md.next_walked_dir("t/p0/c3/", "t/")) is None:
+                await trio.sleep(0.01)
+        assert nxt == "t/p1/c4/"
+        folders = [f"t/p{p}/c{4 * p + c}/" for p in range(1, 6) for c in range(4)]
+        with trio.fail_after(5):
+            while any(md.listed_at(d) is None for d in folders):
+                await trio.sleep(0.01)
+        assert store.calls["list"] - lists == 1, store.calls["list"] - lists
+
+    run_with_metadata(env, store, body, list_ahead=2, root="t/")
+
+
 def test_next_dir_lists_several_following_directories_ahead(env: LmdbEnv) -> None:
     """A walk that goes on from folder to folder outruns a listing a folder (one LIST
     round trip: ~0.2 s of a few hundred small files): asking for the next directory lists

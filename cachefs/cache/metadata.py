@@ -51,7 +51,9 @@ thread, a transaction each; the others are listed as usual. Listing ahead:
 ``opendir`` queues the directory's sub-directories (a bounded stack, newest
 first, like a depth-first walker), a walk through folders in order queues the
 folders after the one it is in (:meth:`Metadata.next_dir`; a bounded queue, taken
-first and in the order asked: the walk stops at the first one not listed), and
+first and in the order asked: the walk stops at the first one not listed; after a
+parent's last folder, :meth:`Metadata.next_walked_dir` goes on into the next parent's
+first folder, its folders listed by one flat page), and
 ``list_ahead`` workers list them before the walker gets there; a new mount lists the
 path a walk in name order starts on (the root, its first sub-directory, and so on down:
 :meth:`Metadata.list_at_mount`), and with the root's LIST, one flat page of the root
@@ -119,6 +121,8 @@ MAX_DIRS_LISTED = 256
 FLAT_LISTINGS = 4
 #: Parents whose last next_dir() scan is kept (walks through several parents at once).
 NEXT_SCANS = 64
+#: Levels next_walked_dir() climbs from a parent's last folder, and goes down again.
+WALK_LEVELS = 4
 #: Levels below the mount's root that list_at_mount() lists, each its parent's first
 #: sub-directory (s3://bucket/ds/train/class000/: three).
 LIST_AT_MOUNT_DEPTH = 4
@@ -760,6 +764,10 @@ class Metadata:
             return None
         row = self._index.row(prefix)
         wanted = dirs_listed_ahead(row[2] - row[3] if row is not None else 0)
+        # A folder of folders (a tree's upper level): one flat page lists the folders
+        # after it whole, and their folders, as many as it holds (a LIST each would list
+        # only their folders' names, and each of those would wait for a LIST of its own)
+        of_folders = row is not None and row[2] == row[3] > 0
         scan = self._next_scans.get(parent)
         if scan is not None and scan[0] == v and prefix in scan[1]:
             # A walk passing folder after folder asks at each: the folders after this one
@@ -800,13 +808,79 @@ class Metadata:
                     unlisted.append(d)
             while len(self._asked_ahead) > AHEAD_QUEUE:
                 self._asked_ahead.popitem(last=False)
-            if len(unlisted) >= 2 and wanted > NEXT_DIRS_LISTED \
+            if len(unlisted) >= 2 and (wanted > NEXT_DIRS_LISTED or of_folders) \
                     and self._flat_running < FLAT_LISTINGS:
                 self._start_flat(parent, unlisted)
             elif unlisted:
                 self._next_ahead.extend(unlisted)
                 self._ahead_lot.unpark(count=len(unlisted))
         return following[0] if following else None
+
+    def next_walked_dir(self, prefix: str, root: str) -> str | None:
+        """The directory a walk in name order through ``root``'s tree reads next after
+        ``prefix`` (trio thread): :meth:`next_dir`, or, when ``prefix`` is the last
+        directory of its parent, the first folder with files of the directory after that
+        parent (at most :data:`WALK_LEVELS` levels up, and as many down): a tree of two
+        levels read in order (``p000/c000/`` .. ``p000/c009/``, ``p001/c010/`` ..) goes
+        from ``p000/c009/`` on into ``p001/c010/``. Next_dir alone ended the directory
+        lookahead's walks at every parent's last folder, so the readers of each new parent
+        proved their order again while the GETs in flight drained. None when nothing
+        follows (the tree's end, or a listing on the way not complete yet: a folder on the
+        way without one has its listing started, and the walk asks again later)."""
+        nxt = self.next_dir(prefix, root)
+        up = prefix
+        for _ in range(WALK_LEVELS):
+            if nxt is not None:
+                break
+            parent = parent_prefix(up)
+            scan = self._next_scans.get(parent)
+            if (parent == root or not parent.startswith(root) or scan is None or not scan[2]
+                    or (scan[1] and scan[1][-1] != up) or self._index.row(parent) is None):
+                return None  # the root's last folder, or not known to be its parent's last
+            up = parent
+            nxt = self.next_dir(up, root)
+        if nxt is None or up == prefix:
+            return nxt
+        for _ in range(WALK_LEVELS):  # down to the first folder with files
+            row = self._index.row(nxt)
+            if row is None:
+                if self._store is not None and self._nursery is not None:
+                    self._list_down(nxt)
+                return None
+            if row[2] > row[3] or row[3] == 0:
+                return nxt  # it holds files (or nothing at all)
+            with snapshot(self._iter(View(row[0], None), None)) as entries:
+                first = next((e for e in itertools.islice(entries, NEXT_DIR_SCAN)
+                              if e.is_dir), None)
+            if first is None:
+                return None
+            nxt += first.name.decode("utf-8", "surrogateescape") + "/"
+        return None
+
+    def _list_down(self, folder: str) -> None:
+        """Start the listing a walk going down into ``folder`` needs (trio thread): with
+        the folders after it in its parent's listing, by one flat page when two or more
+        have none (:meth:`_start_flat`: the first folders of a tree's next parent, listed
+        in one round trip, not one each), else its own listing (joined if in flight)."""
+        parent = parent_prefix(folder)
+        row = self._index.row(parent)
+        if row is not None and self._unlisted(folder) and self.list_ahead_workers \
+                and self._flat_running < FLAT_LISTINGS:
+            unlisted = [folder]
+            with snapshot(self._iter(View(row[0], None),
+                                     folder[len(parent):-1].encode("utf-8", "surrogateescape"))
+                          ) as entries:
+                for entry in itertools.islice(entries, NEXT_DIR_SCAN):
+                    if len(unlisted) >= MAX_DIRS_LISTED:
+                        break
+                    if entry.is_dir:
+                        d = parent + entry.name.decode("utf-8", "surrogateescape") + "/"
+                        if self._unlisted(d):
+                            unlisted.append(d)
+            if len(unlisted) >= 2:
+                self._start_flat(parent, unlisted)
+                return
+        self._start(folder, follow=True)
 
     def _start_flat(self, parent: str, folders: list[str]) -> None:
         """List ``folders`` (sub-directories of ``parent``, in name order, none listed or

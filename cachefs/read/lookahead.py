@@ -49,7 +49,9 @@ folders in directory order reads them one after the other): the files of
 that directory it still wants are requested there, and the directory gets a
 shared walk that starts trusted, so its readers keep the requests flowing
 without first proving their order again (and without a stall of one round trip
-per directory). ``next_dir`` also has that directory listed early: it is asked
+per directory; in a tree of several levels the directory after a parent's last
+folder is the next parent's first folder with files, see ``Metadata.next_walked_dir``).
+``next_dir`` also has that directory listed early: it is asked
 as soon as a walk is in order, so the listing is there when the walk needs it.
 A directory not listed yet when the walk ends is not carried into. The
 directory's shared walk then keeps its window full across folders: its
