@@ -317,7 +317,8 @@ def test_shuffled_epochs_over_twenty_file_folders_prefetch_next_to_nothing() -> 
         f = CountingPrefetcher()
         la = DirectoryLookahead(f, folder_after,  # type: ignore[arg-type]
                                 first_file=lambda prefix: (INO[NAMES[0]], per),  # (as the daemon's)
-                                folder_ino=lambda prefix: (10 + dirs.index(prefix), len(dirs)))
+                                folder_ino=lambda prefix: (10 + dirs.index(prefix), len(dirs))
+                            if prefix in dirs else None)
         files = [(d, n) for d in dirs for n in NAMES[:per]]
         rnd = random.Random(seed)
         for _ in range(20):
@@ -681,7 +682,8 @@ def test_readers_entering_four_of_ten_folders_in_order_by_chance_are_not_a_walk(
     f = FakePrefetcher()
     la = DirectoryLookahead(f, folder_after,  # type: ignore[arg-type]
                             first_file=lambda prefix: (INO[NAMES[0]], 20),
-                            folder_ino=lambda prefix: (10 + dirs.index(prefix), len(dirs)))
+                            folder_ino=lambda prefix: (10 + dirs.index(prefix), len(dirs))
+                            if prefix in dirs else None)
     for i, (c, j) in enumerate([(0, 7), (2, 13), (3, 2), (4, 11), (4, 5), (4, 16)]):
         la.on_open(dirs[c], NAMES[j], INO[NAMES[j]], reader=7000 + i % 8)
     assert not f.prefetched, f.prefetched
@@ -690,7 +692,8 @@ def test_readers_entering_four_of_ten_folders_in_order_by_chance_are_not_a_walk(
     f = FakePrefetcher()
     la = DirectoryLookahead(f, folder_after,  # type: ignore[arg-type]
                             first_file=lambda prefix: (INO[NAMES[0]], 20),
-                            folder_ino=lambda prefix: (10 + many.index(prefix), len(many)))
+                            folder_ino=lambda prefix: (10 + many.index(prefix), len(many))
+                            if prefix in many else None)
     for i, c in enumerate([0, 1, 2, 3]):
         la.on_open(many[c], NAMES[0], INO[NAMES[0]], reader=7000 + i % 8)
     assert not f.prefetched
@@ -733,7 +736,8 @@ def test_no_shuffled_epoch_over_twenty_file_folders_requests_files_ahead() -> No
         f = CountingPrefetcher()
         la = DirectoryLookahead(f, folder_after,  # type: ignore[arg-type]
                                 first_file=lambda prefix: (INO[NAMES[0]], 20),  # (as the daemon's)
-                                folder_ino=lambda prefix: (10 + dirs.index(prefix), len(dirs)))
+                                folder_ino=lambda prefix: (10 + dirs.index(prefix), len(dirs))
+                            if prefix in dirs else None)
         files = [(d, n) for d in dirs for n in NAMES[:20]]
         rnd = random.Random(seed)
         for _ in range(20):
@@ -801,3 +805,70 @@ def test_a_pool_starting_a_cold_pass_in_directory_order_is_followed_from_its_fir
         misses, _ = _ten_file_folders_run("in order", folders_count=60, per=20, seed=seed)
         assert misses <= 8, (seed, misses)
         assert _ten_file_folders_run("shuffled", folders_count=60, per=20, seed=seed)[1] == 0
+
+
+def _tree_run(parents: int, folders: int, per: int, read: int, *, shuffled: bool = False,
+              readers: int = 4) -> tuple[int, int, int]:
+    """Readers open ``read`` files of each folder of a tree of two levels (``parents``
+    parents of ``folders`` folders of ``per`` files: ``t/p000/c000/``, ...), in order (a
+    pool taking turns) or shuffled; each listing numbers its names in order and
+    ``folder_ino`` tells a folder's position among its parent's folders (a parent's among
+    the root's), ``next_dir`` goes on from a parent's last folder into the next parent's
+    first (as Metadata.next_walked_dir). Returns (files requested ahead never opened,
+    opened files not requested ahead, opens)."""
+    tree = {f"t/p{p:03d}/": [f"t/p{p:03d}/c{p * folders + c:04d}/" for c in range(folders)]
+            for p in range(parents)}
+    parent_list = list(tree)
+    leaves = [d for p in parent_list for d in tree[p]]
+    ino = {(d, n): 1000 * (i + 1) + j for i, d in enumerate(leaves) for j, n in enumerate(NAMES[:per])}
+    position: dict[str, tuple[int, int]] = {p: (10 + i, parents) for i, p in enumerate(parent_list)}
+    for p in parent_list:
+        for i, d in enumerate(tree[p]):
+            position[d] = (10 + i, folders)
+
+    def iter_after_dirs(prefix: str, after: bytes) -> Iterator[Entry]:
+        for n in NAMES[:per] if prefix in position and prefix not in tree else []:
+            if n > after:
+                yield Entry(name=n, is_dir=False, size=100_000, mtime=0.0, etag="e",
+                            ino=ino[(prefix, n)])
+
+    def next_dir(prefix: str) -> str | None:
+        i = leaves.index(prefix)
+        return leaves[i + 1] if i + 1 < len(leaves) else None
+
+    f = FakePrefetcher()
+    la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir,  # type: ignore[arg-type]
+                            folder_ino=position.get)
+    order = [(d, n) for d in leaves for n in NAMES[:read]]
+    if shuffled:
+        random.Random(5).shuffle(order)
+    misses = 0
+    for i, (d, n) in enumerate(order):
+        misses += d + n.decode() not in f.prefetched
+        la.on_open(d, n, ino[(d, n)], reader=9000 + i % readers)
+    opened = {d + n.decode() for d, n in order}
+    return sum(1 for k in f.prefetched if k not in opened), misses, len(order)
+
+
+def test_readers_of_parents_of_two_folders_of_two_files_in_order_are_followed() -> None:
+    """A tree whose parents each hold two folders of two files (a hashed layout): no folder
+    shows a walk of its own, and no parent has enough folders for the walk over them, so
+    nothing was requested ahead (0.07 of the link). The readers' walk over the root's
+    folders (the parents) is followed too: after the first few parents, every file is
+    requested ahead of its open."""
+    wasted, misses, opens = _tree_run(150, 2, 2, 2)
+    assert wasted == 0, wasted
+    assert misses <= 24, (misses, opens)
+
+
+def test_shuffled_readers_of_parents_of_two_folders_request_next_to_nothing() -> None:
+    wasted, _, opens = _tree_run(150, 2, 2, 2, shuffled=True)
+    assert wasted < 0.02 * opens, (wasted, opens)
+
+
+def test_readers_of_one_file_of_each_folder_of_such_parents_are_not_followed_far() -> None:
+    """A subset script opening the first file of each folder walks the parents in order
+    too: the files it leaves unread in the parents it left stop the walk over them, so a
+    few parents' worth is fetched for nothing, not the whole tree (300 files unread)."""
+    wasted, _, opens = _tree_run(150, 2, 2, 1)
+    assert wasted <= 100, (wasted, opens)

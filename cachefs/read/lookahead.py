@@ -33,6 +33,10 @@ a few opens (a pool over folders of 10 files, read in order) are followed from
 the second folder: a folder read through from its first file, in order but for
 a pool's disorder, and left for the next one in the listing, has that one
 trusted at its readers' first opens there (:meth:`DirectoryLookahead._read_through`).
+Parents with too few folders for a walk over them (a hashed tree: two folders of two
+files each) have their readers' walk followed one level up, over the grandparent's
+folders (:meth:`DirectoryLookahead._follow_parents`), and told the same way when they read
+each parent in part.
 
 Walks are followed per reader and per directory: each open steps both the walk
 of its reader (the FUSE request's thread id: one DataLoader worker, one
@@ -102,8 +106,10 @@ calls); ``carried_to``, ``retry_at`` and ``ahead`` only under ``_lock``. The
 per-parent state (``_skips``, ``_folder``, ``_left``, ``_opens_under``, ``_entered``, and the walks
 over folders ``_folder_walks`` with the folder positions ``_folder_inos``, whose
 ``folder_ino`` lookups run under the lock once per folder) is
-changed only by ``observe`` under ``_lock``; ``issue`` reads ``_skips`` without
-it (one dictionary lookup: a stale answer costs one top-up more or less).
+changed only by ``observe`` under ``_lock`` (the same dictionaries keyed by a
+grandparent for the walk over parents, :meth:`_follow_parents`); ``issue`` reads
+``_skips`` without it (:meth:`_skipped`, two dictionary lookups: a stale answer costs
+one top-up more or less).
 """
 
 from __future__ import annotations
@@ -320,7 +326,7 @@ class DirectoryLookahead:
                 self._where[reader] = prefix
                 if len(self._where) > self.max_walks:
                     self._where.pop(next(iter(self._where)))
-            folders_in_order = self._follow_folders(prefix)
+            folders_in_order = self._follow_folders(prefix) or self._follow_parents(prefix)
             keys: tuple[WalkKey, ...] = ((prefix, 0), (prefix, reader)) if reader else ((prefix, 0),)
             for key in keys:
                 walk = self._step(key, name, ino)
@@ -382,6 +388,55 @@ class DirectoryLookahead:
             return self._step_folders(parent, prefix, was, n)
         walk = self._folder_walks.get(parent)
         return walk is not None and self._folders_in_order(parent, walk)
+
+    def _follow_parents(self, prefix: str) -> bool:
+        """Follow the readers' walk one level up (under the lock), over the folders of
+        ``prefix``'s grandparent (the parents), when ``prefix``'s parent has too few
+        folders for a walk over them to show (:func:`least_opens` asks more than half of
+        them): a tree whose parents each hold two folders of two files (a hashed layout)
+        had nothing requested ahead at all, every file fetched on demand (0.07 of the
+        link). While that walk is in order, the folder the readers enter is trusted at
+        its first open, as :meth:`_step_folders` does one level down, and its walk goes on
+        into the next folders and parents. Readers of part of each folder are told by the
+        parents they leave: the last folder they were in there left files requested ahead
+        unread :data:`LEFT_CHECK_OPENS` opens under the grandparent later (a pool's slower
+        readers are done by then), and the grandparent's walks then stop going on and
+        trusting (its skips, as :meth:`_follow_folders` keeps a parent's)."""
+        found = self._folder_inos.get(prefix)
+        if found is None or found[1] <= 0 \
+                or least_opens(found[1], self.adjacency, self.density, self.min_opens) <= found[1] // 2:
+            return False
+        parent = parent_prefix(prefix)
+        grand = parent_prefix(parent)
+        if grand == parent:
+            return False
+        n = self._opens_under.get(grand, 0) + 1
+        self._opens_under[grand] = n
+        checks = self._left.get(grand)
+        while checks and checks[0][1] <= n:
+            left, _ = checks.popleft()
+            last = self._folder.get(left)
+            walk = self._walks.get((last, 0)) if last is not None else None
+            if walk is None or not walk.issued_ino:
+                continue  # nothing requested ahead there: nothing to tell
+            if walk.issued_ino > walk.hi:
+                self._skips[grand] = min(MAX_PENALTY, self._skips.get(grand, 0) + 1)
+                for key in [k for k, w in self._walks.items()
+                            if w.trusted and parent_prefix(parent_prefix(k[0])) == grand
+                            and parent_prefix(k[0]) != parent]:
+                    del self._walks[key]  # carried into, its readers not there yet
+            elif self._skips.get(grand, 0) > 0:
+                self._skips[grand] -= 1
+        was = self._folder.get(grand)
+        if was != parent:
+            self._folder[grand] = parent
+            if was is not None:
+                if checks is None:
+                    checks = self._left[grand] = collections.deque(maxlen=LEFT_CHECKS)
+                checks.append((was, n + LEFT_CHECK_OPENS))
+            return self._step_folders(grand, parent, was, n)
+        walk = self._folder_walks.get(grand)
+        return walk is not None and self._folders_in_order(grand, walk)
 
     def _step_folders(self, parent: str, prefix: str, was: str | None, n: int) -> bool:
         """Readers under ``parent`` entered folder ``prefix`` (under the lock): step the
@@ -695,7 +750,7 @@ class DirectoryLookahead:
                 walk.asked_next = True
                 nxt = self._next_dir(prefix)  # (lists it early: see the module docstring)
                 if end:
-                    if nxt is None or self._skips.get(parent_prefix(prefix), 0):
+                    if nxt is None or self._skipped(prefix):
                         walk.carried = True  # the parent's last directory, or read in part
                     elif n < want:
                         carried = self._carry(nxt, want - n, walk)
@@ -708,6 +763,13 @@ class DirectoryLookahead:
                                     walk.carried_to = nxt
                     # (else its listing is not here yet: tried again at the next open)
         return issued
+
+    def _skipped(self, prefix: str) -> bool:
+        """Whether the folders of ``prefix``'s parent, or the parents of its grandparent,
+        are seen read in part (a dictionary lookup or two, without the lock: a stale
+        answer costs one top-up more or less)."""
+        parent = parent_prefix(prefix)
+        return bool(self._skips.get(parent, 0) or self._skips.get(parent_prefix(parent), 0))
 
     def _request(self, prefix: str, after: bytes, want: int, *,
                  far: bool = False) -> tuple[list[tuple[bytes, int]], bool]:
@@ -779,7 +841,7 @@ class DirectoryLookahead:
         directory's own walk is never pushed past a window ahead of its own readers."""
         issued = 0
         chain = [walk]  # the shared walks the requests passed, the furthest last
-        if self._skips.get(parent_prefix(prefix), 0):
+        if self._skipped(prefix):
             with self._lock:
                 walk.carried_to = None  # its folders are read in part: stop going on
             return 0
