@@ -18,7 +18,11 @@ after a few files), shuffled readers anywhere. ``min_misses`` scattered misses
 start a sweep of the directory; files the read-order hint names do not count
 (the hint predicts them). Once ``spread_after`` directories of one parent are
 swept, the parent's other sub-directories are queued too (class folders of one
-dataset tree: the shuffled sampler draws from all of them).
+dataset tree: the shuffled sampler draws from all of them). A folder of a few files
+never shows scattered misses inside it, so misses are also followed over the parent's
+folders, by each folder's position in the parent's listing (:meth:`Sweeper._folder_miss`):
+``min_misses`` scattered over them sweep the folder and queue the parent's other
+folders at once.
 
 What it fetches. The queued directories one after the other, each in listing
 order, small files only, through :meth:`Prefetcher.want_object` with policy
@@ -103,6 +107,9 @@ class Listings(Protocol):
     def list_ahead(self, prefix: str) -> None:
         ...
 
+    def dir_ino_now(self, prefix: str) -> tuple[int, int] | None:
+        ...
+
 
 @dataclasses.dataclass(slots=True)
 class _Misses:
@@ -139,6 +146,9 @@ class Sweeper:
         self.spread_after = spread_after
         self.max_dirs = max_dirs
         self._dirs: OrderedDict[str, _Misses] = OrderedDict()  # least recently missed first
+        # parent -> misses over its folders (a folder's position: its inode in the parent's
+        # listing), least recently missed first (see _folder_miss)
+        self._folders: OrderedDict[str, _Misses] = OrderedDict()
         self._wake = trio.Event()
         # The session (see the module docstring).
         self.active = False
@@ -183,6 +193,39 @@ class Sweeper:
         if st.scattered >= self.min_misses:
             del self._dirs[prefix]  # (a refused start is tried again after as many misses)
             self._start(prefix, "misses")
+        else:
+            self._folder_miss(prefix)
+
+    def _folder_miss(self, prefix: str) -> None:
+        """A miss in folder ``prefix``, seen from its parent. A folder of two files never
+        shows ``min_misses`` misses scattered inside it, so shuffled readers of 600 such
+        folders fetched every file on demand (1.5x rclone, the target 2x). Misses scattered
+        over the parent's folders (positions in its listing farther than ``adjacency``
+        apart) tell them as well: the folder is swept and the parent's other folders are
+        queued after it, as when ``spread_after`` of them were swept. Readers in directory
+        order miss folder after folder, never scattered. (One index read per miss in a
+        folder not queued yet.)"""
+        found = self._listings.dir_ino_now(prefix)
+        if found is None:
+            return
+        ino = found[0]
+        parent = parent_prefix(prefix)
+        st = self._folders.pop(parent, None)
+        if st is None:
+            st = _Misses(frontier=ino)
+        elif abs(ino - st.frontier) > self.adjacency:
+            st.scattered += 1
+        st.frontier = max(st.frontier, ino)
+        self._folders[parent] = st
+        if len(self._folders) > self.max_dirs:
+            self._folders.popitem(last=False)
+        if st.scattered >= self.min_misses:
+            del self._folders[parent]
+            self._start(prefix, "misses")
+            if self.active and parent not in self._spread_done:
+                self._spread_done.add(parent)
+                self._spread.append(parent)
+                self._wake.set()
 
     def _start(self, prefix: str, cause: str) -> None:
         if self._hint_active():
