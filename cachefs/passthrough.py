@@ -842,6 +842,8 @@ class Passthrough:
                                             "another version's file")
                     in_use = self._backings[active[0]]
                     if in_use.changed:
+                        if self._close_changed(in_use):
+                            continue  # its last handle is gone: verified afresh below
                         raise self._changed_error(obj)
                     backing_id = self._use(ino, in_use)
                     shared = True
@@ -853,6 +855,8 @@ class Passthrough:
                 backing = self._backings.get(oid)
                 if backing is not None and backing.ready.is_set() and backing.backing_id:
                     if backing.changed:
+                        if self._close_changed(backing):
+                            continue
                         raise self._changed_error(obj)
                     backing_id = self._use(ino, backing)
                     shared = False
@@ -953,13 +957,23 @@ class Passthrough:
             if self._backings.get(backing.oid) is not backing or backing.changed:
                 return
             metrics.PASSTHROUGH_CHANGED.inc()
-            if backing.opens == 0 and backing.oid in self._idle and self._close(backing.oid):
+            backing.changed = True
+            if self._close_changed(backing):
                 log.warning("a registered cache file was changed by another writer since "
                             "it was verified: verifying it again")
                 return
-            backing.changed = True
+            if backing.oid in self._idle:
+                # Idle here, but the native loop has handles open with its template (the
+                # close above was refused): closed at a trim once the loop let it go.
+                self._evicted_idle.add(backing.oid)
             log.warning("a registered cache file was changed by another writer while "
                         "handles read it: its opens fail (EIO) until they are closed")
+
+    def _close_changed(self, backing: _Backing) -> bool:
+        """Close ``backing``, changed under its registration, if no handle uses it (under
+        ``_lock``): no handle of Python's, none of the native loop's through its template.
+        True if closed (the open that found it then verifies the file afresh)."""
+        return backing.opens == 0 and backing.oid in self._idle and self._close(backing.oid)
 
     @staticmethod
     def _changed_error(obj: ObjectVersion) -> CacheError:
