@@ -39,7 +39,10 @@ Bounds: speculation never displaces anything and never runs far ahead of use.
   rounding too (the budget holds their sizes: a tiny file is mostly rounding,
   and a window of them would overrun the margin). A sweep never evicts a
   block, under either cache policy; when free space is gone the sweep ends
-  (reason ``no_space``), and with a full cache none starts.
+  (reason ``no_space``), and with a full cache none starts. Room short only by
+  the bytes in flight is no reason to end: a block is counted in the cache's
+  used bytes once written, before the landing releases its reservation, so
+  for a moment it counts twice; the sweep waits a tick instead.
 * Unread bound: swept bytes no reader has taken yet stay below
   ``ahead_bytes + read_factor * R``, where R is what readers read from the
   swept directories since the sweep began (swept files they took, plus their
@@ -321,7 +324,13 @@ class Sweeper:
                 if self._ledger.unread(SWEEP) + entry.size > self.allowance():
                     return "unread_bound"
                 need = allocation(entry.size, unit)
-                if self._free_space() - self.margin - rounding < need:
+                room = self._free_space() - self.margin - rounding
+                if room < need:
+                    if room + self._budget.used >= need:
+                        # Short only by bytes in flight: some may be written already and
+                        # still reserved (counted twice until the landing releases them,
+                        # longer on a busy machine). Decided once they have settled.
+                        return "window"
                     return "no_space"
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
