@@ -491,10 +491,12 @@ class Origin:
         store = self.store
 
         def fetch(exchange: Exchange) -> Got:  # worker thread
-            body = store.get(key, etag, start, end, whole=whole, exchange=exchange)
+            body = store.get(key, etag, start, end, whole=whole, exchange=exchange,
+                             md5=whole and check_etags)
             if whole:
                 check = integrity.check_whole(body.data, where=where, stated=body.checksum,
-                                              etag=etag, etag_md5=body.etag_md5 and check_etags)
+                                              etag=etag, etag_md5=body.etag_md5 and check_etags,
+                                              md5=body.md5)
                 if sink is not None:
                     sink(body.data)
                 return Got(body.data, check)
@@ -1224,8 +1226,8 @@ class BlockingOrigin:
         return trio.from_thread.run(get)
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
-        async def get() -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
+        async def get() -> Body:  # (checked by Origin.get already)
             return Body((await self.origin.get(key, etag, start, end, whole=whole)).data)
         return trio.from_thread.run(get)
 

@@ -39,6 +39,7 @@ import queue
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -69,12 +70,14 @@ _REGION_RE = re.compile(rb"<Region>([^<]+)</Region>")
 
 
 class _Answer:
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "headers", "md5", "status")
 
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes,
+                 md5: bytes | None = None) -> None:
         self.status = status
         self.headers = headers
         self.body = body
+        self.md5 = md5  # the body's MD5, when computed on the way (http1.exchange_plain)
 
 
 #: The answer headers cachefs reads (prefixes of lower-cased names).
@@ -233,10 +236,15 @@ class RangeClient:
         return headers
 
     def _exchange(self, op: str, method: str, path: str, extra: dict[str, str],
-                  exchange: Exchange, where: str) -> _Answer:
+                  exchange: Exchange, where: str, *, expect: int = 0,
+                  md5: bool = False) -> _Answer:
         """Send one request and read the whole answer. Raises TransientStoreError for
         connection trouble (after one immediate resend when a kept-alive connection
-        turns out to be closed) and CredentialsError; never an OSError."""
+        turns out to be closed) and CredentialsError; never an OSError.
+
+        ``expect`` (a GET's length, > 0): on a plain socket the exchange is made by
+        :func:`cachefs.s3.http1.exchange_plain` (one C call where built), computing the
+        body's MD5 on the way with ``md5``; TLS sockets keep the Python path."""
         headers = self._signed(method, path, extra)
         target = self.connector.target(path)
         fresh = False
@@ -255,10 +263,16 @@ class RangeClient:
                     http1.set_idle_timeout(sock, idle)
                     self._idle[sock] = idle
                 exchange.sending()
-                http1.send(sock, method, target, headers)
-                status, got, body, will_close = http1.read_answer(
-                    http1.SocketReader(sock, exchange, idle), method, _WANTED)
-                answer = _Answer(status, got, body)
+                if expect and not isinstance(sock, ssl.SSLSocket):
+                    status, got, body, will_close, digest = http1.exchange_plain(
+                        sock, http1.request(method, target, headers), expect, exchange, idle,
+                        _WANTED, md5)
+                    answer = _Answer(status, got, body, digest)
+                else:
+                    http1.send(sock, method, target, headers)
+                    status, got, body, will_close = http1.read_answer(
+                        http1.SocketReader(sock, exchange, idle), method, _WANTED)
+                    answer = _Answer(status, got, body)
                 reusable = not will_close
             except StoreError as exc:
                 if conn is not None:
@@ -310,7 +324,7 @@ class RangeClient:
             raise ObjectChanged(f"s3://{self.bucket}/{key} changed (ETag {got}, expected {etag})")
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
         """Bytes [start, end) of version ``etag`` of ``key`` (see ObjectStore.get)."""
         where = f"s3://{self.bucket}/{key}"
         # No ETag (a manifest row without one): no version to pin, so no If-Match at all;
@@ -321,7 +335,8 @@ class RangeClient:
         else:
             extra["Range"] = f"bytes={start}-{end - 1}"
         answer = self._exchange("get", "GET", self._object_path(key), extra,
-                                exchange or Exchange(self.read_timeout), where)
+                                exchange or Exchange(self.read_timeout), where,
+                                expect=end - start, md5=md5 and whole)
         if answer.status == 416 and not whole:  # (the range starts past the object's end)
             self._check_version("get", answer, key, etag)
             metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
@@ -350,7 +365,7 @@ class RangeClient:
         if not whole:
             return Body(body)
         return Body(body, stated_checksum(answer.headers),
-                    etag_is_md5(etag, answer.headers) and answer.status == 200)
+                    etag_is_md5(etag, answer.headers) and answer.status == 200, answer.md5)
 
     def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of version ``etag`` of ``key``. Raises cachefs errors only."""
