@@ -153,6 +153,31 @@ def test_the_request_is_sent_as_given(wire: str) -> None:
     assert exchange.first_byte_at is not None and exchange.progress_at >= exchange.first_byte_at
 
 
+@pytest.mark.parametrize("state", ["open", "closed by the server", "sent something unasked"])
+def test_a_pooled_connection_the_server_closed_is_not_sent_on(wire: str, state: str) -> None:
+    client, server = socket.socketpair()
+    with client, server:
+        http1.set_idle_timeout(client, 5.0)
+        if state == "closed by the server":
+            server.shutdown(socket.SHUT_WR)  # (an idle timeout's close: readable, at its end)
+        elif state == "sent something unasked":
+            server.sendall(b"HTTP/1.1 408 Request Timeout\r\n\r\n")
+        else:
+            def serve() -> None:
+                server.recv(65536)
+                server.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            threading.Thread(target=serve, daemon=True).start()
+        got = http1.exchange_plain(client, b"GET / HTTP/1.1\r\n\r\n", 2, Exchange(5.0), 5.0,
+                                   pooled=True)
+        if state != "open":
+            client.shutdown(socket.SHUT_WR)
+            assert server.recv(65536) == b""  # nothing was sent
+    if state == "open":
+        assert got is not None and got[:3] == (200, {"content-length": "2"}, b"ok")
+    else:
+        assert got is None
+
+
 @pytest.mark.parametrize("case", ["200", "md5 not asked", "a stated checksum", "206", "short"])
 def test_the_md5_is_computed_on_the_way_only_when_it_will_be_checked(wire: str, case: str) -> None:
     body = os.urandom(110_000)

@@ -13,9 +13,13 @@
  *
  * Contract (cachefs/s3/http1.py, exchange_plain, is the only caller):
  *
- *   exchange(fd, request, expect, idle, progress_at, wanted, md5, report)
+ *   exchange(fd, request, expect, idle, progress_at, wanted, md5, report, pooled)
  *
- * sends ``request`` (bytes) on the blocking socket ``fd`` (prepared by
+ * With ``pooled`` (a kept-alive connection taken from the idle pool), first polls the
+ * socket without waiting: readable (the server closed it, or sent something unasked) or
+ * failed, it is not sent on and ``()`` is returned, for the caller to close it and take
+ * another (what RangeClient's pool did in Python, with a second release of the lock).
+ * Otherwise sends ``request`` (bytes) on the blocking socket ``fd`` (prepared by
  * http1.set_idle_timeout: SO_RCVTIMEO slices, SO_SNDTIMEO) and reads the answer's head
  * into a buffer of up to 16 KiB. Only the plain case is answered here: a status line
  * "HTTP/1.x NNN" with a final status other than 204 and 304, every line ending in CRLF,
@@ -60,6 +64,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <strings.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -326,13 +331,13 @@ static PyObject *fail(call_t *c, ssize_t k, int err) {
 }
 
 static PyObject *exchange(PyObject *self, PyObject *args) {
-    int fd, want_md5;
+    int fd, want_md5, pooled;
     Py_buffer request;
     Py_ssize_t expect;
     double idle, progress_at;
     PyObject *wanted_obj, *report;
-    if (!PyArg_ParseTuple(args, "iy*nddO!pO", &fd, &request, &expect, &idle, &progress_at,
-                          &PyTuple_Type, &wanted_obj, &want_md5, &report))
+    if (!PyArg_ParseTuple(args, "iy*nddO!pOp", &fd, &request, &expect, &idle, &progress_at,
+                          &PyTuple_Type, &wanted_obj, &want_md5, &report, &pooled))
         return NULL;
     const char *wanted[MAX_WANTED];
     size_t wanted_len[MAX_WANTED];
@@ -377,6 +382,22 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
     h->head_len = 0;
 
     c.save = PyEval_SaveThread();
+    int dropped = 0;
+    if (pooled) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int r;
+        while ((r = poll(&pfd, 1, 0)) < 0 && errno == EINTR)
+            ;
+        dropped = r != 0;
+    }
+    if (dropped) {
+        PyEval_RestoreThread(c.save);
+        PyBuffer_Release(&request);
+        Py_DECREF(body);
+        PyMem_RawFree(head);
+        PyMem_RawFree(h);
+        return PyTuple_New(0);
+    }
     /* the request */
     const char *out = request.buf;
     size_t left = (size_t)request.len;
@@ -520,8 +541,8 @@ static PyObject *md5(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"exchange", exchange, METH_VARARGS,
-     "exchange(fd, request, expect, idle, progress_at, wanted, md5, report) -> "
-     "(status, headers, body, will_close, md5) or (received,): one GET's exchange on a "
+     "exchange(fd, request, expect, idle, progress_at, wanted, md5, report, pooled) -> "
+     "(status, headers, body, will_close, md5), (received,) or (): one GET's exchange on a "
      "plain socket in one call (see _wire.c)."},
     {"md5", md5, METH_VARARGS, "md5(data) -> bytes: the MD5 digest of data (tests)."},
     {NULL, NULL, 0, NULL},

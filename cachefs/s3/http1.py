@@ -57,6 +57,7 @@ Thread-safety: plain functions on the caller's socket and reader; one
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import ssl
 import struct
@@ -261,12 +262,15 @@ def send(sock: object, method: str, target: str, headers: Mapping[str, str]) -> 
 
 
 def exchange_plain(sock: socket.socket, request: bytes, expect: int, progress: Progress,
-                   idle: float, wanted: tuple[str, ...] = (), md5: bool = False
-                   ) -> tuple[int, dict[str, str], bytes, bool, bytes | None]:
+                   idle: float, wanted: tuple[str, ...] = (), md5: bool = False,
+                   pooled: bool = False
+                   ) -> tuple[int, dict[str, str], bytes, bool, bytes | None] | None:
     """Send ``request`` (a GET: :func:`request`) on a plain socket prepared by
     :func:`set_idle_timeout` and read its answer, expected to carry ``expect`` (> 0)
     bytes: (status, headers, body, whether the connection must close, the body's MD5 or
     None) -- :func:`read_answer`'s results and errors exactly, for the same answers.
+    With ``pooled`` (an idle kept-alive connection), None without sending anything if
+    the socket is readable or failed (:func:`dropped`: the server closed it meanwhile).
 
     With the C extension (:data:`NATIVE_EXCHANGE`), the plain case -- a final answer
     whose Content-Length is ``expect``, its head well-formed -- is exchanged in one call
@@ -280,12 +284,16 @@ def exchange_plain(sock: socket.socket, request: bytes, expect: int, progress: P
     ``wanted``: as for :func:`read_answer`. Without the extension: :func:`send`
     and :func:`read_answer`, no MD5. Raises OSError and http.client.HTTPException."""
     if _wire is None:
+        if pooled and dropped(sock):
+            return None
         sock.sendall(request)
         status, headers, body, will_close = read_answer(
             SocketReader(sock, progress, idle), "GET", wanted)
         return status, headers, body, will_close, None
     answer = _wire.exchange(sock.fileno(), request, expect, idle, progress.progress_at,
-                            wanted, md5, progress.reached)
+                            wanted, md5, progress.reached, pooled)
+    if not answer:
+        return None
     if len(answer) == 1:
         status, headers, body, will_close = read_answer(
             SocketReader(sock, progress, idle, answer[0]), "GET", wanted)
@@ -294,6 +302,18 @@ def exchange_plain(sock: socket.socket, request: bytes, expect: int, progress: P
     if len(body) < expect:
         raise http.client.IncompleteRead(body, expect - len(body))
     return status, headers, body, will_close, digest
+
+
+def dropped(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive connection's socket can no longer be sent on: readable
+    while no answer is due (the server closed it, or sent something unasked), or failed.
+    One poll of the socket, without waiting."""
+    try:
+        poller = select.poll()  # (not select(): descriptors above 1023 are refused there)
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def _line(fp: Reader) -> bytes:

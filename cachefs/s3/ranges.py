@@ -35,15 +35,13 @@ instance-role credentials are picked up.
 from __future__ import annotations
 
 import http.client
-import queue
 import re
-import select
 import socket
-import ssl
 import threading
 import time
 import urllib.parse
 import weakref
+from collections import deque
 from typing import Any
 
 from cachefs import metrics
@@ -118,14 +116,7 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     readable while no answer is due (the server closed it, or sent something
     unasked). One poll of the socket, without waiting."""
     sock = conn.sock
-    if sock is None:
-        return True
-    try:
-        poller = select.poll()  # (not select(): descriptors above 1023 are refused there)
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
+    return sock is None or http1.dropped(sock)
 
 
 class RangeClient:
@@ -157,23 +148,29 @@ class RangeClient:
         self.read_timeout = read_timeout
         self.connector = Connector(self._host, port, https=https, connect_timeout=connect_timeout,
                                    ca_bundle=ca_bundle)
-        self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
-            maxsize=max_connections)
+        # Idle kept-alive connections, the last given back taken first, at most
+        # max_connections (the bound is checked under _pool_lock; deque's pop is atomic).
+        self._pool: deque[http.client.HTTPConnection] = deque()
+        self._pool_max = max_connections
+        self._pool_lock = threading.Lock()
         # The idle timeout each open socket is set up for (http1.set_idle_timeout).
         self._idle: weakref.WeakKeyDictionary[socket.socket, float] = \
             weakref.WeakKeyDictionary()
 
     # -- connections ------------------------------------------------------------
-    def _connection(self, *, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(self, *, fresh: bool = False,
+                    polled: bool = False) -> tuple[http.client.HTTPConnection, bool]:
         """An idle pooled connection (reused=True) or a new connected one (always new
         with ``fresh``). Pooled connections the server has closed meanwhile (its idle
-        timeout: readable, at end of file) are dropped here rather than sent on."""
+        timeout: readable, at end of file) are dropped here rather than sent on --
+        unless ``polled``: then the caller's exchange polls it (http1.exchange_plain's
+        ``pooled``) and drops it."""
         while not fresh:
             try:
-                conn = self._pool.get_nowait()
-            except queue.Empty:
+                conn = self._pool.pop()
+            except IndexError:
                 break
-            if _dropped(conn):
+            if conn.sock is None or (not polled and _dropped(conn)):
                 conn.close()
                 continue
             return conn, True
@@ -204,7 +201,7 @@ class RangeClient:
                 pass
 
         threads = [threading.Thread(target=one, name="cachefs-connect", daemon=True)
-                   for _ in range(max(0, min(n, self._pool.maxsize)))]
+                   for _ in range(max(0, min(n, self._pool_max)))]
         for t in threads:
             t.start()
         for t in threads:
@@ -214,10 +211,11 @@ class RangeClient:
         return len(opened)
 
     def _release(self, conn: http.client.HTTPConnection) -> None:
-        try:
-            self._pool.put_nowait(conn)
-        except queue.Full:
-            conn.close()
+        with self._pool_lock:
+            if len(self._pool) < self._pool_max:
+                self._pool.append(conn)
+                return
+        conn.close()
 
     # -- requests -----------------------------------------------------------------
     def _signed(self, method: str, path: str, extra: dict[str, str]) -> dict[str, str]:
@@ -247,6 +245,9 @@ class RangeClient:
         body's MD5 on the way with ``md5``; TLS sockets keep the Python path."""
         headers = self._signed(method, path, extra)
         target = self.connector.target(path)
+        plain = bool(expect) and not self.connector.https  # (https: TLS sockets)
+        request: bytes | None = None
+        exchanged: tuple[int, dict[str, str], bytes, bool, bytes | None] | None = None
         fresh = False
         for resend in (False, True):
             (_REQUESTS.get(op) or metrics.S3_REQUESTS.labels(op)).inc()
@@ -254,19 +255,29 @@ class RangeClient:
             conn: http.client.HTTPConnection | None = None
             reused = False
             try:
-                conn, reused = self._connection(fresh=fresh)
-                sock = conn.sock
-                exchange.attach(sock)
-                assert sock is not None
-                idle = exchange.idle_timeout
-                if self._idle.get(sock) != idle:  # (set once per connection and timeout)
-                    http1.set_idle_timeout(sock, idle)
-                    self._idle[sock] = idle
-                exchange.sending()
-                if expect and not isinstance(sock, ssl.SSLSocket):
-                    status, got, body, will_close, digest = http1.exchange_plain(
-                        sock, http1.request(method, target, headers), expect, exchange, idle,
-                        _WANTED, md5)
+                while True:
+                    conn, reused = self._connection(fresh=fresh, polled=plain)
+                    sock = conn.sock
+                    exchange.attach(sock)
+                    assert sock is not None
+                    idle = exchange.idle_timeout
+                    if self._idle.get(sock) != idle:  # (set once per connection and timeout)
+                        http1.set_idle_timeout(sock, idle)
+                        self._idle[sock] = idle
+                    exchange.sending()
+                    if not plain:
+                        break
+                    if request is None:
+                        request = http1.request(method, target, headers)
+                    exchanged = http1.exchange_plain(sock, request, expect, exchange, idle,
+                                                     _WANTED, md5, pooled=reused)
+                    if exchanged is not None:
+                        break
+                    conn.close()  # a pooled connection the server closed: not sent on
+                    conn = None
+                if plain:
+                    assert exchanged is not None
+                    status, got, body, will_close, digest = exchanged
                     answer = _Answer(status, got, body, digest)
                 else:
                     http1.send(sock, method, target, headers)
