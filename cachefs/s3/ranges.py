@@ -79,7 +79,10 @@ class _Answer:
 
 
 #: The answer headers cachefs reads (prefixes of lower-cased names).
-_WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region")
+#: The answer headers a GET keeps (prefixes of lower-case names): Content-Range states a
+#: 206's object size (_stated_size).
+_WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region",
+           "content-range")
 
 
 _CONTENT_RANGE_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)\s*$")
