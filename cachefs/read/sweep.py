@@ -53,6 +53,16 @@ Bounds: speculation never displaces anything and never runs far ahead of use.
 * A read-order hint wins: while one is being followed no sweep runs (reason
   ``hint``).
 
+Registered ahead. A shuffled epoch opens every swept file, so each file swept from S3
+is a prediction too (``on_predicted``: :meth:`cachefs.passthrough.Passthrough.predicted`
+with ``spare``): the S3 thread that writes a small one registers its cache file and the
+native loop is given its open template, as for a directory walk's next files, so its
+open costs no Python -- but only while the idle registrations have room for it without
+closing another (nothing tells when in the epoch a swept file is opened: one registered
+ahead must not close a registration made for a file read earlier, nor one made ahead
+for a file not read yet). A wrong guess costs one registration, no byte and no cache
+room (an idle registration's pin yields to eviction).
+
 A sweep *session* lasts while directories are queued; it ends when the queue
 is done (``done``) or by one of the reasons above, which resets R. A directory
 whose sweep waits at the unread bound goes behind the others when readers
@@ -120,6 +130,7 @@ class Sweeper:
                  free_space: Callable[[], int], max_file: int, ahead_bytes: int, margin: int,
                  hinted: Callable[[str], bool] = lambda key: False,
                  hint_active: Callable[[], bool] = lambda: False,
+                 on_predicted: Callable[[ObjectVersion, int], None] | None = None,
                  window: int = 32, read_factor: float = 2.0, budget_share: float = 0.5,
                  min_misses: int = 2, adjacency: int = 8, spread_after: int = 3,
                  max_dirs: int = 4096) -> None:
@@ -131,6 +142,9 @@ class Sweeper:
         self._free_space = free_space  # cache capacity - used - bytes in flight
         self._hinted = hinted
         self._hint_active = hint_active
+        # Told of every file swept from S3 (object, inode), on the trio thread: it must
+        # only queue (see "Registered ahead" in the module docstring).
+        self._on_predicted = on_predicted
         self.max_file = max_file
         self.ahead_bytes = ahead_bytes
         self.margin = margin
@@ -347,6 +361,8 @@ class Sweeper:
                     if pf.is_loading(SWEEP, bid):
                         self._rounding[bid] = need - entry.size
                         rounding += need - entry.size
+                        if self._on_predicted is not None:
+                            self._on_predicted(obj, entry.ino)
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
                     self.paused = None
