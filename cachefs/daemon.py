@@ -526,6 +526,9 @@ class Daemon:
             statfs_bytes=lambda: (cache.capacity, cache.used),
             on_init=on_init)
         ops.native_loop = native
+        if native is not None:
+            # (the names of hinted and swept files: their lookups are the loop's)
+            read_order.lookups = sweeper.lookups = ops
         metrics.CATCH_UP.add(ops.drain_native)  # (metrics count the loop's opens at once)
 
         options = set(DEFAULT_OPTIONS)

@@ -1,8 +1,9 @@
 """Cold small files read in a shuffled order, on real mounts: what the read-order hint and
-the sweep fetch ahead is registered by the S3 thread that writes it and given its open
-template, so the shuffled readers' opens are answered in C as a directory walk's are --
-and every byte read is the object's, each fetched once. The registrations ahead of the
-sweep take only free room among the idle ones (``--registered-files``).
+the sweep fetch ahead is registered by the S3 thread that writes it, given its open
+template, and its name told to the native loop, so the shuffled readers' lookups and opens
+are answered in C as a directory walk's are -- and every byte read is the object's, each
+fetched once. The registrations ahead of the sweep take only free room among the idle
+ones (``--registered-files``).
 
 Both ways of reading a registered file: the kernel's passthrough, and the native loop
 (``--passthrough off``). Outcomes come from the daemon's metrics; the tests wait for the
@@ -109,7 +110,11 @@ def test_hinted_files_are_registered_by_their_writers_and_opened_in_c(
     before = _counts(m)
     for key in order:
         assert _read(m.path / key) == files[key], key
-    # (a failure says whether the requests came, and who answered)
+    # (one assertion each: a failure says whether the requests came, and who answered;
+    # the kernel may look the four folders' names up again too, answered by either)
+    loop, python = _answered(m, before, "lookup")
+    assert loop >= len(order) - 4 and python <= 4 and loop + python >= len(order), \
+        f"lookups by the loop {loop}, by Python {python}"
     assert _answered(m, before, "open") == (len(order), 0), "opens (by the loop, by Python)"
     assert m.gets() == len(order), "one GET per file"
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0
@@ -132,6 +137,8 @@ def test_swept_files_are_registered_by_their_writers_and_opened_in_c(
     before = _counts(m)
     for key in rest:
         assert _read(m.path / key) == files[key], key
+    loop, python = _answered(m, before, "lookup")  # (and the two folders' names, perhaps)
+    assert loop >= len(rest) and python <= 2, f"lookups by the loop {loop}, by Python {python}"
     assert _answered(m, before, "open") == (len(rest), 0), "opens (by the loop, by Python)"
     assert m.gets() == len(keys), "one GET per file"
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 0

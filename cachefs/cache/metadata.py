@@ -487,6 +487,12 @@ class Metadata:
             return None
         return found[1].ino, found[0][3]
 
+    def fresh_for_now(self, prefix: str) -> float:
+        """For how many seconds from now ``prefix``'s complete listing stays fresh (0: none,
+        or stale). Any thread, no side effects (see :meth:`lookup_fresh_now`)."""
+        row = self._index.row(prefix)
+        return 0.0 if row is None else self._fresh_for(prefix, row[1])
+
     def first_file_now(self, prefix: str) -> tuple[int, int] | None:
         """(the inode of the first file (not sub-directory) of ``prefix``'s complete
         listing, the number of files in it), or None (no complete listing, or no file among

@@ -25,7 +25,9 @@ Each hinted file requested is also a prediction (``on_predicted``:
 cache file is registered ahead of that open -- a small one by the S3 thread that
 writes it -- and given its open template, as a directory walk's next files are, and
 the native loop answers its open without Python. The registrations are the ones its
-open would make (every hinted file is opened), under the same bound.
+open would make (every hinted file is opened), under the same bound. Its name is told
+to the native loop too (``lookups``), which then answers the reader's LOOKUP of it
+without Python.
 
 Resolving a hinted key needs its directory's listing. The directories of the
 next ``PREPARE_AHEAD`` windows of keys are asked for ahead (``prepare``, which
@@ -62,7 +64,7 @@ from cachefs.background import report
 from cachefs.cache.metadata import Entry, Metadata
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
-from cachefs.read.prefetcher import HINT, Prefetcher
+from cachefs.read.prefetcher import HINT, LookupsAhead, Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,9 @@ class ReadOrder:
         # Told of every hinted file requested (object, inode), on the trio thread: it must
         # only queue (passthrough registers it ahead of its open, see the module doc).
         self._on_predicted = on_predicted
+        #: Told the name of every hinted file requested (set by the daemon when the
+        #: request workers run the native loop; see the module doc).
+        self.lookups: LookupsAhead | None = None
         self._prepared_until = 0  # keys before this index had their directories asked for
         self._prepared: set[str] = set()
         self.lookahead_bytes = lookahead_bytes
@@ -196,8 +201,11 @@ class ReadOrder:
             if self._prepare is not None and self._next >= self._prepared_until:
                 self._prepare_dirs()
             key = self._order[self._next]
+            lookups = self.lookups
+            prefix = key[:key.rfind("/") + 1]
+            token = lookups.lookup_token(prefix) if lookups is not None else 0
             try:
-                entry = await self._resolve(key)
+                entry = await self._resolve(key)  # (the listing, read after the token)
             except StoreError as exc:
                 log.info("hinted file %s cannot be resolved: %s", key, exc)
                 entry = None
@@ -214,6 +222,8 @@ class ReadOrder:
                 size = issued
                 if self._on_predicted is not None:
                     self._on_predicted(obj, entry.ino)
+                if lookups is not None:
+                    lookups.remember_listed(prefix, token, (entry,))
             if len(self._cum) == self._next + 1:
                 self._cum.append(self._cum[-1] + size)
             self._next += 1

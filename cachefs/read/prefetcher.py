@@ -52,9 +52,11 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Protocol
 
 from cachefs import metrics
+from cachefs.cache.index import Entry
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.sequential import ReadStream
@@ -74,6 +76,24 @@ LEDGER_SIZE = 65536
 _ISSUED = {p: metrics.PREFETCH_ISSUED_BYTES.labels(p) for p in POLICIES}
 _USED = {p: metrics.PREFETCH_USED_BYTES.labels(p) for p in POLICIES}
 _WASTED = {p: metrics.PREFETCH_WASTED_BYTES.labels(p) for p in POLICIES}
+
+
+class LookupsAhead(Protocol):
+    """The request workers' native loop, told the names of files a far-ahead policy (the
+    read-order hint, the sweep) fetches, so that their readers' LOOKUPs are answered in C
+    (:class:`cachefs.fuse_ops.Operations`): shuffled readers never walk a directory, so
+    the names after a lookup (what a walk's lookups give the loop) are not theirs. Both
+    calls on the trio thread; neither waits."""
+
+    def lookup_token(self, prefix: str) -> int:
+        """The epoch token of directory ``prefix``: read it before the listing the entries
+        come from (a listing changed since makes :meth:`remember_listed` a no-op)."""
+        ...
+
+    def remember_listed(self, prefix: str, token: int, entries: Sequence[Entry]) -> None:
+        """Answer the LOOKUPs of ``entries`` (of ``prefix``'s listing, read after
+        ``token``) in the loop while the listing stays fresh."""
+        ...
 
 
 class PrefetchLedger:

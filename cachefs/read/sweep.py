@@ -61,7 +61,9 @@ open costs no Python -- but only while the idle registrations have room for it w
 closing another (nothing tells when in the epoch a swept file is opened: one registered
 ahead must not close a registration made for a file read earlier, nor one made ahead
 for a file not read yet). A wrong guess costs one registration, no byte and no cache
-room (an idle registration's pin yields to eviction).
+room (an idle registration's pin yields to eviction). Their names are told to the
+native loop too (``lookups``, once per step, from the listing the step read), which then
+answers their readers' LOOKUPs without Python while the listing stays fresh.
 
 A sweep *session* lasts while directories are queued; it ends when the queue
 is done (``done``) or by one of the reasons above, which resets R. A directory
@@ -92,7 +94,7 @@ from cachefs.cache.metadata import Entry
 from cachefs.cache.objectfiles import allocation
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
-from cachefs.read.prefetcher import SWEEP, Prefetcher, PrefetchLedger
+from cachefs.read.prefetcher import SWEEP, LookupsAhead, Prefetcher, PrefetchLedger
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,9 @@ class Sweeper:
         # Told of every file swept from S3 (object, inode), on the trio thread: it must
         # only queue (see "Registered ahead" in the module docstring).
         self._on_predicted = on_predicted
+        #: Told the names of the files swept from S3 (set by the daemon when the request
+        #: workers run the native loop; see "Registered ahead").
+        self.lookups: LookupsAhead | None = None
         self.max_file = max_file
         self.ahead_bytes = ahead_bytes
         self.margin = margin
@@ -317,12 +322,26 @@ class Sweeper:
         it stopped (None: the directory is done, or STEP_ENTRIES looked at)."""
         assert self._current is not None
         prefix, pf = self._current, self._prefetcher
-        limit = self._budget.limit * self.budget_share
         inflight = pf.loading(SWEEP)
-        unit = self._fetcher.cache.unit
         for bid in [b for b in self._rounding if not pf.is_loading(SWEEP, b)]:
             del self._rounding[bid]
         rounding = sum(self._rounding.values())
+        lookups = self.lookups
+        token = lookups.lookup_token(prefix) if lookups is not None else 0
+        swept: list[Entry] = []  # (their names told to the native loop once the step ends)
+        try:
+            return self._sweep_entries(prefix, inflight, rounding, swept)
+        finally:
+            if lookups is not None and swept:
+                lookups.remember_listed(prefix, token, swept)
+
+    def _sweep_entries(self, prefix: str, inflight: int, rounding: int,
+                       swept: list[Entry]) -> str | None:
+        """:meth:`_sweep_some`'s walk of the listing (read after its token), adding each
+        file swept from S3 to ``swept``."""
+        pf = self._prefetcher
+        limit = self._budget.limit * self.budget_share
+        unit = self._fetcher.cache.unit
         entries = self._listings.iter_entries(prefix, self._after)
         looked = 0
         with snapshot(entries):
@@ -363,6 +382,7 @@ class Sweeper:
                         rounding += need - entry.size
                         if self._on_predicted is not None:
                             self._on_predicted(obj, entry.ino)
+                        swept.append(entry)
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
                     self.paused = None
