@@ -1064,6 +1064,26 @@ def test_an_inode_looked_up_resolves_from_memory_until_a_listing_changes(
     run_with_metadata(env, store, body)
 
 
+def test_a_file_found_by_key_is_one_index_read_and_its_inode_resolves_from_memory(
+        env: LmdbEnv, store: MemoryStore) -> None:
+    from cachefs import metrics
+
+    reads = metrics.LMDB_TRANSACTIONS.counters["read"]
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        before = reads.value
+        f2 = await md.find_file("data/f2")  # (the read-order hint resolving a hinted key)
+        assert f2 is not None and f2.name == b"f2"
+        assert reads.value == before + 1, "one index read"
+        assert md.resolve_now(f2.ino) == (("data/", f2), None)  # its template ahead
+        assert reads.value == before + 1, "the inode resolved from memory"
+        assert await md.find_file("data/nothing") is None
+        assert await md.find_file("data/") is None
+
+    run_with_metadata(env, store, body)
+
+
 def test_remembered_inodes_are_bounded_and_never_outlive_a_listing_change_across_threads(
         env: LmdbEnv) -> None:
     # Several request workers look names up and resolve inodes while listings are

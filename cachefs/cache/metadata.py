@@ -631,9 +631,22 @@ class Metadata:
 
     async def find_file(self, key: str) -> Entry | None:
         """The entry of the object ``key`` (its directory listed if needed), or None when
-        no file of that name is listed. Raises StoreError when listing fails."""
+        no file of that name is listed. Raises StoreError when listing fails. From a
+        complete listing it reads the index once, and its inode resolves from memory next
+        (as after :meth:`lookup_fresh_now`): the read-order hint resolves every hinted
+        file here, and the template its file is given ahead resolves the inode."""
         parent = key[:key.rfind("/") + 1]
-        entry = await self.lookup(parent, enc(key[len(parent):]))
+        name = enc(key[len(parent):])
+        generation = self._index.generation  # before the snapshot (see _recent)
+        found = self._index.lookup(parent, name)  # the listing and the name: one snapshot
+        if found is not None:  # (a complete listing: what lookup() reads, in one read)
+            row, entry = found
+            self._revalidate(parent, row[1])
+            if entry is not None:
+                # (a hinted file's inode is asked for next: its open template ahead)
+                self._remember(entry.ino, (generation, parent, entry, row[1]))
+        else:
+            entry = await self.lookup(parent, name)
         return None if entry is None or entry.is_dir else entry
 
     # -- queries (trio thread; no S3) ------------------------------------------
