@@ -41,6 +41,7 @@ class Listings:
         self.dirs: dict[str, list[Entry]] = {}
         self.ino = 100
         self.ahead: list[str] = []
+        self.remembered: list[int] = []  # inodes of swept files (remember_entries)
 
     def add(self, prefix: str, entries: list[Entry]) -> None:
         self.dirs[prefix] = sorted(entries, key=lambda e: e.name)
@@ -55,6 +56,11 @@ class Listings:
 
     def list_ahead(self, prefix: str) -> None:
         self.ahead.append(prefix)
+
+    generation = 0
+
+    def remember_entries(self, prefix: str, generation: int, entries: Any) -> None:
+        self.remembered.extend(e.ino for e in entries)
 
 
 class World:
@@ -157,6 +163,28 @@ def test_scattered_misses_sweep_the_directory_and_readers_find_it_cached(tmp_pat
         assert w.ledger.unread(SWEEP) == 0, "every swept byte was read"
         await w.sweep(sw)
         assert not sw.active, "the session ends when its queue is done"
+
+    run(tmp_path, body)
+
+
+def test_files_swept_from_s3_are_predicted_and_their_inodes_remembered(tmp_path: Path) -> None:
+    """Each file the sweep fetches from S3 -- and no other: not one cached, nor one a
+    reader loads -- is told to passthrough with its inode (registered ahead in spare
+    room), and its inode is remembered by the listings (its template ahead resolves it
+    from memory)."""
+    async def body(w: World) -> None:
+        keys = w.make_dir("train/c000/", 40)
+        predicted: list[tuple[str, int]] = []
+        sw = w.sweeper(on_predicted=lambda obj, ino: predicted.append((obj.key, ino)))
+        misses = [keys[20], keys[5], keys[35]]
+        for key in misses:
+            w.miss(sw, key)
+            assert await w.read(key) == "s3"
+        assert sw.active
+        await w.sweep(sw)
+        swept = [k for k in keys if k not in misses]
+        assert predicted == [(k, w.files[k][1]) for k in swept]
+        assert w.listings.remembered == [w.files[k][1] for k in swept]
 
     run(tmp_path, body)
 

@@ -77,7 +77,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import trio
 
@@ -486,6 +486,25 @@ class Metadata:
         if found is None or found[1] is None or not found[1].is_dir:
             return None
         return found[1].ino, found[0][3]
+
+    @property
+    def generation(self) -> int:
+        """The index's generation (see ``_recent``): read it before the listing whose
+        entries :meth:`remember_entries` is given."""
+        return self._index.generation
+
+    def remember_entries(self, prefix: str, generation: int, entries: Sequence[Entry]) -> None:
+        """Remember the inodes of ``entries`` of ``prefix``'s complete listing, read after
+        ``generation`` was, as a lookup does (``_recent``): their next :meth:`resolve_now`
+        answers from memory while no listing was made current since. For files about to
+        be resolved by inode elsewhere (the sweep's: the template its file is given ahead,
+        on the S3 thread that registers it). Any thread; one index read (the listing's
+        row), none without a complete listing."""
+        row = self._index.row(prefix)
+        if row is None:
+            return
+        for entry in entries:
+            self._remember(entry.ino, (generation, prefix, entry, row[1]))
 
     def fresh_for_now(self, prefix: str) -> float:
         """For how many seconds from now ``prefix``'s complete listing stays fresh (0: none,

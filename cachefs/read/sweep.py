@@ -63,7 +63,9 @@ ahead must not close a registration made for a file read earlier, nor one made a
 for a file not read yet). A wrong guess costs one registration, no byte and no cache
 room (an idle registration's pin yields to eviction). Their names are told to the
 native loop too (``lookups``, once per step, from the listing the step read), which then
-answers their readers' LOOKUPs without Python while the listing stays fresh.
+answers their readers' LOOKUPs without Python while the listing stays fresh, and their
+inodes are remembered by the listings (``remember_entries``), so the S3 thread that gives
+a file its template ahead resolves it from memory.
 
 A sweep *session* lasts while directories are queued; it ends when the queue
 is done (``done``) or by one of the reasons above, which resets R. A directory
@@ -82,7 +84,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import trio
@@ -116,6 +118,13 @@ class Listings(Protocol):
         ...
 
     def list_ahead(self, prefix: str) -> None:
+        ...
+
+    @property
+    def generation(self) -> int:
+        ...
+
+    def remember_entries(self, prefix: str, generation: int, entries: Sequence[Entry]) -> None:
         ...
 
 
@@ -328,12 +337,16 @@ class Sweeper:
         rounding = sum(self._rounding.values())
         lookups = self.lookups
         token = lookups.lookup_token(prefix) if lookups is not None else 0
+        generation = self._listings.generation
         swept: list[Entry] = []  # (their names told to the native loop once the step ends)
         try:
             return self._sweep_entries(prefix, inflight, rounding, swept)
         finally:
-            if lookups is not None and swept:
-                lookups.remember_listed(prefix, token, swept)
+            if swept:
+                # (their inodes are resolved next, from memory: their templates ahead)
+                self._listings.remember_entries(prefix, generation, swept)
+                if lookups is not None:
+                    lookups.remember_listed(prefix, token, swept)
 
     def _sweep_entries(self, prefix: str, inflight: int, rounding: int,
                        swept: list[Entry]) -> str | None:
