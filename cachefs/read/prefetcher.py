@@ -234,6 +234,18 @@ class Prefetcher:
         """Whether block ``bid``, asked for by ``policy``, is among :meth:`loading`'s."""
         return bid in self._loading[policy]
 
+    def directory_load(self, obj: ObjectVersion) -> bytes | None:
+        """The id of ``obj``'s block when ``obj`` is one block and a load of it for the
+        directory policy is being fetched (:meth:`is_loading`), else None (trio thread).
+        While ``is_loading(DIRECTORY, bid)`` holds, :meth:`want` of that block answers
+        its length and does nothing else: the directory lookahead counts such a file
+        requested again without asking (see ``DirectoryLookahead._take``)."""
+        f = self.fetcher
+        if not 0 < obj.size <= f.block_size:
+            return None
+        bid = f.block_id(obj, 0)
+        return bid if bid in self._loading[DIRECTORY] else None
+
     def on_fetched(self, policy: str, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (trio thread) whenever a load of ``policy`` (hint, sweep, directory)
         has its bytes or its error: a policy keeping a window of GETs in flight tops it
