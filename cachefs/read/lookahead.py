@@ -761,7 +761,9 @@ class DirectoryLookahead:
         A file a walk requested before whose load for the directory policy is still being
         fetched (``_ahead``, checked with ``Prefetcher.is_loading``) is counted as
         requested again at once: the prefetcher would answer its length and do nothing
-        else, and it was told to ``on_predicted`` when its load started. The walks ask
+        else, and it was told to ``on_predicted`` when its load started (a prediction
+        the passthrough dropped then, its queue of loads awaited full, is not offered
+        again: the file's open registers it). The walks ask
         again for files already in flight (each counts them ahead of its own readers:
         ~0.4 of every file of a cold pass in directory order), and each such ask cost an
         object version, a look at the passthrough, the disk's index and the prefetcher,
