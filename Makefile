@@ -8,10 +8,11 @@ STAMP  := $(VENV)/.installed
 DIST_DIR ?= dist
 IMAGE    ?= localhost/cachefs
 # libfuse3-dev, pkg-config, gcc, libc6-dev, python3-dev: pip compiles pyfuse3 (which cachefs
-# uses only to mount) against the system's libfuse 3, and cachefs's own C extensions;
+# uses only to mount) against the system's libfuse 3, and cachefs's own C extensions (libssl-dev:
+# libcrypto's MD5 for cachefs/s3/_wire.c);
 # prometheus: the real scraper of tests/test_prometheus.py (its service is disabled below);
 # buildah, debootstrap: make image (tests/test_image.py)
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev python3-dev \
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config s3fs shellcheck gcc libc6-dev python3-dev libssl-dev \
 	prometheus buildah debootstrap
 
 .PHONY: demo test check lint typecheck test-fast bench bench-quick bench-cluster deps dist image \
@@ -75,7 +76,7 @@ image-now:
 
 deps: $(STAMP)
 
-$(STAMP): pyproject.toml cachefs/fuse/_native.c cachefs/cache/_cachefile.c
+$(STAMP): pyproject.toml cachefs/fuse/_native.c cachefs/cache/_cachefile.c cachefs/s3/_wire.c
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

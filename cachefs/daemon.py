@@ -36,6 +36,7 @@ closed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -455,9 +456,10 @@ class Daemon:
                                 kernel_reads_cached=lambda: passthrough.enabled and not passthrough.native)
         max_readahead = max(cfg.block_size * 2, budget.limit // 8)
         window = speculative_window(cfg.max_connections)  # hinted and swept loads in flight
+        # (hinted and swept files are registered ahead of their opens, as a walk's are)
         read_order = ReadOrder(prefetcher, metadata_resolver(metadata),
                                lookahead_bytes=max_readahead * 4, window=window,
-                               prepare=metadata.list_ahead)
+                               prepare=metadata.list_ahead, on_predicted=passthrough.predicted)
         root = cfg.source.prefix
 
         def next_dir(prefix: str) -> str | None:
@@ -484,6 +486,7 @@ class Daemon:
                           max_file=cfg.block_size, ahead_bytes=max_readahead * 2,
                           margin=max_readahead, hinted=read_order.hinted,
                           hint_active=lambda: read_order.active,
+                          on_predicted=functools.partial(passthrough.predicted, spare=True),
                           window=window)
         fs = FileSystem(metadata, fetcher, root_prefix=cfg.source.prefix,
                         max_readahead=max_readahead, prefetcher=prefetcher,
@@ -523,6 +526,9 @@ class Daemon:
             statfs_bytes=lambda: (cache.capacity, cache.used),
             on_init=on_init)
         ops.native_loop = native
+        if native is not None:
+            # (the names of hinted and swept files: their lookups are the loop's)
+            read_order.lookups = sweeper.lookups = ops
         metrics.CATCH_UP.add(ops.drain_native)  # (metrics count the loop's opens at once)
 
         options = set(DEFAULT_OPTIONS)

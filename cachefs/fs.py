@@ -57,7 +57,8 @@ from typing import Any, Protocol
 import trio
 
 from cachefs.cache.index import parent_prefix, snapshot
-from cachefs.cache.metadata import Entry, Metadata, View
+from cachefs.cache.metadata import Entry as Entry  # (named by cachefs.fuse_ops too)
+from cachefs.cache.metadata import Metadata, View
 from cachefs.errors import NoSuchKey
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.hints import ReadOrder
@@ -342,6 +343,23 @@ class FileSystem:
         if not entry.is_dir and self._changed and self._outdated(parent.path, entry):
             raise NeedsWait  # the listing's refresh is due first (see lookup)
         return self._node_for(parent.path, entry), fresh_for, parent.path, token
+
+    def directory_now(self, prefix: str) -> tuple[int, float] | None:
+        """(the inode of directory ``prefix``, for how many seconds its complete listing
+        stays fresh: 0 when it has none or it is stale), or None when its parent's listing
+        does not name it (any thread, no side effects)."""
+        if prefix == self.root_prefix:
+            ino = ROOT_INODE
+        else:
+            found = self.metadata.dir_ino_now(prefix)
+            if found is None:
+                return None
+            ino = found[0]
+        return ino, self.metadata.fresh_for_now(prefix)
+
+    def node_of(self, prefix: str, entry: Entry) -> Node:
+        """The node of ``entry`` of directory ``prefix``'s listing (no index read)."""
+        return self._node_for(prefix, entry)
 
     def siblings_now(self, prefix: str, name: bytes, n: int) -> list[Node]:
         """Up to ``n`` entries after ``name`` in directory ``prefix``'s complete listing

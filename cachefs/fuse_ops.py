@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -40,7 +40,7 @@ from cachefs.errors import (
     StoreError,
     TransientStoreError,
 )
-from cachefs.fs import FileSystem, FsError, NeedsWait, Node
+from cachefs.fs import Entry, FileSystem, FsError, NeedsWait, Node
 from cachefs.fuse import abi
 from cachefs.fuse.native import OPENED, NativeReads
 from cachefs.fuse.server import AsyncHandler, Deferred, Handlers, InlineHandler, Reply, Request
@@ -132,6 +132,10 @@ class Operations(Handlers):
         # Directory inode -> the last inode whose lookup the loop was given, in the walk
         # of that directory under way (see _remember_ahead; bounded: LOOKUP_RUNS).
         self._lookup_runs: dict[int, int] = {}
+        # Directory prefix -> (the epoch token it was read in, its inode, when its listing
+        # stops being fresh: time.monotonic()) for the names told ahead (remember_listed;
+        # trio thread only; bounded: LOOKUP_RUNS).
+        self._listed: dict[str, tuple[int, int, float]] = {}
 
     # -- the server's interface ----------------------------------------------------------
     def table(self) -> dict[int, tuple[str, InlineHandler | None, AsyncHandler | None]]:
@@ -226,6 +230,45 @@ class Operations(Handlers):
                 runs.pop(next(iter(runs)))
             except (StopIteration, KeyError, RuntimeError):
                 pass  # (another worker changed it meanwhile: bounded at its next lookup)
+
+    # -- the names of files fetched far ahead (cachefs.read.prefetcher.LookupsAhead) -------
+    def lookup_token(self, prefix: str) -> int:
+        """The loop's epoch token of directory ``prefix`` (0 without the loop): read before
+        the listing the names told to :meth:`remember_listed` come from (trio thread)."""
+        loop = self.native_loop
+        return 0 if loop is None else loop.lookup_epoch(prefix)
+
+    def remember_listed(self, prefix: str, token: int, entries: Sequence[Entry]) -> None:
+        """Have the loop answer the LOOKUPs of ``entries`` of directory ``prefix`` (read from
+        its listing after ``token`` was read) while that listing stays fresh, as a walk's
+        next names are (:meth:`_remember_ahead`): files the read-order hint or the sweep
+        fetches are opened by shuffled readers, whose lookups no walk foresees, and each
+        cost a request in Python (the worker waiting for the interpreter behind the S3
+        threads of a cold pass). The directory's inode and freshness are read once per
+        epoch of the directory (trio thread; one or two index reads, then none)."""
+        loop = self.native_loop
+        if loop is None or not entries:
+            return
+        now = time.monotonic()
+        known = self._listed.get(prefix)
+        if known is None or known[0] != token:
+            # (read after the token: a listing changed meanwhile ends the token's epoch)
+            found = self.fs.directory_now(prefix)
+            if found is None:
+                return
+            known = (token, found[0], now + found[1])
+            self._listed.pop(prefix, None)
+            self._listed[prefix] = known
+            if len(self._listed) > LOOKUP_RUNS:
+                self._listed.pop(next(iter(self._listed)))
+        fresh_for = known[2] - now
+        if fresh_for <= 0:
+            return
+        parent, node_of, entry = known[1], self.fs.node_of, self._entry
+        for listed in entries:
+            if not loop.remember_lookup(token, prefix, parent, listed.name,
+                                        entry(node_of(prefix, listed)), fresh_for):
+                return  # (the epoch moved on: the rest would be refused too)
 
     async def lookup_async(self, req: Request) -> Reply:
         return self._entry(await self.fs.lookup(req.nodeid, _name(req.body)))

@@ -290,6 +290,51 @@ class ReadBytes:
 
 READ_BYTES = ReadBytes()
 REGISTRY.register(READ_BYTES)
+
+
+class OwnedCount:
+    """One series of an :class:`OwnedCounters` family: a count only its owner thread
+    (the trio thread) adds to, in a plain attribute -- no lock. prometheus-client's
+    ``inc`` takes a lock per call, and the trio thread counts every block it requests
+    ahead (a cold small file each)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        """Add ``amount`` (the owner thread only: two threads adding at once may lose
+        one's addition)."""
+        self.value += amount
+
+
+class OwnedCounters:
+    """A counter family with one label, exported as prometheus-client's ``Counter`` is
+    (``<name>_total`` by label), whose series are :class:`OwnedCount` objects: each
+    added to by one thread only (the trio thread); read by the collector on any thread
+    (one attribute read). ``labels(value)`` as for a ``Counter`` (any thread)."""
+
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self._series: dict[str, OwnedCount] = {}
+        self._lock = threading.Lock()
+
+    def labels(self, value: str) -> OwnedCount:
+        series = self._series.get(value)
+        if series is None:
+            with self._lock:
+                series = self._series.setdefault(value, OwnedCount())
+        return series
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, series in list(self._series.items()):
+            family.add_metric([value], series.value)
+        yield family
 FUSE_HANDED_OVER = Counter(
     "cachefs_fuse_handed_over", "FUSE requests a request worker could not answer itself, by "
     "how: 'deferred' to the trio thread (a wake-up and a task), or 'joined' to a fetch under "
@@ -462,9 +507,11 @@ INFLIGHT_FETCHES = Gauge(
 SINGLE_FLIGHT_JOINS = Counter(
     "cachefs_single_flight_joins", "Reads that waited on a fetch already in flight instead of "
     "sending another GET", registry=REGISTRY)
-PREFETCH_ISSUED_BYTES = Counter(
+# (added to on the trio thread only: the prefetcher and its ledger)
+PREFETCH_ISSUED_BYTES = OwnedCounters(
     "cachefs_prefetch_issued_bytes", "Bytes requested ahead of readers, by policy "
-    "(sequential, directory, hint, warm, sweep)", ["policy"], registry=REGISTRY)
+    "(sequential, directory, hint, warm, sweep)", "policy")
+REGISTRY.register(PREFETCH_ISSUED_BYTES)
 PREFETCH_USED_BYTES = Counter(
     "cachefs_prefetch_used_bytes", "Prefetched bytes later read, by policy", ["policy"],
     registry=REGISTRY)
@@ -886,7 +933,7 @@ def totals() -> dict[str, float]:
 def _summed_families() -> Iterator[Metric]:
     """The families of :func:`totals`: every cachefs metric but the histograms."""
     yield from CATCH_UP.collect()  # (catches up, yields nothing)
-    for collector in (READ_BYTES, NATIVE_ANSWERS, LMDB_TRANSACTIONS):
+    for collector in (READ_BYTES, NATIVE_ANSWERS, LMDB_TRANSACTIONS, PREFETCH_ISSUED_BYTES):
         yield from collector.collect()
     yield from FUSE_STATS.collect(latency=False)
     for metric in _SUMMED:

@@ -144,13 +144,15 @@ is guarded by ``_awaiting_lock`` (held for a dictionary operation only, never wi
 lock: the trio thread adds to it and takes from it, an S3 thread in
 :meth:`Passthrough.write_checked` takes its object from it). That S3 thread then holds none
 of this class's locks while it writes (the cache's locks) and registers the file (the
-ioctl); it takes ``_lock`` to publish the registration, and calls ``on_prepared`` holding
+ioctl); it takes ``_lock`` to publish the registration (and, for a prediction that may
+only take spare room, before the write to take that room), and calls ``on_prepared`` holding
 none, as a preparing thread does. Its owner is the fetcher's sink gate: the write and
 registration run inside it, and :meth:`cachefs.read.fetcher.Fetcher.run` waits for them
 before it returns (a prediction taken after :meth:`Passthrough.run` stopped the preparing
 threads finds ``_awaiting`` empty). ``_lock`` guards
-``_backings``, ``_active``, ``_direct``, ``_beside``, ``_fetched``, ``_idle`` and ``_evicted_idle``
-(held for dictionary work and the close ioctl only, never while a file is verified);
+``_backings``, ``_active``, ``_direct``, ``_beside``, ``_fetched``, ``_idle``,
+``_spare_taken`` and ``_evicted_idle`` (held for dictionary work and the close ioctl
+only, never while a file is verified);
 ``_queue_cond`` guards the preparing threads' queue and ``_landing`` (never held with
 ``_lock``); ``_read_back_cond`` guards the read-back queue ``_read_backs`` and
 ``_reading_back`` (never held with another lock of this class: an open queues an object
@@ -386,6 +388,9 @@ class Passthrough:
         # had handles open with their template): tried again at every trim.
         self._evicted_idle: set[bytes] = set()
         self._bound_told = False  # (the log said the number bound binds)
+        # Registrations being made ahead that may only take free room among the idle ones
+        # (spare: see prepare, predicted), counted in that room until they are idle.
+        self._spare_taken = 0
         # Registered with the native loop, each file holds open descriptors: the open-file
         # limit bounds them too (cachefs.descriptors; applied in attach_device).
         self.max_native_idle = max_native_idle
@@ -394,11 +399,12 @@ class Passthrough:
         # Predicted opens waiting for the preparing threads (bounded: PREPARE_QUEUE)
         # (object, whether it may only take free room among the idle backings, inode or 0)
         self._queue: deque[tuple[ObjectVersion, bool, int]] = deque()
-        # Predicted objects being fetched (and their inode, 0 if unknown), by the id of a
+        # Predicted objects being fetched (their inode, 0 if unknown, and whether they
+        # may only take free room among the idle backings: see predicted), by the id of a
         # block still loading (bounded: AWAITING_LOADS): added on the trio thread, taken
         # by the S3 thread that writes the block of a small one (write_checked) or, when
         # that load settles, queued (see settled); under _awaiting_lock
-        self._awaiting: dict[bytes, tuple[ObjectVersion, int]] = {}
+        self._awaiting: dict[bytes, tuple[ObjectVersion, int, bool]] = {}
         self._awaiting_lock = threading.Lock()
         # Objects to look at again once their blocks have landed on disk: (when, object,
         # spare, tries so far, inode); one fixed delay, so in order of when. Counted in the
@@ -605,12 +611,16 @@ class Passthrough:
         return (self.enabled and (not self.native or obj.size <= LOOP_ONE_READ)
                 and self.fetcher.object_id(obj) in self._backings)
 
-    def predicted(self, obj: ObjectVersion, ino: int = 0) -> None:
+    def predicted(self, obj: ObjectVersion, ino: int = 0, *, spare: bool = False) -> None:
         """``obj`` (inode ``ino``; 0 if unknown) is expected to be opened soon (trio
-        thread: directory lookahead; never waits, it only queues). When it is fully cached
-        and not registered yet, a preparing thread verifies and registers its file,
-        leaving the backing idle for the open to use (and, with ``ino``, tells
-        :attr:`on_prepared`)."""
+        thread: the directory lookahead, the read-order hint, the sweep; never waits, it
+        only queues). When it is fully cached and not registered yet, a preparing thread
+        verifies and registers its file, leaving the backing idle for the open to use (and,
+        with ``ino``, tells :attr:`on_prepared`); a small file still being fetched is
+        registered by the S3 thread that writes it (:meth:`write_checked`). ``spare``: only
+        while the idle backings have room for it without closing one (see :meth:`prepare`):
+        a sweep's files are each read once in the epoch, at no time anyone can tell, so
+        one registered ahead must not close a registration made for another."""
         if not self.enabled or not 0 < obj.size <= PREPARE_MAX_BYTES or self.max_idle == 0:
             return  # (with no idle registration kept, one made ahead would be closed at once)
         # (read without _lock: a stale answer only costs the preparing thread a look)
@@ -623,11 +633,11 @@ class Passthrough:
                 with self._awaiting_lock:
                     room = len(self._awaiting) < AWAITING_LOADS
                     if room:
-                        self._awaiting[bid] = (obj, ino)
+                        self._awaiting[bid] = (obj, ino, spare)
                 if not room:
                     metrics.PASSTHROUGH_PREPARED.labels("dropped").inc()
                 return
-        self._enqueue(obj, False, ino)
+        self._enqueue(obj, spare, ino)
 
     def settled(self, bid: bytes) -> None:
         """The load of block ``bid`` settled (trio thread; :attr:`Fetcher.on_settled`): a
@@ -637,7 +647,7 @@ class Passthrough:
             with self._awaiting_lock:
                 found = self._awaiting.pop(bid, None)
             if found is not None:
-                self._enqueue(found[0], False, found[1])
+                self._enqueue(found[0], found[2], found[1])
 
     def write_checked(self, obj: ObjectVersion, bid: bytes, data: bytes) -> bool:
         """The bytes of ``obj``, a whole object of one block ``bid``, were just checked
@@ -655,14 +665,27 @@ class Passthrough:
             found = self._awaiting.pop(bid, None)
         if found is None:
             return False
-        ino = found[1]
+        _, ino, spare = found
         oid = split_block_id(bid)[0]
         if not self.enabled:
             return False
         if oid in self._backings:  # (read without _lock: an open registered it meanwhile)
             self._enqueue(obj, False, ino)  # (its template, once the write has landed)
             return False
-        outcome = self._register_written(obj, oid, bid, data)
+        if spare:
+            with self._lock:  # (S3 threads land many at once: room is taken, then used)
+                room = self._idle_room()
+                if room:
+                    self._spare_taken += 1
+            if not room:
+                _PREPARED["full"].inc()
+                return False
+        try:
+            outcome = self._register_written(obj, oid, bid, data)
+        finally:
+            if spare:
+                with self._lock:
+                    self._spare_taken -= 1
         _PREPARED[outcome].inc()
         on_prepared = self.on_prepared
         if ino and on_prepared is not None and outcome in ("written", "known"):
@@ -810,7 +833,14 @@ class Passthrough:
                 return "full"
             backing = _Backing(oid, obj.size, threading.Event())
             self._backings[oid] = backing
-        return self._register(backing, bids, idle=True)
+            if spare:
+                self._spare_taken += 1
+        try:
+            return self._register(backing, bids, idle=True)
+        finally:
+            if spare:
+                with self._lock:
+                    self._spare_taken -= 1
 
     def open(self, ino: int, obj: ObjectVersion, *, o_direct: bool = False) -> int:
         """A backing id for a new handle of ``ino`` (the kernel reads it), or 0 (the
@@ -842,6 +872,8 @@ class Passthrough:
                                             "another version's file")
                     in_use = self._backings[active[0]]
                     if in_use.changed:
+                        if self._close_changed(in_use):
+                            continue  # its last handle is gone: verified afresh below
                         raise self._changed_error(obj)
                     backing_id = self._use(ino, in_use)
                     shared = True
@@ -853,6 +885,8 @@ class Passthrough:
                 backing = self._backings.get(oid)
                 if backing is not None and backing.ready.is_set() and backing.backing_id:
                     if backing.changed:
+                        if self._close_changed(backing):
+                            continue
                         raise self._changed_error(obj)
                     backing_id = self._use(ino, backing)
                     shared = False
@@ -953,13 +987,23 @@ class Passthrough:
             if self._backings.get(backing.oid) is not backing or backing.changed:
                 return
             metrics.PASSTHROUGH_CHANGED.inc()
-            if backing.opens == 0 and backing.oid in self._idle and self._close(backing.oid):
+            backing.changed = True
+            if self._close_changed(backing):
                 log.warning("a registered cache file was changed by another writer since "
                             "it was verified: verifying it again")
                 return
-            backing.changed = True
+            if backing.oid in self._idle:
+                # Idle here, but the native loop has handles open with its template (the
+                # close above was refused): closed at a trim once the loop let it go.
+                self._evicted_idle.add(backing.oid)
             log.warning("a registered cache file was changed by another writer while "
                         "handles read it: its opens fail (EIO) until they are closed")
+
+    def _close_changed(self, backing: _Backing) -> bool:
+        """Close ``backing``, changed under its registration, if no handle uses it (under
+        ``_lock``): no handle of Python's, none of the native loop's through its template.
+        True if closed (the open that found it then verifies the file afresh)."""
+        return backing.opens == 0 and backing.oid in self._idle and self._close(backing.oid)
 
     @staticmethod
     def _changed_error(obj: ObjectVersion) -> CacheError:
@@ -1179,16 +1223,14 @@ class Passthrough:
         if fetched is not None:
             # The object was not fully cached when opened and its readers are gone:
             # register its file now (if it is cached by now), so that the next open, the
-            # next epoch's, needs neither verification nor the daemon's reads. With the
-            # native loop its inode gets an open template too (on_prepared), so that open
-            # is the loop's, without Python: a cold pass's reader that caught up with the
-            # walk's fetches opens its file before it is cached, and those files (5-7% of a
-            # warm pass over 6,000 files) were each opened and released in Python again in
-            # the next pass. (With the kernel's passthrough no template ahead: its next
-            # open, in Python, gives it one; an O_DIRECT open meanwhile is served by the
-            # daemon, not passed through for a template's sake. The loop answers no
-            # O_DIRECT open, and binds none of its handles to the file.)
-            self._enqueue(fetched, True, ino if self.native else 0)
+            # next epoch's, needs neither verification nor the daemon's reads. Its
+            # inode gets an open template too (on_prepared), so that open is the loop's,
+            # without Python: a cold pass's reader that caught up with the walk's fetches
+            # opens its file before it is cached, and those files (5-7% of a warm pass
+            # over 6,000 files with the native loop, 12.5% of one over 1,200 with the
+            # kernel's passthrough) were each opened and released in Python again in the
+            # next pass. (The loop answers no O_DIRECT open: those still come to Python.)
+            self._enqueue(fetched, True, ino)
 
     # -- opens answered by the native loop ------------------------------------------------
     def add_template(self, ino: int, obj: ObjectVersion, backing_id: int, *, token: int,
@@ -1337,7 +1379,9 @@ class Passthrough:
         return backing.backing_id
 
     def _idle_room(self) -> bool:
-        return len(self._idle) < self.max_idle
+        """(Under _lock.) Whether one more idle registration fits without closing one,
+        counting those being made in that room (``_spare_taken``)."""
+        return len(self._idle) + self._spare_taken < self.max_idle
 
     def _idle_or_keep(self, backing: _Backing) -> None:
         if backing.opens > 0 or backing.oid in self._idle:

@@ -51,6 +51,8 @@ def test_make_dist_builds_a_wheel_that_installs_and_reports_the_git_version(
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     assert any(n.startswith("cachefs/fuse/_native") and n.endswith(".so") for n in names), \
         "the wheel was built without the native request loop"
+    assert any(n.startswith("cachefs/s3/_wire") and n.endswith(".so") for n in names), \
+        "the wheel was built without the GET exchange in C (libcrypto's headers missing?)"
     with tarfile.open(sdist) as tf:  # a pip install from source builds it (or goes without)
         assert f"cachefs-{expected}/cachefs/fuse/_native.c" in tf.getnames()
 

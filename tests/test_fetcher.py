@@ -1089,6 +1089,8 @@ def test_cold_small_files_loaded_ahead_take_no_task_and_one_get_each(
                 f.load_ahead(obj, 0, f.block_id(obj, 0), reserved=obj.size,
                              fetched=fetched.append)
             assert all(f.is_fetching(f.block_id(obj, 0)) for obj in objs)
+            # (the gauge reads the fetcher's count when collected)
+            assert metrics.REGISTRY.get_sample_value("cachefs_inflight_fetches") == 40
         finally:
             trio.lowlevel.remove_instrument(spawned)
         # readers of the first ten join their loads (no GET of their own)
@@ -1109,6 +1111,7 @@ def test_cold_small_files_loaded_ahead_take_no_task_and_one_get_each(
             assert not f.is_loading(bid)
         assert got == {i: payload(BS - i % 7, seed=i) for i in range(10)}
         assert f.budget.used == 0
+        assert metrics.REGISTRY.get_sample_value("cachefs_inflight_fetches") == 0
 
     try:
         rig.run(body)

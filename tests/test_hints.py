@@ -12,12 +12,18 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachefs.cache.index import Entry
 from cachefs.read import hints
 from cachefs.read.fetcher import ObjectVersion
 from cachefs.read.hints import PREPARE_AHEAD, ReadOrder
 from cachefs.read.prefetcher import HINT
 from cachefs.s3.memory import MemoryStore
 from tests.test_sweep import World, run
+
+
+def _entry(obj: ObjectVersion) -> Entry:
+    """A listing's entry of ``obj``."""
+    return Entry(obj.key.rsplit("/", 1)[1].encode(), False, obj.size, 0.0, obj.etag)
 
 
 class GatedStore(MemoryStore):
@@ -40,9 +46,9 @@ def test_hinted_loads_in_flight_stay_within_the_window_and_listings_go_first(
         keys = [k for c in range(30) for k in w.make_dir(f"train/c{c:03d}/", 10)]
         order = keys[::-1]
 
-        async def resolve(key: str) -> ObjectVersion | None:
+        async def resolve(key: str) -> Entry | None:
             assert key[:key.rfind("/") + 1] in prepared, "resolved before its listing was asked"
-            return w.files[key][0]
+            return _entry(w.files[key][0])
 
         ro = ReadOrder(w.prefetcher, resolve, lookahead_bytes=1 << 30, window=6,
                        prepare=prepared.append)
@@ -70,8 +76,8 @@ def test_opens_move_the_cursor_on_any_thread_and_wake_the_loop_only_when_it_wait
         keys = [k for c in range(4) for k in w.make_dir(f"train/c{c:03d}/", 10)]
         order = keys[::-1]
 
-        async def resolve(key: str) -> ObjectVersion | None:
-            return w.files[key][0]
+        async def resolve(key: str) -> Entry | None:
+            return _entry(w.files[key][0])
 
         size = w.files[order[0]][0].size
         # The byte bound: three files ahead of the cursor.
@@ -109,8 +115,8 @@ def test_the_end_of_a_hinted_load_tops_the_window_up_without_a_timer(
     async def body(w: World) -> None:
         keys = [k for c in range(3) for k in w.make_dir(f"train/c{c:03d}/", 10)]
 
-        async def resolve(key: str) -> ObjectVersion | None:
-            return w.files[key][0]
+        async def resolve(key: str) -> Entry | None:
+            return _entry(w.files[key][0])
 
         ro = ReadOrder(w.prefetcher, resolve, lookahead_bytes=1 << 30, window=4)
         async with trio.open_nursery() as nursery:

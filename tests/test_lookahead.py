@@ -25,6 +25,12 @@ class FakePrefetcher:
     def on_disk(self, objs: list[ObjectVersion]) -> set[bytes]:
         return set()  # (want_object answers for each object itself)
 
+    def directory_load(self, obj: ObjectVersion) -> bytes | None:
+        return None  # (no load is told in flight: every request asks want_object)
+
+    def is_loading(self, policy: str, bid: bytes) -> bool:
+        return False
+
     def want_object(self, obj: ObjectVersion, policy: str, *,
                     load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
         assert policy == "directory"
@@ -805,6 +811,86 @@ def test_a_pool_starting_a_cold_pass_in_directory_order_is_followed_from_its_fir
         misses, _ = _ten_file_folders_run("in order", folders_count=60, per=20, seed=seed)
         assert misses <= 8, (seed, misses)
         assert _ten_file_folders_run("shuffled", folders_count=60, per=20, seed=seed)[1] == 0
+
+
+class InFlight(CountingPrefetcher):
+    """Every file asked for is a load in flight until ``land`` (as the real prefetcher's
+    directory loads are); ``remember``: whether it tells the lookahead so
+    (``directory_load``), which then counts files requested again without asking."""
+
+    def __init__(self, remember: bool = True) -> None:
+        super().__init__()
+        self.remember = remember
+        self.flying: set[str] = set()
+        self.batches: list[int] = []
+
+    def on_disk(self, objs: list[ObjectVersion]) -> set[bytes]:
+        self.batches.append(len(objs))
+        return set()
+
+    def want_object(self, obj: ObjectVersion, policy: str, *,
+                    load_cached: bool = True, on_disk: set[bytes] | None = None) -> int | None:
+        assert obj.key not in self.flying or not self.remember, "asked again while in flight"
+        self.flying.add(obj.key)
+        return super().want_object(obj, policy, load_cached=load_cached)
+
+    def directory_load(self, obj: ObjectVersion) -> bytes | None:
+        return obj.key.encode() if self.remember and obj.key in self.flying else None
+
+    def is_loading(self, policy: str, bid: bytes) -> bool:
+        return policy == "directory" and bid.decode() in self.flying
+
+    def land(self, keys: list[str]) -> None:
+        self.flying.difference_update(keys)
+
+
+def test_a_file_requested_again_while_in_flight_is_counted_without_asking() -> None:
+    """A walk requesting files another walk requested, whose loads are still in flight,
+    gets the same answer (the same files, in order, counted as requested) without an
+    object version, a look at the disk's index, the prefetcher or a prediction per file;
+    once a load has landed, its file is asked about again as before."""
+    predicted: list[str] = []
+    f = InFlight()
+    la = DirectoryLookahead(f, iter_after,  # type: ignore[arg-type]
+                            on_predicted=lambda o, ino: predicted.append(o.key))
+    first, end = la._request(DIR, NAMES[9], 40)
+    assert [n for n, _ in first] == NAMES[10:50] and not end
+    assert f.asked == 40 and len(predicted) == 40
+    batches = list(f.batches)
+    again, end = la._request(DIR, NAMES[9], 60)  # (a reader's walk over the same files)
+    assert again == [(n, INO[n]) for n in NAMES[10:70]] and not end
+    assert f.asked == 60 and len(predicted) == 60, "only the 20 new files were asked about"
+    assert sum(f.batches) - sum(batches) == 20, "the disk's index read for the new ones only"
+    landed = [DIR + n.decode() for n in NAMES[10:20]]
+    f.land(landed)
+    third, _ = la._request(DIR, NAMES[9], 60)
+    assert third == again
+    assert f.asked == 70 and predicted[60:] == landed, "landed files are asked about again"
+
+
+def test_files_counted_without_asking_leave_every_decision_as_it_was() -> None:
+    """DataLoader workers each reading a batch of consecutive files, their walks and the
+    directory's (each asking again for files the others requested), with loads landing
+    as the readers get there: the same files requested, in
+    the same order, in the same top-ups, whether requests of files in flight ask the
+    prefetcher or not; the ones counted without asking are about half the first asks."""
+    def run(remember: bool) -> tuple[list[str], list[int], int]:
+        f = InFlight(remember)
+        la = DirectoryLookahead(f, iter_after)  # type: ignore[arg-type]
+        tops = []
+        workers, batch = 4, 32  # (DataLoader workers, each a batch of consecutive files)
+        for i in range(1536):
+            rnd, step, w = i // (workers * batch), i // workers % batch, i % workers
+            at = (rnd * workers + w) * batch + step
+            tops.append(la.on_open(DIR, NAMES[at], INO[NAMES[at]], reader=700 + w))
+            if i % 7 == 0:  # (loads land behind the readers, a few at a time)
+                f.land([DIR + n.decode() for n in NAMES[max(0, at - 40):at]])
+        return f.prefetched, tops, f.asked
+
+    keys, tops, asked = run(remember=False)
+    keys2, tops2, asked2 = run(remember=True)
+    assert keys2 == keys and tops2 == tops
+    assert asked2 < asked and asked - asked2 >= len(keys) // 4, (asked, asked2, len(keys))
 
 
 def _tree_run(parents: int, folders: int, per: int, read: int, *, shuffled: bool = False,

@@ -1130,6 +1130,52 @@ def test_an_inode_looked_up_resolves_from_memory_until_a_listing_changes(
     run_with_metadata(env, store, body)
 
 
+def test_a_file_found_by_key_is_one_index_read_and_its_inode_resolves_from_memory(
+        env: LmdbEnv, store: MemoryStore) -> None:
+    from cachefs import metrics
+
+    reads = metrics.LMDB_TRANSACTIONS.counters["read"]
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        before = reads.value
+        f2 = await md.find_file("data/f2")  # (the read-order hint resolving a hinted key)
+        assert f2 is not None and f2.name == b"f2"
+        assert reads.value == before + 1, "one index read"
+        assert md.resolve_now(f2.ino) == (("data/", f2), None)  # its template ahead
+        assert reads.value == before + 1, "the inode resolved from memory"
+        assert await md.find_file("data/nothing") is None
+        assert await md.find_file("data/") is None
+
+    run_with_metadata(env, store, body)
+
+
+def test_entries_remembered_from_a_listing_resolve_from_memory_until_a_listing_changes(
+        env: LmdbEnv, store: MemoryStore) -> None:
+    from cachefs import metrics
+
+    reads = metrics.LMDB_TRANSACTIONS.counters["read"]
+
+    async def body(md: Metadata) -> None:
+        await md.ensure("data/")
+        generation = md.generation  # (before the listing is read: the sweep's order)
+        entries = [e for e in md.iter_entries("data/") if not e.is_dir]
+        md.remember_entries("data/", generation, entries)
+        before = reads.value
+        for e in entries:
+            assert md.resolve_now(e.ino) == (("data/", e), None)
+        assert reads.value == before, "resolved from memory"
+        store.put("data/f2", b"new bytes")
+        md.invalidate("data/")
+        await md.settled("data/")  # (a listing made current: what was remembered is not used)
+        f2 = next(e for e in entries if e.name == b"f2")
+        assert md.resolve_now(f2.ino) == (None, None)
+        md.remember_entries("data/", generation, entries)  # (read before that listing)
+        assert md.resolve_now(f2.ino) == (None, None)
+
+    run_with_metadata(env, store, body)
+
+
 def test_remembered_inodes_are_bounded_and_never_outlive_a_listing_change_across_threads(
         env: LmdbEnv) -> None:
     # Several request workers look names up and resolve inodes while listings are

@@ -42,6 +42,30 @@ def test_fast_counters_export_one_labelled_family() -> None:
     assert 'cachefs_test_things_total{kind="b"} 0.0' in text
 
 
+def test_owned_counters_export_as_a_counter_does_and_add_amounts() -> None:
+    """A family counted by one thread without a lock (the trio thread's issued bytes)
+    exports what prometheus-client's Counter exported: ``<name>_total`` by label, of the
+    counter type, each ``labels()`` the same series."""
+    family = metrics.OwnedCounters("cachefs_test_bytes", "Bytes.", "policy")
+    registry = CollectorRegistry()
+    registry.register(family)
+    family.labels("a").inc(110_000)
+    family.labels("a").inc(5)
+    family.labels("b")
+    assert family.labels("a") is family.labels("a")
+    text = generate_latest(registry).decode()
+    assert "# TYPE cachefs_test_bytes_total counter" in text
+    assert 'cachefs_test_bytes_total{policy="a"} 110005.0' in text
+    assert 'cachefs_test_bytes_total{policy="b"} 0.0' in text
+    assert registry.get_sample_value("cachefs_test_bytes_total", {"policy": "a"}) == 110005
+    # The prefetcher's issued bytes are such a family, on the daemon's page and in totals().
+    metrics.PREFETCH_ISSUED_BYTES.labels("directory").inc(7)
+    assert isinstance(metrics.PREFETCH_ISSUED_BYTES, metrics.OwnedCounters)
+    assert metrics.REGISTRY.get_sample_value("cachefs_prefetch_issued_bytes_total",
+                                             {"policy": "directory"}) >= 7
+    assert metrics.totals()["cachefs_prefetch_issued_bytes_total"] >= 7
+
+
 def test_totals_sum_every_cachefs_counter_and_gauge_but_no_histogram() -> None:
     """totals() (the status reports) collects only what it sums; it must still cover every
     cachefs family that is not a histogram, custom collectors included."""

@@ -858,14 +858,19 @@ def test_an_evicted_registration_the_loop_still_reads_goes_once_its_handle_close
 
 
 @pytest.mark.fuse
-def test_a_file_opened_before_it_was_cached_is_opened_by_the_loop_next_time(bucket, mount_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("reader", ["kernel", "native"])
+def test_a_file_opened_before_it_was_cached_is_opened_by_the_loop_next_time(bucket, mount_factory, reader) -> None:  # type: ignore[no-untyped-def]
     """A cold open is served by the daemon (the object is not cached yet); once its
-    reader closed it, the file is registered and, with the native loop, its inode given an
-    open template: its next open (the next epoch's) is the loop's, not Python's."""
+    reader closed it, the file is registered and its inode given an open template (a
+    backing with the kernel's passthrough, the native loop's reads without): its next open
+    (the next epoch's) is the loop's, not Python's."""
+    if reader == "kernel" and not passthrough_mod.supported():
+        pytest.skip("FUSE passthrough needs Linux >= 6.9")
     client, name = bucket
     a = _payload(22, 100_000)
     client.put_object(Bucket=name, Key="a.bin", Body=a)
-    m = mount_factory(f"s3://{name}", "--block-size", "64K", "--passthrough", "off")
+    mode = ["--passthrough", "off"] if reader == "native" else []
+    m = mount_factory(f"s3://{name}", "--block-size", "64K", *mode)
     assert _read(m.path / "a.bin") == a  # (cold: opened and read in Python)
     _wait_metric(m, "cachefs_passthrough_backing_files", 1)
     _wait_metric(m, "cachefs_native_open_templates", 1)

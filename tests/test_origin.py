@@ -1037,3 +1037,68 @@ def test_a_get_driven_by_callbacks_ends_at_once_when_cachefs_stops(how: str) -> 
     assert len(told) == 1
     assert isinstance(told[0], TransientStoreError) and "stopping" in str(told[0])
     assert aborted.wait(5)
+
+
+def test_landings_of_gets_driven_by_callbacks_wake_the_trio_thread_together() -> None:
+    """GETs of get_soon that land while the first of them waits to be handed over (a 64th
+    of S3's p99 first-byte latency, at most 2 ms) are handed to the trio thread with it,
+    in one wake-up: each is answered once, with its bytes. Without latency samples none
+    waits; a GET a task waits for (get) is handed over alone, at once."""
+    store = MemoryStore()
+    for i in range(20):
+        store.put(f"k{i}", bytes([i]) * 1000)
+    together = threading.Barrier(20, timeout=10)
+
+    def fault(op: str, key: str) -> None:  # (the 20 GETs land within moments of each other)
+        if op == "get" and key.startswith("k"):
+            together.wait()
+
+    store.fault = fault
+    origin = Origin(store, max_connections=64, deadline=30, backoff=FAST)
+    assert origin.latency.gather == 0  # (no samples: nothing waits)
+    origin.latency.observe(0.5)
+    assert origin.latency.gather == origin_mod.GATHER_MAX
+    origin.latency.observe(0.032)
+    origin.latency._samples.clear()
+    origin.latency._ordered.clear()
+    origin.latency.observe(0.064)
+    assert origin.latency.gather == pytest.approx(0.001)
+    origin.latency.observe(0.5)
+    handed: list[int] = []
+    take = origin._take_landings
+
+    def counted() -> None:
+        handed.append(len(origin._landings))
+        take()
+
+    origin._take_landings = counted  # type: ignore[method-assign]
+    told: dict[str, list[Any]] = {}
+
+    async def main() -> None:
+        everyone = trio.Event()
+
+        def done_for(key: str) -> Any:
+            def done(got: Any, error: BaseException | None) -> None:
+                told.setdefault(key, []).append(got.data if error is None else error)
+                if len(told) == 20:
+                    everyone.set()
+            return done
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(origin.run_soon)
+            for i in range(20):
+                assert origin.get_soon(f"k{i}", etag(store, f"k{i}"), 0, 1000,
+                                       done=done_for(f"k{i}"), whole=True, background=True)
+            with trio.fail_after(10):
+                await everyone.wait()
+            assert len(handed) <= 3 and sum(handed) == 20, handed
+            store.put("alone", b"x" * 10)
+            got = await origin.get("alone", etag(store, "alone"), 0, 10, whole=True)
+            assert got.data == b"x" * 10
+            assert sum(handed) == 20  # (not gathered)
+            await trio.sleep(0.05)  # (told once: a second call would show)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert told == {f"k{i}": [bytes([i]) * 1000] for i in range(20)}
+    assert origin.limit.all.available_tokens == 64

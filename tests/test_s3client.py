@@ -387,3 +387,17 @@ def test_the_test_proxies_answer_head_with_the_objects_length(bucket, s3_endpoin
                               config=botocore.config.Config(proxies={"http": fwd.url}))
         assert client.head_object(Bucket=bucket[1], Key="h.bin")["ContentLength"] == 12_345
         assert fwd.seen and fwd.seen[-1][0] == "HEAD"
+
+
+def test_a_range_past_the_end_of_the_object_is_a_changed_object_not_a_short_read(
+        bucket, s3_endpoint) -> None:  # type: ignore[no-untyped-def]
+    """A mount that shows an object longer than it is (a manifest's wrong size) asks for
+    a range past its end: S3 answers 206 with what there is and states the object's size
+    in Content-Range. That is ObjectChanged at once (asking again will not make the bytes),
+    not a short body retried until the deadline."""
+    from cachefs.errors import ObjectChanged
+
+    etag = put(bucket, "w.bin", b"z" * 1000)
+    store = S3Store(bucket[1], endpoint_url=s3_endpoint)
+    with pytest.raises(ObjectChanged, match="is 1000 bytes, not at least 2000"):
+        store.get("w.bin", etag, 500, 2000)

@@ -16,6 +16,7 @@ import errno
 import mmap
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,52 @@ def test_a_file_changed_under_an_open_passthrough_handle_refuses_new_opens_until
         os.close(fd)
     drop_page_cache()
     assert read_unbuffered(path) == data
+    assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
+
+
+def _wait_metric(m: Any, metric: str, value: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while m.metric(metric) != value:
+        assert time.monotonic() < deadline, f"{metric} stayed {m.metric(metric)}, not {value}"
+        time.sleep(0.02)
+
+
+def test_a_file_changed_under_a_handle_its_template_opened_is_read_right_once_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A registered file with an open template (its inode's opens answered by the native
+    loop, passed through to the kernel's backing) changed while a handle the loop opened
+    reads it: new opens fail EIO while that handle is open, and once it is closed the
+    next open verifies the file afresh and reads the object's bytes (the registration,
+    which the loop's handle kept from being closed at the change, is closed then)."""
+    name, data = shard
+    m = _mount(mount_factory, name, "kernel")
+    path = m.path / "shards" / "s0.tar"
+    for _ in range(2):  # (cold, then registered: the inode has a template by the second)
+        assert read_unbuffered(path) == data
+        drop_page_cache()
+    _wait_metric(m, "cachefs_native_open_templates", 1)
+    opens = 'cachefs_fuse_native_answers_total{op="open"}'
+    before = m.metric(opens)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert m.metric(opens) == before + 1, "the loop did not answer the open"
+        assert os.pread(fd, 10, 0) == data[:10]
+        _damage(m, 2 * BLOCK + 9)
+        with pytest.raises(OSError) as refused:
+            os.close(os.open(path, os.O_RDONLY))
+        assert refused.value.errno == errno.EIO
+        assert m.metric("cachefs_passthrough_changed_total") == 1
+    finally:
+        os.close(fd)
+    drop_page_cache()
+    deadline = time.monotonic() + 10
+    while True:  # (the loop tells Python of its handle's release shortly after the close)
+        try:
+            got = read_unbuffered(path)
+            break
+        except OSError as exc:
+            assert exc.errno == errno.EIO and time.monotonic() < deadline, exc
+            time.sleep(0.05)
+    assert got == data
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
 
 

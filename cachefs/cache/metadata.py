@@ -79,7 +79,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import trio
 
@@ -491,6 +491,31 @@ class Metadata:
             return None
         return found[1].ino, found[0][3]
 
+    @property
+    def generation(self) -> int:
+        """The index's generation (see ``_recent``): read it before the listing whose
+        entries :meth:`remember_entries` is given."""
+        return self._index.generation
+
+    def remember_entries(self, prefix: str, generation: int, entries: Sequence[Entry]) -> None:
+        """Remember the inodes of ``entries`` of ``prefix``'s complete listing, read after
+        ``generation`` was, as a lookup does (``_recent``): their next :meth:`resolve_now`
+        answers from memory while no listing was made current since. For files about to
+        be resolved by inode elsewhere (the sweep's: the template its file is given ahead,
+        on the S3 thread that registers it). Any thread; one index read (the listing's
+        row), none without a complete listing."""
+        row = self._index.row(prefix)
+        if row is None:
+            return
+        for entry in entries:
+            self._remember(entry.ino, (generation, prefix, entry, row[1]))
+
+    def fresh_for_now(self, prefix: str) -> float:
+        """For how many seconds from now ``prefix``'s complete listing stays fresh (0: none,
+        or stale). Any thread, no side effects (see :meth:`lookup_fresh_now`)."""
+        row = self._index.row(prefix)
+        return 0.0 if row is None else self._fresh_for(prefix, row[1])
+
     def first_file_now(self, prefix: str) -> tuple[int, int] | None:
         """(the inode of the first file (not sub-directory) of ``prefix``'s complete
         listing, the number of files in it), or None (no complete listing, or no file among
@@ -629,9 +654,22 @@ class Metadata:
 
     async def find_file(self, key: str) -> Entry | None:
         """The entry of the object ``key`` (its directory listed if needed), or None when
-        no file of that name is listed. Raises StoreError when listing fails."""
+        no file of that name is listed. Raises StoreError when listing fails. From a
+        complete listing it reads the index once, and its inode resolves from memory next
+        (as after :meth:`lookup_fresh_now`): the read-order hint resolves every hinted
+        file here, and the template its file is given ahead resolves the inode."""
         parent = key[:key.rfind("/") + 1]
-        entry = await self.lookup(parent, enc(key[len(parent):]))
+        name = enc(key[len(parent):])
+        generation = self._index.generation  # before the snapshot (see _recent)
+        found = self._index.lookup(parent, name)  # the listing and the name: one snapshot
+        if found is not None:  # (a complete listing: what lookup() reads, in one read)
+            row, entry = found
+            self._revalidate(parent, row[1])
+            if entry is not None:
+                # (a hinted file's inode is asked for next: its open template ahead)
+                self._remember(entry.ino, (generation, parent, entry, row[1]))
+        else:
+            entry = await self.lookup(parent, name)
         return None if entry is None or entry.is_dir else entry
 
     # -- queries (trio thread; no S3) ------------------------------------------

@@ -262,6 +262,10 @@ class Fetcher:
         # Walked in order after memory; the disk tier first (residency checks use it).
         self.tiers: list[Tier] = [DiskTier(cache), *lower_tiers]
         self._notes = notes
+        # GETs of blocks and pieces in flight (trio thread), read by the in-flight gauge
+        # when it is collected: a write of the gauge takes its lock, twice per cold file
+        self._fetching = 0
+        metrics.INFLIGHT_FETCHES.set_function(lambda: self._fetching)
         self._flights: dict[bytes, _Flight] = {}
         #: Bytes read as pieces of blocks no tier holds, and the pieces in flight by
         #: block (trio thread; see "Pieces").
@@ -540,7 +544,7 @@ class Fetcher:
         for bid in bids:
             self._piece_flights[bid] = piece
         self.budget.force_reserve(n)
-        metrics.INFLIGHT_FETCHES.inc()
+        self._fetching += 1
         _S3_GET_HOPS.inc()
         try:
             got = await self.origin.get(obj.key, obj.etag, offset, end)
@@ -555,7 +559,7 @@ class Fetcher:
                 if self._piece_flights.get(bid) is piece:
                     del self._piece_flights[bid]
             piece.event.set()
-            metrics.INFLIGHT_FETCHES.dec()
+            self._fetching -= 1
             self.budget.release(n)
         metrics.PIECE_READS.inc()
         metrics.PIECE_BYTES.inc(n)
@@ -676,7 +680,7 @@ class Fetcher:
                                     background=flight.prefetch, done=done,
                                     sink=self._disk_sink(ref, stored)):
             return False
-        metrics.INFLIGHT_FETCHES.inc()
+        self._fetching += 1
         _S3_GET_HOPS.inc()
         flight.source = ORIGIN
         return True
@@ -688,7 +692,7 @@ class Fetcher:
         tier (bytes served after two answers disagreed with the ETag, the fetcher
         stopping) is written back by a task of the fetcher's nursery, its flight kept
         until then; once the fetcher has stopped, it is not."""
-        metrics.INFLIGHT_FETCHES.dec()
+        self._fetching -= 1
         bid = ref.bid
         write_back = False
         try:
@@ -838,7 +842,7 @@ class Fetcher:
         start = ref.index * self.block_size
         end = start + ref.length
         whole = start == 0 and end >= obj.size
-        metrics.INFLIGHT_FETCHES.inc()
+        self._fetching += 1
         try:
             if not whole:
                 return await self._get_range(obj, start, end, whole=False,
@@ -850,7 +854,7 @@ class Fetcher:
             # (bytes served after two answers disagreed with the ETag): then the write-back.
             return got, bool(stored)
         finally:
-            metrics.INFLIGHT_FETCHES.dec()
+            self._fetching -= 1
 
     def _disk_sink(self, ref: BlockRef, stored: list[bool]) -> Callable[[bytes], None] | None:
         """The function that writes a checked whole object to the disk tier in the GET's

@@ -20,6 +20,15 @@ tick; when the window is full, until one of its loads lands; see below).
 Prefetched blocks land in the disk cache, so a reader that arrives later finds
 them there.
 
+Each hinted file requested is also a prediction (``on_predicted``:
+:meth:`cachefs.passthrough.Passthrough.predicted`): a reader opens it soon, so its
+cache file is registered ahead of that open -- a small one by the S3 thread that
+writes it -- and given its open template, as a directory walk's next files are, and
+the native loop answers its open without Python. The registrations are the ones its
+open would make (every hinted file is opened), under the same bound. Its name is told
+to the native loop too (``lookups``), which then answers the reader's LOOKUP of it
+without Python.
+
 Resolving a hinted key needs its directory's listing. The directories of the
 next ``PREPARE_AHEAD`` windows of keys are asked for ahead (``prepare``, which
 starts a listing without waiting for it), so that a fresh mount lists the
@@ -52,22 +61,20 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from cachefs.background import report
-from cachefs.cache.metadata import Metadata
+from cachefs.cache.metadata import Entry, Metadata
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
-from cachefs.read.prefetcher import HINT, Prefetcher
+from cachefs.read.prefetcher import HINT, LookupsAhead, Prefetcher
 
 log = logging.getLogger(__name__)
 
-Resolver = Callable[[str], Awaitable[ObjectVersion | None]]
+#: A hinted key's entry in its directory's listing, or None (not listed as a file).
+Resolver = Callable[[str], Awaitable[Entry | None]]
 
 
 def metadata_resolver(metadata: Metadata) -> Resolver:
     """A resolver answering from the directory listings (listing a directory if needed)."""
-    async def resolve(key: str) -> ObjectVersion | None:
-        entry = await metadata.find_file(key)
-        return None if entry is None else ObjectVersion(key, entry.etag, entry.size)
-    return resolve
+    return metadata.find_file
 
 TICK = 0.02  # seconds between top-ups while the budget is full (or readers lag)
 PREPARE_AHEAD = 4  # windows of keys whose directories are asked to be listed ahead
@@ -75,10 +82,17 @@ PREPARE_AHEAD = 4  # windows of keys whose directories are asked to be listed ah
 
 class ReadOrder:
     def __init__(self, prefetcher: Prefetcher, resolve: Resolver, *, lookahead_bytes: int,
-                 window: int = 48, prepare: Callable[[str], None] | None = None) -> None:
+                 window: int = 48, prepare: Callable[[str], None] | None = None,
+                 on_predicted: Callable[[ObjectVersion, int], None] | None = None) -> None:
         self._prefetcher = prefetcher
         self._resolve = resolve
         self._prepare = prepare  # start listing a directory now (never waits)
+        # Told of every hinted file requested (object, inode), on the trio thread: it must
+        # only queue (passthrough registers it ahead of its open, see the module doc).
+        self._on_predicted = on_predicted
+        #: Told the name of every hinted file requested (set by the daemon when the
+        #: request workers run the native loop; see the module doc).
+        self.lookups: LookupsAhead | None = None
         self._prepared_until = 0  # keys before this index had their directories asked for
         self._prepared: set[str] = set()
         self.lookahead_bytes = lookahead_bytes
@@ -187,21 +201,29 @@ class ReadOrder:
             if self._prepare is not None and self._next >= self._prepared_until:
                 self._prepare_dirs()
             key = self._order[self._next]
+            lookups = self.lookups
+            prefix = key[:key.rfind("/") + 1]
+            token = lookups.lookup_token(prefix) if lookups is not None else 0
             try:
-                obj = await self._resolve(key)
+                entry = await self._resolve(key)  # (the listing, read after the token)
             except StoreError as exc:
                 log.info("hinted file %s cannot be resolved: %s", key, exc)
-                obj = None
+                entry = None
             if generation != self.generation:
                 return
             size = 0
-            if obj is not None:
+            if entry is not None:
+                obj = ObjectVersion(key, entry.etag, entry.size)
                 # Blocks already on disk are left there (a demand read costs one local
                 # read); see the prefetcher's admission rule.
                 issued = self._prefetcher.want_object(obj, HINT)
                 if issued is None:
                     return  # memory budget full: try again on the next tick
                 size = issued
+                if self._on_predicted is not None:
+                    self._on_predicted(obj, entry.ino)
+                if lookups is not None:
+                    lookups.remember_listed(prefix, token, (entry,))
             if len(self._cum) == self._next + 1:
                 self._cum.append(self._cum[-1] + size)
             self._next += 1

@@ -52,9 +52,11 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Protocol
 
 from cachefs import metrics
+from cachefs.cache.index import Entry
 from cachefs.read.budget import MemoryBudget
 from cachefs.read.fetcher import Fetcher, ObjectVersion
 from cachefs.read.sequential import ReadStream
@@ -74,6 +76,24 @@ LEDGER_SIZE = 65536
 _ISSUED = {p: metrics.PREFETCH_ISSUED_BYTES.labels(p) for p in POLICIES}
 _USED = {p: metrics.PREFETCH_USED_BYTES.labels(p) for p in POLICIES}
 _WASTED = {p: metrics.PREFETCH_WASTED_BYTES.labels(p) for p in POLICIES}
+
+
+class LookupsAhead(Protocol):
+    """The request workers' native loop, told the names of files a far-ahead policy (the
+    read-order hint, the sweep) fetches, so that their readers' LOOKUPs are answered in C
+    (:class:`cachefs.fuse_ops.Operations`): shuffled readers never walk a directory, so
+    the names after a lookup (what a walk's lookups give the loop) are not theirs. Both
+    calls on the trio thread; neither waits."""
+
+    def lookup_token(self, prefix: str) -> int:
+        """The epoch token of directory ``prefix``: read it before the listing the entries
+        come from (a listing changed since makes :meth:`remember_listed` a no-op)."""
+        ...
+
+    def remember_listed(self, prefix: str, token: int, entries: Sequence[Entry]) -> None:
+        """Answer the LOOKUPs of ``entries`` (of ``prefix``'s listing, read after
+        ``token``) in the loop while the listing stays fresh."""
+        ...
 
 
 class PrefetchLedger:
@@ -213,6 +233,18 @@ class Prefetcher:
     def is_loading(self, policy: str, bid: bytes) -> bool:
         """Whether block ``bid``, asked for by ``policy``, is among :meth:`loading`'s."""
         return bid in self._loading[policy]
+
+    def directory_load(self, obj: ObjectVersion) -> bytes | None:
+        """The id of ``obj``'s block when ``obj`` is one block and a load of it for the
+        directory policy is being fetched (:meth:`is_loading`), else None (trio thread).
+        While ``is_loading(DIRECTORY, bid)`` holds, :meth:`want` of that block answers
+        its length and does nothing else: the directory lookahead counts such a file
+        requested again without asking (see ``DirectoryLookahead._take``)."""
+        f = self.fetcher
+        if not 0 < obj.size <= f.block_size:
+            return None
+        bid = f.block_id(obj, 0)
+        return bid if bid in self._loading[DIRECTORY] else None
 
     def on_fetched(self, policy: str, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (trio thread) whenever a load of ``policy`` (hint, sweep, directory)

@@ -43,7 +43,10 @@ Bounds: speculation never displaces anything and never runs far ahead of use.
   rounding too (the budget holds their sizes: a tiny file is mostly rounding,
   and a window of them would overrun the margin). A sweep never evicts a
   block, under either cache policy; when free space is gone the sweep ends
-  (reason ``no_space``), and with a full cache none starts.
+  (reason ``no_space``), and with a full cache none starts. Room short only by
+  the bytes in flight is no reason to end: a block is counted in the cache's
+  used bytes once written, before the landing releases its reservation, so
+  for a moment it counts twice; the sweep waits a tick instead.
 * Unread bound: swept bytes no reader has taken yet stay below
   ``ahead_bytes + read_factor * R``, where R is what readers read from the
   swept directories since the sweep began (swept files they took, plus their
@@ -53,6 +56,20 @@ Bounds: speculation never displaces anything and never runs far ahead of use.
   ``unread_bound``; it goes on when readers take more).
 * A read-order hint wins: while one is being followed no sweep runs (reason
   ``hint``).
+
+Registered ahead. A shuffled epoch opens every swept file, so each file swept from S3
+is a prediction too (``on_predicted``: :meth:`cachefs.passthrough.Passthrough.predicted`
+with ``spare``): the S3 thread that writes a small one registers its cache file and the
+native loop is given its open template, as for a directory walk's next files, so its
+open costs no Python -- but only while the idle registrations have room for it without
+closing another (nothing tells when in the epoch a swept file is opened: one registered
+ahead must not close a registration made for a file read earlier, nor one made ahead
+for a file not read yet). A wrong guess costs one registration, no byte and no cache
+room (an idle registration's pin yields to eviction). Their names are told to the
+native loop too (``lookups``, once per step, from the listing the step read), which then
+answers their readers' LOOKUPs without Python while the listing stays fresh, and their
+inodes are remembered by the listings (``remember_entries``), so the S3 thread that gives
+a file its template ahead resolves it from memory.
 
 A sweep *session* lasts while directories are queued; it ends when the queue
 is done (``done``) or by one of the reasons above, which resets R. A directory
@@ -71,7 +88,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import trio
@@ -83,7 +100,7 @@ from cachefs.cache.metadata import Entry
 from cachefs.cache.objectfiles import allocation
 from cachefs.errors import StoreError
 from cachefs.read.fetcher import ObjectVersion
-from cachefs.read.prefetcher import SWEEP, Prefetcher, PrefetchLedger
+from cachefs.read.prefetcher import SWEEP, LookupsAhead, Prefetcher, PrefetchLedger
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +124,13 @@ class Listings(Protocol):
     def list_ahead(self, prefix: str) -> None:
         ...
 
+    @property
+    def generation(self) -> int:
+        ...
+
+    def remember_entries(self, prefix: str, generation: int, entries: Sequence[Entry]) -> None:
+        ...
+
     def dir_ino_now(self, prefix: str) -> tuple[int, int] | None:
         ...
 
@@ -124,6 +148,7 @@ class Sweeper:
                  free_space: Callable[[], int], max_file: int, ahead_bytes: int, margin: int,
                  hinted: Callable[[str], bool] = lambda key: False,
                  hint_active: Callable[[], bool] = lambda: False,
+                 on_predicted: Callable[[ObjectVersion, int], None] | None = None,
                  window: int = 32, read_factor: float = 2.0, budget_share: float = 0.5,
                  min_misses: int = 2, adjacency: int = 8, spread_after: int = 3,
                  max_dirs: int = 4096) -> None:
@@ -135,6 +160,12 @@ class Sweeper:
         self._free_space = free_space  # cache capacity - used - bytes in flight
         self._hinted = hinted
         self._hint_active = hint_active
+        # Told of every file swept from S3 (object, inode), on the trio thread: it must
+        # only queue (see "Registered ahead" in the module docstring).
+        self._on_predicted = on_predicted
+        #: Told the names of the files swept from S3 (set by the daemon when the request
+        #: workers run the native loop; see "Registered ahead").
+        self.lookups: LookupsAhead | None = None
         self.max_file = max_file
         self.ahead_bytes = ahead_bytes
         self.margin = margin
@@ -343,12 +374,30 @@ class Sweeper:
         it stopped (None: the directory is done, or STEP_ENTRIES looked at)."""
         assert self._current is not None
         prefix, pf = self._current, self._prefetcher
-        limit = self._budget.limit * self.budget_share
         inflight = pf.loading(SWEEP)
-        unit = self._fetcher.cache.unit
         for bid in [b for b in self._rounding if not pf.is_loading(SWEEP, b)]:
             del self._rounding[bid]
         rounding = sum(self._rounding.values())
+        lookups = self.lookups
+        token = lookups.lookup_token(prefix) if lookups is not None else 0
+        generation = self._listings.generation
+        swept: list[Entry] = []  # (their names told to the native loop once the step ends)
+        try:
+            return self._sweep_entries(prefix, inflight, rounding, swept)
+        finally:
+            if swept:
+                # (their inodes are resolved next, from memory: their templates ahead)
+                self._listings.remember_entries(prefix, generation, swept)
+                if lookups is not None:
+                    lookups.remember_listed(prefix, token, swept)
+
+    def _sweep_entries(self, prefix: str, inflight: int, rounding: int,
+                       swept: list[Entry]) -> str | None:
+        """:meth:`_sweep_some`'s walk of the listing (read after its token), adding each
+        file swept from S3 to ``swept``."""
+        pf = self._prefetcher
+        limit = self._budget.limit * self.budget_share
+        unit = self._fetcher.cache.unit
         entries = self._listings.iter_entries(prefix, self._after)
         looked = 0
         with snapshot(entries):
@@ -364,7 +413,13 @@ class Sweeper:
                 if self._ledger.unread(SWEEP) + entry.size > self.allowance():
                     return "unread_bound"
                 need = allocation(entry.size, unit)
-                if self._free_space() - self.margin - rounding < need:
+                room = self._free_space() - self.margin - rounding
+                if room < need:
+                    if room + self._budget.used >= need:
+                        # Short only by bytes in flight: some may be written already and
+                        # still reserved (counted twice until the landing releases them,
+                        # longer on a busy machine). Decided once they have settled.
+                        return "window"
                     return "no_space"
                 obj = ObjectVersion(prefix + entry.name.decode("utf-8", "surrogateescape"),
                                     entry.etag, entry.size)
@@ -381,6 +436,9 @@ class Sweeper:
                     if pf.is_loading(SWEEP, bid):
                         self._rounding[bid] = need - entry.size
                         rounding += need - entry.size
+                        if self._on_predicted is not None:
+                            self._on_predicted(obj, entry.ino)
+                        swept.append(entry)
                     metrics.SWEEP_FILES.inc()
                     metrics.SWEEP_BYTES.inc(n)
                     self.paused = None

@@ -181,10 +181,11 @@ class S3Store:
         return self._ranges.get_range(key, etag, start, end)
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
         if end <= start:
             return Body(b"")
-        return self._ranges.get(key, etag, start, end, whole=whole, exchange=exchange)
+        return self._ranges.get(key, etag, start, end, whole=whole, exchange=exchange,
+                               md5=md5)
 
     def full_checksum(self, key: str, etag: str,
                       exchange: Exchange | None = None) -> Checksum | None:

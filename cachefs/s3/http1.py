@@ -40,6 +40,16 @@ timeout, and each recv() returns what one TLS record holds. A body of
 size and returned as it is (bytes-like, never changed after): joined from parts,
 a large body costs a second buffer whose every page faults.
 
+A GET on a plain socket is exchanged by :func:`exchange_plain`: where the C
+extension is built (``_wire.c``), the request sent, the head read and parsed,
+a body of the expected Content-Length received straight into the bytes object
+returned, and its MD5 computed when it will be checked, all in one call that
+releases the interpreter lock once (in Python that lock is given up and taken
+again for each send, recv and hash: under a few hundred GETs in flight, two
+thread switches a time). Any answer that is not that plain case goes on in
+:func:`read_answer` from the bytes the call received, so every other answer is
+judged by the one parser here.
+
 Thread-safety: plain functions on the caller's socket and reader; one
 :class:`SocketReader` belongs to the thread that reads one answer.
 """
@@ -47,6 +57,7 @@ Thread-safety: plain functions on the caller's socket and reader; one
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import ssl
 import struct
@@ -55,6 +66,14 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from cachefs.errors import StoreError
+
+try:  # one GET's exchange in one call, one release of the interpreter lock (see _wire.c)
+    from cachefs.s3 import _wire
+except ImportError:  # built without extensions (no compiler or libcrypto at install time)
+    _wire = None  # type: ignore[assignment]
+
+#: Whether :func:`exchange_plain` runs in C (else it is :func:`send` and :func:`read_answer`).
+NATIVE_EXCHANGE = _wire is not None
 
 _MAX_LINE = 65536
 _MAX_HEADERS = 100
@@ -81,6 +100,8 @@ class Progress(Protocol):
     progress_at: float
 
     def received(self) -> None: ...
+
+    def reached(self, first_at: float, last_at: float) -> None: ...
 
 
 def set_idle_timeout(sock: socket.socket, idle: float) -> None:
@@ -116,13 +137,14 @@ class SocketReader:
 
     __slots__ = ("_buf", "_flags", "_idle", "_plain", "_pos", "_progress", "_sock")
 
-    def __init__(self, sock: socket.socket, progress: Progress, idle: float) -> None:
+    def __init__(self, sock: socket.socket, progress: Progress, idle: float,
+                 received: bytes = b"") -> None:
         self._sock = sock
         self._progress = progress
         self._idle = idle
         self._plain = not isinstance(sock, ssl.SSLSocket)
         self._flags = socket.MSG_WAITALL if self._plain else 0
-        self._buf = b""
+        self._buf = received  # (bytes of the answer read already: exchange_plain's)
         self._pos = 0
 
     def _recv(self, n: int, flags: int) -> bytes:
@@ -221,16 +243,77 @@ class SocketReader:
         return out  # type: ignore[return-value]
 
 
-def send(sock: object, method: str, target: str, headers: Mapping[str, str]) -> None:
-    """Send the request line and headers (no body). Raises OSError, StoreError for a
-    header value that would break the request."""
+def request(method: str, target: str, headers: Mapping[str, str]) -> bytes:
+    """The request line and headers (no body), as sent. Raises StoreError for a header
+    value that would break the request."""
     parts = [f"{method} {target} HTTP/1.1\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value:
             raise StoreError(f"refusing to send header {name!r}: it contains a line break")
         parts.append(f"{name}: {value}\r\n")
     parts.append("Accept-Encoding: identity\r\n\r\n")
-    sock.sendall("".join(parts).encode("latin-1"))  # type: ignore[attr-defined]
+    return "".join(parts).encode("latin-1")
+
+
+def send(sock: object, method: str, target: str, headers: Mapping[str, str]) -> None:
+    """Send the request line and headers (no body). Raises OSError, StoreError for a
+    header value that would break the request."""
+    sock.sendall(request(method, target, headers))  # type: ignore[attr-defined]
+
+
+def exchange_plain(sock: socket.socket, request: bytes, expect: int, progress: Progress,
+                   idle: float, wanted: tuple[str, ...] = (), md5: bool = False,
+                   pooled: bool = False
+                   ) -> tuple[int, dict[str, str], bytes, bool, bytes | None] | None:
+    """Send ``request`` (a GET: :func:`request`) on a plain socket prepared by
+    :func:`set_idle_timeout` and read its answer, expected to carry ``expect`` (> 0)
+    bytes: (status, headers, body, whether the connection must close, the body's MD5 or
+    None) -- :func:`read_answer`'s results and errors exactly, for the same answers.
+    With ``pooled`` (an idle kept-alive connection), None without sending anything if
+    the socket is readable or failed (:func:`dropped`: the server closed it meanwhile).
+
+    With the C extension (:data:`NATIVE_EXCHANGE`), the plain case -- a final answer
+    whose Content-Length is ``expect``, its head well-formed -- is exchanged in one call
+    with the interpreter lock released once (``_wire.c``): the head parsed there, the
+    body received straight into the bytes returned and, with ``md5``, its MD5 computed
+    when the answer is a 200 that states no full-object checksum (else None: the caller
+    computes what it checks). Any other answer is read on from the bytes the call
+    received by :func:`read_answer`. Progress is reported to ``progress`` at least once
+    an SO_RCVTIMEO slice while the answer arrives (``Progress.reached``), the first
+    arrival included: a waiter may see it up to one :data:`SLICE` late, never later.
+    ``wanted``: as for :func:`read_answer`. Without the extension: :func:`send`
+    and :func:`read_answer`, no MD5. Raises OSError and http.client.HTTPException."""
+    if _wire is None:
+        if pooled and dropped(sock):
+            return None
+        sock.sendall(request)
+        status, headers, body, will_close = read_answer(
+            SocketReader(sock, progress, idle), "GET", wanted)
+        return status, headers, body, will_close, None
+    answer = _wire.exchange(sock.fileno(), request, expect, idle, progress.progress_at,
+                            wanted, md5, progress.reached, pooled)
+    if not answer:
+        return None
+    if len(answer) == 1:
+        status, headers, body, will_close = read_answer(
+            SocketReader(sock, progress, idle, answer[0]), "GET", wanted)
+        return status, headers, body, will_close, None
+    status, headers, body, will_close, digest = answer
+    if len(body) < expect:
+        raise http.client.IncompleteRead(body, expect - len(body))
+    return status, headers, body, will_close, digest
+
+
+def dropped(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive connection's socket can no longer be sent on: readable
+    while no answer is due (the server closed it, or sent something unasked), or failed.
+    One poll of the socket, without waiting."""
+    try:
+        poller = select.poll()  # (not select(): descriptors above 1023 are refused there)
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def _line(fp: Reader) -> bytes:

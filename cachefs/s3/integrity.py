@@ -119,17 +119,20 @@ def etag_is_md5(etag: str, headers: Mapping[str, str]) -> bool:
 
 
 def check_whole(data: bytes, *, where: str, stated: Checksum | None, etag: str,
-                etag_md5: bool) -> str:
+                etag_md5: bool, md5: bytes | None = None) -> str:
     """Check the bytes of a whole object against what S3 stated; return the check made
     (a :data:`CHECKS` name, ``etag_md5`` or ``none``). A full-object checksum is preferred
-    (the CRCs are ~50 times cheaper than MD5). Raises IntegrityError on a mismatch."""
+    (the CRCs are ~50 times cheaper than MD5). ``md5``: the MD5 of ``data`` if computed
+    already (as the answer was received: :func:`cachefs.s3.http1.exchange_plain`), used
+    for the ETag's check instead of computing it again. Raises IntegrityError on a
+    mismatch."""
     if stated is not None:
         kind, expected = stated.kind, stated.digest
     elif etag_md5:
         kind, expected = "etag_md5", bytes.fromhex(etag)
     else:
         return "none"
-    got = digest(kind, data)
+    got = md5 if kind == "etag_md5" and md5 is not None else digest(kind, data)
     if got != expected:
         raise IntegrityError(
             f"{where}: {len(data)} bytes received disagree with the object's {kind} "

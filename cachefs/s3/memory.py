@@ -98,7 +98,7 @@ class MemoryStore:
         return self.get(key, etag, start, end).data
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
         self._count("get", key)
         if exchange is not None:
             exchange.sending()

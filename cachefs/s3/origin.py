@@ -65,7 +65,9 @@ slot (and background slot) until it returns.
 **Threads.** Each request runs in a thread of trio's thread cache
 (``trio.lowlevel.start_thread_soon``); its outcome is handed to the trio thread
 with ``run_sync_soon`` (:meth:`Origin._landed`), where the waiting task is
-rescheduled. No task, nursery or cancel scope is made per request beyond the
+rescheduled; the landings of :meth:`Origin.get_soon`'s GETs are gathered for up to
+:data:`GATHER_MAX` and handed over together (:meth:`Origin._start`): each hand-over
+wakes the trio thread. No task, nursery or cancel scope is made per request beyond the
 waiting task's own: the trio thread's cost per GET bounds cold small-file
 throughput. A thread is named ``cachefs-s3`` once, at its first request
 (:func:`_name_thread`), not per request.
@@ -87,7 +89,9 @@ watcher's end).
 
 Concurrency: everything here runs on the trio thread, except the functions
 handed to worker threads, which touch only their arguments, the Exchange and
-(to deliver their outcome) the trio token.
+(to deliver their outcome) the trio token, and for gathered landings
+``_landings`` and ``_landings_due`` under ``_landings_lock`` and
+``LatencyTracker.gather`` (read).
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import outcome
 import trio
@@ -157,6 +161,14 @@ LAST_TRY = 2.0
 SOON_QUEUE_WAIT = 1.0
 #: ... remembered for this many places (objects, listings) at most.
 GAVE_UP_KEPT = 4096
+#: The landing of a GET of :meth:`Origin.get_soon` that finds no other landing waiting
+#: to be handed to the trio thread waits in its worker thread this share of S3's
+#: first-byte latency (p99) ... (see Origin._start)
+GATHER_SHARE = 1 / 64
+#: ... and at most this long (seconds), so that the landings within it wake the trio
+#: thread once: each wake-up costs it ~50 us of CPU on top of a landing's own work
+#: (benchmarks/RESULTS.md, twenty-seventh round).
+GATHER_MAX = 0.002
 _LOG_EVERY = 10.0  # seconds between "still failing" lines per operation
 #: The name of a worker thread that makes S3 requests (``top -H``, the benchmarks).
 _THREAD_NAME = "cachefs-s3"
@@ -205,6 +217,10 @@ class LatencyTracker:
         self._ordered: list[float] = []
         self._p99: float | None = None
         self._delay = self._hedge_delay()
+        #: How long a GET's landing of get_soon waits to be handed over with others (see
+        #: Origin._start): GATHER_SHARE of the p99, at most GATHER_MAX; 0 without
+        #: samples. Written with the p99; read by worker threads (one attribute read).
+        self.gather = 0.0
         metrics.S3_HEDGE_DELAY.set(self._delay)
 
     def observe(self, seconds: float) -> None:
@@ -238,6 +254,7 @@ class LatencyTracker:
         ordered = self._ordered
         n = len(ordered)
         self._p99 = ordered[min(n - 1, math.ceil(0.99 * n) - 1)] if n else None
+        self.gather = min(GATHER_MAX, GATHER_SHARE * (self._p99 or 0.0))
         delay = self._hedge_delay()
         if delay != self._delay:
             self._delay = delay
@@ -429,6 +446,12 @@ class Origin:
         self._soon_queue: deque[_Soon] = deque()
         self._soon_nursery: trio.Nursery | None = None
         self._soon_scope: trio.CancelScope | None = None
+        # Landings of get_soon's GETs waiting to be handed to the trio thread together
+        # (worker threads append; _take_landings takes them), and whether a hand-over of
+        # them is under way (see _start): both under _landings_lock
+        self._landings: list[tuple[_Job[Any], outcome.Outcome[Any]]] = []
+        self._landings_due = False
+        self._landings_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
@@ -491,10 +514,12 @@ class Origin:
         store = self.store
 
         def fetch(exchange: Exchange) -> Got:  # worker thread
-            body = store.get(key, etag, start, end, whole=whole, exchange=exchange)
+            body = store.get(key, etag, start, end, whole=whole, exchange=exchange,
+                             md5=whole and check_etags)
             if whole:
                 check = integrity.check_whole(body.data, where=where, stated=body.checksum,
-                                              etag=etag, etag_md5=body.etag_md5 and check_etags)
+                                              etag=etag, etag_md5=body.etag_md5 and check_etags,
+                                              md5=body.md5)
                 if sink is not None:
                     sink(body.data)
                 return Got(body.data, check)
@@ -650,9 +675,20 @@ class Origin:
     def _exchange(self) -> Exchange:
         return Exchange(self.latency.idle_timeout)
 
-    def _start(self, fn: Callable[[Exchange], T], job: _Job[T]) -> None:
+    def _start(self, fn: Callable[[Exchange], T], job: _Job[T], *,
+               gathered: bool = False) -> None:
         """Run ``fn(job.exchange)`` in a worker thread; its outcome lands on the trio thread
-        (:meth:`_landed`). The job holds its connection tokens already."""
+        (:meth:`_landed`). The job holds its connection tokens already.
+
+        ``gathered`` (the GETs of :meth:`get_soon`, which no task waits for): the
+        outcome is handed over with the others that land meanwhile. The first of them
+        waits ``latency.gather`` in its worker thread (GATHER_SHARE of S3's p99
+        first-byte latency, at most GATHER_MAX) before it wakes the trio thread; those
+        landing during that wait join it, without a wake-up of their own
+        (:meth:`_take_landings`). A cold pass of small files woke the trio thread once
+        per GET, ~50 us of its CPU each beside the landing's own work; the cost is that
+        much later an answer (a connection given back, a reader joined to the load
+        answered): 2 ms of GETs of 100 ms or more."""
         self._exchanges.add(job.exchange)
         job.outages = self._outage_changes
         self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
@@ -674,7 +710,37 @@ class Origin:
             except trio.RunFinishedError:
                 pass  # the daemon is gone: nothing waits for it any more
 
+        if gathered:
+            latency, lock, take = self.latency, self._landings_lock, self._take_landings
+
+            def deliver_gathered(result: outcome.Outcome[T]) -> None:  # worker thread
+                with lock:
+                    self._landings.append((job, result))
+                    if self._landings_due:
+                        return  # (handed over with the first, which waits)
+                    self._landings_due = True
+                wait = latency.gather
+                if wait > 0:
+                    time.sleep(wait)
+                try:
+                    token.run_sync_soon(take)
+                except trio.RunFinishedError:  # the daemon is gone: nothing waits for them
+                    with lock:
+                        self._landings.clear()
+                        self._landings_due = False
+
+            trio.lowlevel.start_thread_soon(run, deliver_gathered)
+            return
         trio.lowlevel.start_thread_soon(run, deliver)
+
+    def _take_landings(self) -> None:
+        """The landings gathered by :meth:`_start` (trio thread): each goes on as any
+        landing does (:meth:`_landed`), in the order they landed."""
+        with self._landings_lock:
+            landings, self._landings = self._landings, []
+            self._landings_due = False
+        for job, result in landings:
+            self._landed(job, result)
 
     def _landed(self, job: _Job[T], result: outcome.Outcome[T]) -> None:
         """A worker thread's outcome, on the trio thread: the connection's tokens go back
@@ -954,7 +1020,7 @@ class Origin:
                 limit.background.release_on_behalf_of(job)
             return False
         try:
-            self._start(rec.fetch, job)
+            self._start(rec.fetch, job, gathered=True)
         except BaseException:  # no thread to be had: nothing was sent
             self._give_back(job, pump=False)
             raise
@@ -1224,8 +1290,8 @@ class BlockingOrigin:
         return trio.from_thread.run(get)
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
-        async def get() -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
+        async def get() -> Body:  # (checked by Origin.get already)
             return Body((await self.origin.get(key, etag, start, end, whole=whole)).data)
         return trio.from_thread.run(get)
 

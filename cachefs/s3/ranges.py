@@ -35,14 +35,13 @@ instance-role credentials are picked up.
 from __future__ import annotations
 
 import http.client
-import queue
 import re
-import select
 import socket
 import threading
 import time
 import urllib.parse
 import weakref
+from collections import deque
 from typing import Any
 
 from cachefs import metrics
@@ -69,16 +68,21 @@ _REGION_RE = re.compile(rb"<Region>([^<]+)</Region>")
 
 
 class _Answer:
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "headers", "md5", "status")
 
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes,
+                 md5: bytes | None = None) -> None:
         self.status = status
         self.headers = headers
         self.body = body
+        self.md5 = md5  # the body's MD5, when computed on the way (http1.exchange_plain)
 
 
 #: The answer headers cachefs reads (prefixes of lower-cased names).
-_WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region")
+#: The answer headers a GET keeps (prefixes of lower-case names): Content-Range states a
+#: 206's object size (_stated_size).
+_WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption", "x-amz-bucket-region",
+           "content-range")
 
 
 _CONTENT_RANGE_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)\s*$")
@@ -115,14 +119,7 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     readable while no answer is due (the server closed it, or sent something
     unasked). One poll of the socket, without waiting."""
     sock = conn.sock
-    if sock is None:
-        return True
-    try:
-        poller = select.poll()  # (not select(): descriptors above 1023 are refused there)
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
+    return sock is None or http1.dropped(sock)
 
 
 class RangeClient:
@@ -154,23 +151,29 @@ class RangeClient:
         self.read_timeout = read_timeout
         self.connector = Connector(self._host, port, https=https, connect_timeout=connect_timeout,
                                    ca_bundle=ca_bundle)
-        self._pool: queue.LifoQueue[http.client.HTTPConnection] = queue.LifoQueue(
-            maxsize=max_connections)
+        # Idle kept-alive connections, the last given back taken first, at most
+        # max_connections (the bound is checked under _pool_lock; deque's pop is atomic).
+        self._pool: deque[http.client.HTTPConnection] = deque()
+        self._pool_max = max_connections
+        self._pool_lock = threading.Lock()
         # The idle timeout each open socket is set up for (http1.set_idle_timeout).
         self._idle: weakref.WeakKeyDictionary[socket.socket, float] = \
             weakref.WeakKeyDictionary()
 
     # -- connections ------------------------------------------------------------
-    def _connection(self, *, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(self, *, fresh: bool = False,
+                    polled: bool = False) -> tuple[http.client.HTTPConnection, bool]:
         """An idle pooled connection (reused=True) or a new connected one (always new
         with ``fresh``). Pooled connections the server has closed meanwhile (its idle
-        timeout: readable, at end of file) are dropped here rather than sent on."""
+        timeout: readable, at end of file) are dropped here rather than sent on --
+        unless ``polled``: then the caller's exchange polls it (http1.exchange_plain's
+        ``pooled``) and drops it."""
         while not fresh:
             try:
-                conn = self._pool.get_nowait()
-            except queue.Empty:
+                conn = self._pool.pop()
+            except IndexError:
                 break
-            if _dropped(conn):
+            if conn.sock is None or (not polled and _dropped(conn)):
                 conn.close()
                 continue
             return conn, True
@@ -201,7 +204,7 @@ class RangeClient:
                 pass
 
         threads = [threading.Thread(target=one, name="cachefs-connect", daemon=True)
-                   for _ in range(max(0, min(n, self._pool.maxsize)))]
+                   for _ in range(max(0, min(n, self._pool_max)))]
         for t in threads:
             t.start()
         for t in threads:
@@ -211,10 +214,11 @@ class RangeClient:
         return len(opened)
 
     def _release(self, conn: http.client.HTTPConnection) -> None:
-        try:
-            self._pool.put_nowait(conn)
-        except queue.Full:
-            conn.close()
+        with self._pool_lock:
+            if len(self._pool) < self._pool_max:
+                self._pool.append(conn)
+                return
+        conn.close()
 
     # -- requests -----------------------------------------------------------------
     def _signed(self, method: str, path: str, extra: dict[str, str]) -> dict[str, str]:
@@ -233,12 +237,20 @@ class RangeClient:
         return headers
 
     def _exchange(self, op: str, method: str, path: str, extra: dict[str, str],
-                  exchange: Exchange, where: str) -> _Answer:
+                  exchange: Exchange, where: str, *, expect: int = 0,
+                  md5: bool = False) -> _Answer:
         """Send one request and read the whole answer. Raises TransientStoreError for
         connection trouble (after one immediate resend when a kept-alive connection
-        turns out to be closed) and CredentialsError; never an OSError."""
+        turns out to be closed) and CredentialsError; never an OSError.
+
+        ``expect`` (a GET's length, > 0): on a plain socket the exchange is made by
+        :func:`cachefs.s3.http1.exchange_plain` (one C call where built), computing the
+        body's MD5 on the way with ``md5``; TLS sockets keep the Python path."""
         headers = self._signed(method, path, extra)
         target = self.connector.target(path)
+        plain = bool(expect) and not self.connector.https  # (https: TLS sockets)
+        request: bytes | None = None
+        exchanged: tuple[int, dict[str, str], bytes, bool, bytes | None] | None = None
         fresh = False
         for resend in (False, True):
             (_REQUESTS.get(op) or metrics.S3_REQUESTS.labels(op)).inc()
@@ -246,19 +258,35 @@ class RangeClient:
             conn: http.client.HTTPConnection | None = None
             reused = False
             try:
-                conn, reused = self._connection(fresh=fresh)
-                sock = conn.sock
-                exchange.attach(sock)
-                assert sock is not None
-                idle = exchange.idle_timeout
-                if self._idle.get(sock) != idle:  # (set once per connection and timeout)
-                    http1.set_idle_timeout(sock, idle)
-                    self._idle[sock] = idle
-                exchange.sending()
-                http1.send(sock, method, target, headers)
-                status, got, body, will_close = http1.read_answer(
-                    http1.SocketReader(sock, exchange, idle), method, _WANTED)
-                answer = _Answer(status, got, body)
+                while True:
+                    conn, reused = self._connection(fresh=fresh, polled=plain)
+                    sock = conn.sock
+                    exchange.attach(sock)
+                    assert sock is not None
+                    idle = exchange.idle_timeout
+                    if self._idle.get(sock) != idle:  # (set once per connection and timeout)
+                        http1.set_idle_timeout(sock, idle)
+                        self._idle[sock] = idle
+                    exchange.sending()
+                    if not plain:
+                        break
+                    if request is None:
+                        request = http1.request(method, target, headers)
+                    exchanged = http1.exchange_plain(sock, request, expect, exchange, idle,
+                                                     _WANTED, md5, pooled=reused)
+                    if exchanged is not None:
+                        break
+                    conn.close()  # a pooled connection the server closed: not sent on
+                    conn = None
+                if plain:
+                    assert exchanged is not None
+                    status, got, body, will_close, digest = exchanged
+                    answer = _Answer(status, got, body, digest)
+                else:
+                    http1.send(sock, method, target, headers)
+                    status, got, body, will_close = http1.read_answer(
+                        http1.SocketReader(sock, exchange, idle), method, _WANTED)
+                    answer = _Answer(status, got, body)
                 reusable = not will_close
             except StoreError as exc:
                 if conn is not None:
@@ -310,7 +338,7 @@ class RangeClient:
             raise ObjectChanged(f"s3://{self.bucket}/{key} changed (ETag {got}, expected {etag})")
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
         """Bytes [start, end) of version ``etag`` of ``key`` (see ObjectStore.get)."""
         where = f"s3://{self.bucket}/{key}"
         # No ETag (a manifest row without one): no version to pin, so no If-Match at all;
@@ -321,7 +349,8 @@ class RangeClient:
         else:
             extra["Range"] = f"bytes={start}-{end - 1}"
         answer = self._exchange("get", "GET", self._object_path(key), extra,
-                                exchange or Exchange(self.read_timeout), where)
+                                exchange or Exchange(self.read_timeout), where,
+                                expect=end - start, md5=md5 and whole)
         if answer.status == 416 and not whole:  # (the range starts past the object's end)
             self._check_version("get", answer, key, etag)
             metrics.S3_ERRORS.labels("get", "ObjectChanged").inc()
@@ -350,7 +379,7 @@ class RangeClient:
         if not whole:
             return Body(body)
         return Body(body, stated_checksum(answer.headers),
-                    etag_is_md5(etag, answer.headers) and answer.status == 200)
+                    etag_is_md5(etag, answer.headers) and answer.status == 200, answer.md5)
 
     def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of version ``etag`` of ``key``. Raises cachefs errors only."""

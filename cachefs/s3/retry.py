@@ -71,9 +71,10 @@ class RetryingStore:
             "get", lambda: self.inner.get_range(key, etag, start, end))
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
         return self._retry(  # type: ignore[no-any-return]
-            "get", lambda: self.inner.get(key, etag, start, end, whole=whole))
+            "get", lambda: self.inner.get(key, etag, start, end, whole=whole,
+                                                md5=md5))
 
     def full_checksum(self, key: str, etag: str,
                       exchange: Exchange | None = None) -> Checksum | None:

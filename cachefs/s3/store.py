@@ -57,6 +57,7 @@ class Body:
     data: bytes
     checksum: Checksum | None = None  # the full-object checksum S3 stated
     etag_md5: bool = False  # the ETag may be checked as the MD5 of the content
+    md5: bytes | None = None  # the MD5 of ``data``, if computed on the way (``get(md5=True)``)
 
 
 class Exchange:
@@ -94,6 +95,14 @@ class Exchange:
         if self.first_byte_at is None:
             self.first_byte_at = now
         self.progress_at = now
+
+    def reached(self, first_at: float, last_at: float) -> None:
+        """Bytes of the answer arrived, the first at ``first_at``, the last at ``last_at``
+        (``time.monotonic()`` values; worker thread, reported after the fact by
+        :func:`cachefs.s3.http1.exchange_plain`)."""
+        if self.first_byte_at is None:
+            self.first_byte_at = first_at
+        self.progress_at = last_at
 
     @property
     def first_byte_latency(self) -> float | None:
@@ -174,13 +183,16 @@ class ObjectStore(Protocol):
         ...
 
     def get(self, key: str, etag: str, start: int, end: int, *, whole: bool = False,
-            exchange: Exchange | None = None) -> Body:
+            exchange: Exchange | None = None, md5: bool = False) -> Body:
         """Like :meth:`get_range`, with the answer's integrity facts.
 
         ``whole``: ``[start, end)`` is the whole object: ask for it without a Range
         (so S3 treats it as a whole-object read and states its full-object checksum,
         which is requested) and fill in :class:`Body`'s checksum and etag_md5.
         ``exchange`` reports progress and lets another thread abort the request.
+        ``md5`` (whole only): the caller will check the bytes against an MD5 ETag if S3
+        states no full-object checksum; a store may compute it on the way
+        (:attr:`Body.md5`; None when it did not).
         Checking the bytes is the caller's business (:mod:`cachefs.s3.integrity`).
         """
         ...
