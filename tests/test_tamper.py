@@ -144,6 +144,41 @@ def test_a_file_changed_under_an_open_native_handle_is_not_served(shard, mount_f
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
 
 
+def _changed_under_an_open_handle(m: Any, path: Path, data: bytes) -> None:
+    """Open ``path`` and damage its cache file while that handle reads it: a new open
+    fails with EIO while the handle is open (the kernel would give it the same file);
+    then the handle is closed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 10, 0) == data[:10]
+        _damage(m, 2 * BLOCK + 9)
+        with pytest.raises(OSError) as refused:
+            os.close(os.open(path, os.O_RDONLY))
+        assert refused.value.errno == errno.EIO
+        assert m.metric("cachefs_passthrough_changed_total") == 1
+    finally:
+        os.close(fd)
+
+
+def _read_once_released(path: Path, timeout: float = 10.0) -> bytes:
+    """``path``'s bytes once the closed handle is gone: the kernel sends its RELEASE
+    after close() returned, and an open before the daemon had it still fails EIO."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return read_unbuffered(path)
+        except OSError as exc:
+            assert exc.errno == errno.EIO and time.monotonic() < deadline, exc
+            time.sleep(0.05)
+
+
+def _wait_metric(m: Any, metric: str, value: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while m.metric(metric) != value:
+        assert time.monotonic() < deadline, f"{metric} stayed {m.metric(metric)}, not {value}"
+        time.sleep(0.02)
+
+
 def test_a_file_changed_under_an_open_passthrough_handle_refuses_new_opens_until_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
     """The kernel reads a passed-through handle's file itself, so a change under an open
     handle is the handle's to see; a new open of the file then fails with EIO (the kernel
@@ -154,27 +189,11 @@ def test_a_file_changed_under_an_open_passthrough_handle_refuses_new_opens_until
     path = m.path / "shards" / "s0.tar"
     assert read_unbuffered(path) == data
     drop_page_cache()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert os.pread(fd, 10, 0) == data[:10]
-        assert m.metric("cachefs_passthrough_opens_total") == 1
-        _damage(m, 2 * BLOCK + 9)
-        with pytest.raises(OSError) as refused:
-            os.close(os.open(path, os.O_RDONLY))
-        assert refused.value.errno == errno.EIO
-        assert m.metric("cachefs_passthrough_changed_total") == 1
-    finally:
-        os.close(fd)
+    _changed_under_an_open_handle(m, path, data)
+    assert m.metric("cachefs_passthrough_opens_total") == 1  # (the refused open not counted)
     drop_page_cache()
-    assert read_unbuffered(path) == data
+    assert _read_once_released(path) == data
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
-
-
-def _wait_metric(m: Any, metric: str, value: float, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while m.metric(metric) != value:
-        assert time.monotonic() < deadline, f"{metric} stayed {m.metric(metric)}, not {value}"
-        time.sleep(0.02)
 
 
 def test_a_file_changed_under_a_handle_its_template_opened_is_read_right_once_closed(shard, mount_factory) -> None:  # type: ignore[no-untyped-def]
@@ -192,27 +211,10 @@ def test_a_file_changed_under_a_handle_its_template_opened_is_read_right_once_cl
     _wait_metric(m, "cachefs_native_open_templates", 1)
     opens = 'cachefs_fuse_native_answers_total{op="open"}'
     before = m.metric(opens)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert m.metric(opens) == before + 1, "the loop did not answer the open"
-        assert os.pread(fd, 10, 0) == data[:10]
-        _damage(m, 2 * BLOCK + 9)
-        with pytest.raises(OSError) as refused:
-            os.close(os.open(path, os.O_RDONLY))
-        assert refused.value.errno == errno.EIO
-        assert m.metric("cachefs_passthrough_changed_total") == 1
-    finally:
-        os.close(fd)
+    _changed_under_an_open_handle(m, path, data)
+    assert m.metric(opens) == before + 1, "the loop did not answer the open"
     drop_page_cache()
-    deadline = time.monotonic() + 10
-    while True:  # (the loop tells Python of its handle's release shortly after the close)
-        try:
-            got = read_unbuffered(path)
-            break
-        except OSError as exc:
-            assert exc.errno == errno.EIO and time.monotonic() < deadline, exc
-            time.sleep(0.05)
-    assert got == data
+    assert _read_once_released(path) == data
     assert m.metric("cachefs_cache_corrupt_blocks_total") == 1
 
 

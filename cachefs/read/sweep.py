@@ -212,20 +212,28 @@ class Sweeper:
             self._read += obj.size  # a reader got there before the sweep
             self._wake.set()  # (a sweep waiting at its unread bound may go on)
             return
-        st = self._dirs.pop(prefix, None)
-        if st is None:
-            st = _Misses(frontier=ino)
-        elif abs(ino - st.frontier) > self.adjacency:
-            st.scattered += 1
-        st.frontier = max(st.frontier, ino)
-        self._dirs[prefix] = st  # most recently missed last
-        if len(self._dirs) > self.max_dirs:
-            self._dirs.popitem(last=False)
+        st = self._missed(self._dirs, prefix, ino)
         if st.scattered >= self.min_misses:
             del self._dirs[prefix]  # (a refused start is tried again after as many misses)
             self._start(prefix, "misses")
         else:
             self._folder_miss(prefix)
+
+    def _missed(self, table: OrderedDict[str, _Misses], where: str, position: int) -> _Misses:
+        """Count a miss at ``position`` (an inode number: a place in a listing) in
+        ``where``'s entry of ``table`` (``_dirs`` or ``_folders``): scattered when farther
+        than ``adjacency`` from the furthest missed yet. The entry moves last (most recently
+        missed); the table keeps at most ``max_dirs``, the least recently missed go."""
+        st = table.pop(where, None)
+        if st is None:
+            st = _Misses(frontier=position)
+        elif abs(position - st.frontier) > self.adjacency:
+            st.scattered += 1
+        st.frontier = max(st.frontier, position)
+        table[where] = st
+        if len(table) > self.max_dirs:
+            table.popitem(last=False)
+        return st
 
     def _folder_miss(self, prefix: str) -> None:
         """A miss in folder ``prefix``, seen from its parent. A folder of two files never
@@ -239,17 +247,8 @@ class Sweeper:
         found = self._listings.dir_ino_now(prefix)
         if found is None:
             return
-        ino = found[0]
         parent = parent_prefix(prefix)
-        st = self._folders.pop(parent, None)
-        if st is None:
-            st = _Misses(frontier=ino)
-        elif abs(ino - st.frontier) > self.adjacency:
-            st.scattered += 1
-        st.frontier = max(st.frontier, ino)
-        self._folders[parent] = st
-        if len(self._folders) > self.max_dirs:
-            self._folders.popitem(last=False)
+        st = self._missed(self._folders, parent, found[0])
         if st.scattered >= self.min_misses:
             del self._folders[parent]
             self._start(prefix, "misses")
