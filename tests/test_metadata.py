@@ -884,6 +884,27 @@ def test_the_walk_goes_from_a_parents_last_folder_into_the_next_parents_first(en
     run_with_metadata(env, store, body, list_ahead=2, root="t/")
 
 
+def test_a_walk_does_not_climb_into_a_next_parent_that_holds_files_itself(env: LmdbEnv) -> None:
+    """``train/c2/`` is followed by ``val/``, a directory that holds files of its own, not
+    folders of them: another shape of tree, not walked into (a reader of the training
+    split read in order is not taken for a reader of the validation split: a warmed
+    ``train/`` read whole fetched ``val/``'s 300 KB ahead)."""
+    store = MemoryStore()
+    for c in range(3):
+        store.put(f"ds/train/c{c}/f0", b"x")
+    store.put("ds/val/v.bin", b"v")
+
+    async def body(md: Metadata) -> None:
+        for prefix in ("ds/", "ds/train/", "ds/val/"):
+            await md.ensure(prefix)
+        assert md.next_walked_dir("ds/train/c1/", "ds/") == "ds/train/c2/"  # as next_dir
+        for _ in range(20):  # (nothing to list on the way: the answer stays None)
+            assert md.next_walked_dir("ds/train/c2/", "ds/") is None
+            await trio.sleep(0.01)
+
+    run_with_metadata(env, store, body, list_ahead=2, root="ds/")
+
+
 def test_a_walk_climbing_into_the_next_parents_has_their_folders_listed_by_one_flat_page(
         env: LmdbEnv) -> None:
     """The folders of the parents after a parent's last folder are listed ahead by one flat

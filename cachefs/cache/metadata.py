@@ -858,7 +858,8 @@ class Metadata:
         """The directory a walk in name order through ``root``'s tree reads next after
         ``prefix`` (trio thread): :meth:`next_dir`, or, when ``prefix`` is the last
         directory of its parent, the first folder with files of the directory after that
-        parent (at most :data:`WALK_LEVELS` levels up, and as many down): a tree of two
+        parent, no shallower than ``prefix`` (at most :data:`WALK_LEVELS` levels up; a
+        directory with files of its own above that depth ends it): a tree of two
         levels read in order (``p000/c000/`` .. ``p000/c009/``, ``p001/c010/`` ..) goes
         from ``p000/c009/`` on into ``p001/c010/``. Next_dir alone ended the directory
         lookahead's walks at every parent's last folder, so the readers of each new parent
@@ -867,6 +868,7 @@ class Metadata:
         way without one has its listing started, and the walk asks again later)."""
         nxt = self.next_dir(prefix, root)
         up = prefix
+        levels = 0
         for _ in range(WALK_LEVELS):
             if nxt is not None:
                 break
@@ -876,17 +878,23 @@ class Metadata:
                     or (scan[1] and scan[1][-1] != up) or self._index.row(parent) is None):
                 return None  # the root's last folder, or not known to be its parent's last
             up = parent
+            levels += 1
             nxt = self.next_dir(up, root)
-        if nxt is None or up == prefix:
+        if nxt is None or levels == 0:
             return nxt
-        for _ in range(WALK_LEVELS):  # down to the first folder with files
+        # Down to the first folder with files, at least as deep as ``prefix``: a walk
+        # through a tree does not come up. A directory that holds files above that depth is
+        # another shape of tree (``train/c2/`` is followed by ``val/``, which holds files
+        # itself): not walked into, a reader of one split is not taken for a reader of the
+        # next.
+        for depth in range(levels + WALK_LEVELS):
             row = self._index.row(nxt)
             if row is None:
                 if self._store is not None and self._nursery is not None:
                     self._list_down(nxt)
                 return None
-            if row[2] > row[3] or row[3] == 0:
-                return nxt  # it holds files (or nothing at all)
+            if row[2] > row[3] or row[3] == 0:  # it holds files (or nothing at all)
+                return nxt if depth >= levels else None
             with snapshot(self._iter(View(row[0], None), None)) as entries:
                 first = next((e for e in itertools.islice(entries, NEXT_DIR_SCAN)
                               if e.is_dir), None)
