@@ -208,14 +208,18 @@ def test_tier_going_down_mid_read_fails_no_read(bucket, tier, seaweed, mount_fac
     # One directory each, read in no order (below): readers going through folders in order
     # are followed across them, and a lookahead would load them all at once, sending the
     # tier no request later on.
-    later = {f"later/{i:03d}/f.bin": random.Random(100 + i).randbytes(BS // 4) for i in range(120)}
+    # Each larger than a block: misses scattered over folders start a sweep of small files,
+    # which would have them all cached before the store answers again, and no read would
+    # send the breaker's trial.
+    later = {f"later/{i:03d}/f.bin": random.Random(100 + i).randbytes(BS + BS // 4)
+             for i in range(120)}
     for k, v in later.items():
         client.put_object(Bucket=name, Key=k, Body=v)
     with FaultProxy(seaweed.endpoint) as proxy:
         a = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname))
         _read_all(a, data)  # publishes everything
         _read_all(a, later)
-        _wait(lambda: _published(a) == _blocks(data) + len(later), what="publishes")
+        _wait(lambda: _published(a) == _blocks(data) + _blocks(later), what="publishes")
         b = mount_factory(f"s3://{name}", *_shared_args(proxy.url, tname,
                                                         "--shared-cache-timeout", "3s"))
         for key in keys[:4]:
