@@ -13,8 +13,10 @@ import fcntl
 import mmap
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -170,6 +172,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail("pytest-xdist did not group this test (--dist loadgroup): this pytest and "
                     "pytest-xdist do not work together (see pyproject.toml); -n 0 runs serially",
                     pytrace=False)
+
+
+def send_slowly(server: socket.socket, pieces: list[bytes], gap: float) -> threading.Thread:
+    """Send ``pieces`` on ``server`` from a daemon thread, ``gap`` seconds apart (an answer
+    arriving in segments, or stalling between them); returns the thread."""
+    def run() -> None:
+        for piece in pieces:
+            server.sendall(piece)
+            time.sleep(gap)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def drop_page_cache(what: int = 3) -> None:

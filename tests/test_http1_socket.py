@@ -13,6 +13,7 @@ import pytest
 
 from cachefs.s3 import http1
 from cachefs.s3.store import Exchange
+from tests.conftest import send_slowly
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n"
 
@@ -36,23 +37,13 @@ def _reader(client: socket.socket, idle: float) -> tuple[http1.SocketReader, _Co
     return http1.SocketReader(client, exchange, idle), exchange
 
 
-def _send_slowly(server: socket.socket, pieces: list[bytes], gap: float) -> threading.Thread:
-    def run() -> None:
-        for piece in pieces:
-            server.sendall(piece)
-            time.sleep(gap)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_a_body_sent_in_many_segments_is_received_in_few_calls() -> None:
     body = bytes(range(256)) * 430  # 110,080 bytes
     client, server = socket.socketpair()
     with client, server:
         reader, exchange = _reader(client, 5.0)
         pieces = [HEAD % len(body)] + [body[i:i + 1460] for i in range(0, len(body), 1460)]
-        sender = _send_slowly(server, pieces, 0.001)
+        sender = send_slowly(server, pieces, 0.001)
         status, _, got, _ = http1.read_answer(reader, "GET")
         sender.join()
     assert (status, got) == (200, body)
@@ -67,7 +58,7 @@ def test_a_slow_but_progressing_body_outlives_the_idle_timeout() -> None:
     with client, server:
         reader, exchange = _reader(client, 0.5)
         # 2 s in all, never silent for 0.5 s: progress is reported while it arrives.
-        sender = _send_slowly(server, [HEAD % len(body)] + [b"s" * 100] * 20, 0.1)
+        sender = send_slowly(server, [HEAD % len(body)] + [b"s" * 100] * 20, 0.1)
         reported: list[float] = []
         watcher = threading.Thread(target=lambda: [
             (reported.append(time.monotonic() - exchange.progress_at), time.sleep(0.05))
@@ -116,10 +107,10 @@ def test_a_large_body_is_received_in_place_whole_and_exact(pace: str) -> None:
     with client, server:
         reader, exchange = _reader(client, 5.0)
         if pace == "at_once":
-            sender = _send_slowly(server, [HEAD % len(body) + body], 0)
+            sender = send_slowly(server, [HEAD % len(body) + body], 0)
         else:  # the head with part of the body, then pieces slower than one slice
             cut = len(body) // 3
-            sender = _send_slowly(server, [HEAD % len(body) + body[:5000], body[5000:cut],
+            sender = send_slowly(server, [HEAD % len(body) + body[:5000], body[5000:cut],
                                            body[cut:]], http1.SLICE * 1.5)
         status, _, got, _ = http1.read_answer(reader, "GET")
         sender.join()

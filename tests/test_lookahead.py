@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from cachefs.cache.metadata import Entry
 from cachefs.read.fetcher import ObjectVersion
@@ -615,17 +616,15 @@ def test_settled_files_count_as_requested_without_asking_the_prefetcher() -> Non
     assert any(k not in settled for k in f.prefetched[2:]), f.prefetched[:5]
 
 
-def _tiny_folders_run(per: int, read: int, *, shuffled: bool = False, folders_count: int = 150,
-                      with_positions: bool = True, readers: int = 4) -> tuple[int, int, int]:
-    """Readers open ``read`` files of each of ``folders_count`` folders of ``per`` files (in
-    order, a pool taking turns; or all of them shuffled); the parent numbers its folders in
-    name order, as a listing does, and ``folder_ino`` tells (``with_positions``). Returns
-    (files requested ahead never opened, opened files not requested ahead, opens)."""
-    folders, ino, iter_after_dirs, next_dir = _class_folders(folders_count, per)
-    position = {d: (10 + i, len(folders)) for i, d in enumerate(folders)}
+def _opens_run(folders: list[str], ino: dict[tuple[str, bytes], int], iter_after_dirs: Any,
+               next_dir: Any, folder_ino: Any, read: int, readers: int,
+               shuffled: bool) -> tuple[int, int, int]:
+    """Readers open the first ``read`` files of each of ``folders`` (in order, ``readers``
+    taking turns, or all shuffled) with a lookahead over a fake prefetcher. Returns (files
+    requested ahead never opened, opened files not requested ahead, opens)."""
     f = FakePrefetcher()
     la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir,  # type: ignore[arg-type]
-                            folder_ino=position.get if with_positions else None)
+                            folder_ino=folder_ino)
     order = [(d, n) for d in folders for n in NAMES[:read]]
     if shuffled:
         random.Random(5).shuffle(order)
@@ -635,6 +634,18 @@ def _tiny_folders_run(per: int, read: int, *, shuffled: bool = False, folders_co
         la.on_open(d, n, ino[(d, n)], reader=9000 + i % readers)
     opened = {d + n.decode() for d, n in order}
     return sum(1 for k in f.prefetched if k not in opened), misses, len(order)
+
+
+def _tiny_folders_run(per: int, read: int, *, shuffled: bool = False, folders_count: int = 150,
+                      with_positions: bool = True, readers: int = 4) -> tuple[int, int, int]:
+    """Readers open ``read`` files of each of ``folders_count`` folders of ``per`` files (in
+    order, a pool taking turns; or all of them shuffled); the parent numbers its folders in
+    name order, as a listing does, and ``folder_ino`` tells (``with_positions``). Returns
+    (files requested ahead never opened, opened files not requested ahead, opens)."""
+    folders, ino, iter_after_dirs, next_dir = _class_folders(folders_count, per)
+    position = {d: (10 + i, len(folders)) for i, d in enumerate(folders)}
+    return _opens_run(folders, ino, iter_after_dirs, next_dir,
+                      position.get if with_positions else None, read, readers, shuffled)
 
 
 def test_readers_of_folders_of_two_files_in_order_are_followed_across_them() -> None:
@@ -922,18 +933,8 @@ def _tree_run(parents: int, folders: int, per: int, read: int, *, shuffled: bool
         i = leaves.index(prefix)
         return leaves[i + 1] if i + 1 < len(leaves) else None
 
-    f = FakePrefetcher()
-    la = DirectoryLookahead(f, iter_after_dirs, next_dir=next_dir,  # type: ignore[arg-type]
-                            folder_ino=position.get)
-    order = [(d, n) for d in leaves for n in NAMES[:read]]
-    if shuffled:
-        random.Random(5).shuffle(order)
-    misses = 0
-    for i, (d, n) in enumerate(order):
-        misses += d + n.decode() not in f.prefetched
-        la.on_open(d, n, ino[(d, n)], reader=9000 + i % readers)
-    opened = {d + n.decode() for d, n in order}
-    return sum(1 for k in f.prefetched if k not in opened), misses, len(order)
+    return _opens_run(leaves, ino, iter_after_dirs, next_dir, position.get, read, readers,
+                      shuffled)
 
 
 def test_readers_of_parents_of_two_folders_of_two_files_in_order_are_followed() -> None:

@@ -21,6 +21,7 @@ from cachefs.errors import IntegrityError
 from cachefs.s3 import http1, integrity
 from cachefs.s3.boto import S3Store
 from cachefs.s3.store import Exchange
+from tests.conftest import send_slowly
 from tests.faultproxy import FaultProxy
 
 WANTED = ("etag", "x-amz-checksum", "x-amz-server-side-encryption")
@@ -210,23 +211,13 @@ def test_the_native_md5_is_md5() -> None:
 
 
 # -- faults on the wire ------------------------------------------------------------------------
-def _send_slowly(server: socket.socket, pieces: list[bytes], gap: float) -> threading.Thread:
-    def run() -> None:
-        for piece in pieces:
-            server.sendall(piece)
-            time.sleep(gap)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_a_body_in_many_segments_arrives_whole(wire: str) -> None:
     body = os.urandom(110_080)
     client, server = socket.socketpair()
     with client, server:
         pieces = [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)] + [
             body[i:i + 1460] for i in range(0, len(body), 1460)]
-        sender = _send_slowly(server, pieces, 0.001)
+        sender = send_slowly(server, pieces, 0.001)
         (status, _, got, _, md5), exchange = _exchange(client, expect=len(body))
         sender.join()
     assert (status, got) == (200, body)
@@ -239,7 +230,7 @@ def test_a_slow_but_progressing_body_outlives_the_idle_timeout(wire: str) -> Non
     waiter watching the exchange never sees a silence near the idle timeout."""
     client, server = socket.socketpair()
     with client, server:
-        sender = _send_slowly(server, [b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n"]
+        sender = send_slowly(server, [b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n"]
                               + [b"s" * 100] * 20, 0.1)
         seen: list[float] = []
         exchange = Exchange(0.5)
